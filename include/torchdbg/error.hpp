@@ -1,0 +1,17 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace torchdbg {
+
+/// The one exception type torchdbg throws for bad input at configuration calls
+/// (invalid regex, unknown hook id, zero interval, ...). Its message names the bad value.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+}  // namespace torchdbg

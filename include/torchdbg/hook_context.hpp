@@ -1,0 +1,89 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "torchdbg/tensor_stats.hpp"
+
+namespace torchdbg {
+
+/// Free-form key/value pairs passed with `execute_hooks` (e.g. {"parameter", "weight"}).
+using Metadata = std::map<std::string, std::string, std::less<>>;
+
+/// The training state the loop reported through `set_step`/`set_loss`/... . A value never
+/// reported is empty, and conditions on it are false.
+struct TrainingState {
+  int64_t step = 0;
+  std::optional<double> loss;
+  std::optional<double> gradient_norm;
+  std::optional<double> memory_mb;
+};
+
+/// What a hook sees during one `execute_hooks` call: the layer, direction, training state,
+/// metadata and the tensor. Statistics are computed once, on first use, and shared by every
+/// hook of the call. Not thread-safe: each call has its own context.
+class HookContext {
+ public:
+  HookContext(std::string_view layer_name, bool is_forward, TrainingState state,
+              const Metadata& metadata, const at::Tensor& tensor)
+      : layer_name_(layer_name),
+        is_forward_(is_forward),
+        state_(std::move(state)),
+        metadata_(metadata),
+        tensor_(tensor) {}
+
+  [[nodiscard]] std::string_view layer_name() const noexcept { return layer_name_; }
+  [[nodiscard]] bool is_forward() const noexcept { return is_forward_; }
+  [[nodiscard]] int64_t step() const noexcept { return state_.step; }
+  [[nodiscard]] const TrainingState& state() const noexcept { return state_; }
+  [[nodiscard]] std::optional<double> loss() const noexcept { return state_.loss; }
+  [[nodiscard]] std::optional<double> gradient_norm() const noexcept {
+    return state_.gradient_norm;
+  }
+  [[nodiscard]] std::optional<double> memory_mb() const noexcept { return state_.memory_mb; }
+  [[nodiscard]] const Metadata& metadata() const noexcept { return metadata_; }
+  /// The observed tensor (for raw-data calls, a view of the caller's memory valid only
+  /// during the call).
+  [[nodiscard]] const at::Tensor& tensor() const noexcept { return tensor_; }
+
+  /// The value for `key` in the metadata, if present.
+  [[nodiscard]] std::optional<std::string_view> metadata_value(std::string_view key) const {
+    auto it = metadata_.find(key);
+    if (it == metadata_.end()) return std::nullopt;
+    return std::string_view(it->second);
+  }
+
+  /// One-pass statistics of the tensor, computed on first use.
+  [[nodiscard]] const TensorStats& stats() const {
+    if (!stats_) stats_ = compute_stats(tensor_);
+    return *stats_;
+  }
+
+  /// Statistics with the distribution part, computed on first use (reusing the summary).
+  [[nodiscard]] const TensorStats& stats_with_distribution(int64_t histogram_bins) const {
+    const TensorStats& s = stats();
+    if (!s.distribution || distribution_bins_ != histogram_bins) {
+      add_distribution(*stats_, tensor_, histogram_bins);
+      distribution_bins_ = histogram_bins;
+    }
+    return *stats_;
+  }
+
+ private:
+  std::string_view layer_name_;
+  bool is_forward_;
+  TrainingState state_;
+  const Metadata& metadata_;
+  const at::Tensor& tensor_;
+  mutable std::optional<TensorStats> stats_;
+  mutable int64_t distribution_bins_ = 0;
+};
+
+}  // namespace torchdbg

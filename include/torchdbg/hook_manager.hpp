@@ -1,0 +1,642 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/arg.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <regex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "torchdbg/activation_visualizer.hpp"
+#include "torchdbg/detail/mutex.hpp"
+#include "torchdbg/detail/ring_buffer.hpp"
+#include "torchdbg/error.hpp"
+#include "torchdbg/hook_condition.hpp"
+#include "torchdbg/hook_config.hpp"
+#include "torchdbg/hook_context.hpp"
+#include "torchdbg/snapshot.hpp"
+#include "torchdbg/tensor_inspector.hpp"
+#include "torchdbg/tensor_stats.hpp"
+
+namespace torchdbg {
+
+/// HookManager settings.
+struct HookManagerOptions {
+  TORCH_ARG(InspectorOptions, inspector);
+  TORCH_ARG(VisualizerOptions, visualizer);
+  /// Alerts kept in the alert log (a ring: the oldest is dropped).
+  TORCH_ARG(std::size_t, alert_capacity) = 1000;
+  /// Layer names whose pattern match each hook remembers (cleared when full).
+  TORCH_ARG(std::size_t, layer_match_cache) = 4096;
+};
+
+/// Why and where training was paused.
+struct PauseInfo {
+  int64_t step = 0;
+  std::string layer;      ///< empty when paused by `pause_training()`
+  std::string hook_name;  ///< empty when paused by `pause_training()`
+  HookId hook_id;
+  std::string reason;
+};
+
+/// A registry of hooks that a training loop drives.
+///
+/// ```cpp
+/// torchdbg::HookManager hooks;
+/// hooks.create_tensor_inspection_hook({"fc"});
+/// hooks.create_alert_hook(HookCondition::loss_above(10.0), "loss exploded", AlertSeverity::Critical);
+/// for (int64_t step = 0; step < n; ++step) {
+///   hooks.set_step(step);
+///   auto y = model->forward(x);
+///   hooks.execute_hooks("fc1", y, /*is_forward=*/true);
+///   if (hooks.is_paused()) break;  // the manager never blocks: the loop decides
+/// }
+/// ```
+///
+/// Hooks run in registration order. A hook whose layer patterns do not match the call's
+/// layer, or that is disabled, is left out of the results; one that matches but whose
+/// trigger is not due, or that reached max_executions, gives a skipped result. Nothing a
+/// hook does escapes `execute_hooks`: exceptions, bad input and missing callbacks become
+/// error results, are counted in HookStats and go to the error handler.
+///
+/// Pause contract: the PauseTraining action only sets the shared atomic flag
+/// (`pause_flag()`); the manager never blocks or sleeps. The loop polls the flag between
+/// steps, stops advancing while it is set, and calls `resume_training()` to clear it.
+///
+/// Thread safety: `HookManager` (std::mutex) may be used from any number of threads at once,
+/// including `execute_hooks` from autograd threads and registration while hooks run; hooks
+/// and callbacks run without any manager lock held, so they may call back into the manager.
+/// `HookManagerSt` (NullMutex) is for a single thread.
+template <typename Mutex>
+class BasicHookManager {
+ public:
+  using Callback = std::function<void(const HookContext&)>;
+  using AlertSink = std::function<void(const Alert&)>;
+  using ErrorHandler = std::function<void(const HookError&)>;
+  using Results = std::vector<std::pair<HookId, HookResult>>;
+
+  explicit BasicHookManager(HookManagerOptions options = {})
+      : inspector(options.inspector()),
+        visualizer(options.visualizer()),
+        options_(std::move(options)),
+        hooks_(std::make_shared<const HookList>()),
+        alerts_(options_.alert_capacity()),
+        pause_(std::make_shared<std::atomic<bool>>(false)) {}
+
+  BasicHookManager(const BasicHookManager&) = delete;
+  BasicHookManager& operator=(const BasicHookManager&) = delete;
+
+  /// Statistics of inspected tensors; the loop may read it at any time.
+  BasicTensorInspector<Mutex> inspector;
+  /// Activation statistics, histograms and heatmaps; the loop may read it at any time.
+  BasicActivationVisualizer<Mutex> visualizer;
+
+  BasicTensorInspector<Mutex>& tensor_inspector() noexcept { return inspector; }
+  BasicActivationVisualizer<Mutex>& activation_visualizer() noexcept { return visualizer; }
+
+  // ---- registration ---------------------------------------------------------------------
+
+  /// Registers a hook and returns its id. Throws torchdbg::Error naming an invalid layer
+  /// pattern or a max_executions of 0.
+  HookId register_hook(HookConfig config) {
+    auto e = std::make_shared<Entry>();
+    for (const auto& p : config.layer_patterns()) {
+      try {
+        e->patterns.emplace_back(p, std::regex::ECMAScript | std::regex::optimize);
+      } catch (const std::regex_error& ex) {
+        throw Error("torchdbg: invalid layer pattern '" + p + "' in hook '" + config.name() +
+                    "': " + ex.what());
+      }
+    }
+    if (config.max_executions() && *config.max_executions() == 0) {
+      throw Error("torchdbg: hook '" + config.name() + "' has max_executions 0 (it could never run)");
+    }
+    e->limit = config.max_executions().value_or(std::numeric_limits<uint64_t>::max());
+    if (config.trigger().kind() == HookTrigger::Kind::Once) e->limit = std::min<uint64_t>(e->limit, 1);
+    e->enabled.store(config.enabled());
+    e->cache_capacity = options_.layer_match_cache();
+    e->config = std::move(config);
+    std::lock_guard<Mutex> lock(mutex_);
+    do {
+      e->id = HookId::generate();
+    } while (find_locked(e->id) != nullptr);
+    auto next = std::make_shared<HookList>(*hooks_);
+    next->push_back(e);
+    hooks_ = std::move(next);
+    return e->id;
+  }
+
+  /// Registers (or replaces) the callback that `HookAction::custom_callback(name)` calls.
+  void register_callback(std::string name, Callback callback) {
+    if (name.empty()) throw Error("torchdbg: register_callback needs a non-empty name");
+    if (!callback) throw Error("torchdbg: callback '" + name + "' is empty");
+    std::lock_guard<Mutex> lock(mutex_);
+    callbacks_[std::move(name)] = std::make_shared<const Callback>(std::move(callback));
+  }
+
+  /// Removes a callback; false if none was registered under `name`.
+  bool remove_callback(std::string_view name) {
+    std::lock_guard<Mutex> lock(mutex_);
+    return callbacks_.erase(std::string(name)) > 0;
+  }
+
+  /// Removes a hook and returns its configuration, or nullopt for an unknown id.
+  std::optional<HookConfig> remove_hook(const HookId& id) {
+    std::lock_guard<Mutex> lock(mutex_);
+    auto next = std::make_shared<HookList>();
+    std::optional<HookConfig> removed;
+    for (const auto& e : *hooks_) {
+      if (e->id == id) {
+        removed = current_config(*e);
+      } else {
+        next->push_back(e);
+      }
+    }
+    if (removed) hooks_ = std::move(next);
+    return removed;
+  }
+
+  /// Removes every hook (and with them their statistics).
+  void clear_hooks() {
+    std::lock_guard<Mutex> lock(mutex_);
+    hooks_ = std::make_shared<const HookList>();
+  }
+
+  /// Enables or disables one hook; throws torchdbg::Error for an unknown id.
+  void set_hook_enabled(const HookId& id, bool enabled) {
+    std::lock_guard<Mutex> lock(mutex_);
+    Entry* e = find_locked(id);
+    if (e == nullptr) throw Error("torchdbg: no hook with id " + id.to_string());
+    e->enabled.store(enabled);
+  }
+
+  /// Enables or disables every hook at once (execute_hooks returns nothing while disabled).
+  void set_enabled(bool enabled) noexcept { enabled_.store(enabled); }
+  [[nodiscard]] bool enabled() const noexcept { return enabled_.load(); }
+
+  [[nodiscard]] std::optional<HookConfig> get_hook(const HookId& id) const {
+    std::lock_guard<Mutex> lock(mutex_);
+    const Entry* e = find_locked(id);
+    if (e == nullptr) return std::nullopt;
+    return current_config(*e);
+  }
+
+  /// Every hook in registration order.
+  [[nodiscard]] std::vector<std::pair<HookId, HookConfig>> get_all_hooks() const {
+    std::vector<std::pair<HookId, HookConfig>> out;
+    for (const auto& e : *snapshot()) out.emplace_back(e->id, current_config(*e));
+    return out;
+  }
+
+  [[nodiscard]] std::optional<HookStats> get_hook_stats(const HookId& id) const {
+    for (const auto& e : *snapshot())
+      if (e->id == id) return e->stats();
+    return std::nullopt;
+  }
+
+  [[nodiscard]] std::vector<std::pair<HookId, HookStats>> get_all_stats() const {
+    std::vector<std::pair<HookId, HookStats>> out;
+    for (const auto& e : *snapshot()) out.emplace_back(e->id, e->stats());
+    return out;
+  }
+
+  [[nodiscard]] std::size_t hook_count() const { return snapshot()->size(); }
+
+  /// Every forward call of layers matching `patterns`: TensorInspector statistics and
+  /// ActivationVisualizer records.
+  HookId create_tensor_inspection_hook(std::vector<std::string> patterns) {
+    return register_hook(HookConfig()
+                             .name("tensor_inspection")
+                             .trigger(HookTrigger::every_forward())
+                             .actions({HookAction::inspect_tensor(), HookAction::record_activations()})
+                             .layer_patterns(std::move(patterns)));
+  }
+
+  /// Every backward call of layers matching `patterns`: gradient history with vanishing and
+  /// exploding alerts.
+  HookId create_gradient_tracking_hook(std::vector<std::string> patterns) {
+    return register_hook(HookConfig()
+                             .name("gradient_tracking")
+                             .trigger(HookTrigger::every_backward())
+                             .actions({HookAction::track_gradients()})
+                             .layer_patterns(std::move(patterns)));
+  }
+
+  /// An alert with `message` whenever `condition` holds (at most one per step).
+  HookId create_alert_hook(HookCondition condition, std::string message,
+                           AlertSeverity severity = AlertSeverity::Warning) {
+    return register_hook(HookConfig()
+                             .name("alert: " + message)
+                             .trigger(HookTrigger::conditional(std::move(condition)))
+                             .actions({HookAction::alert(std::move(message), severity)}));
+  }
+
+  // ---- training state -------------------------------------------------------------------
+
+  void set_step(int64_t step) {
+    std::lock_guard<Mutex> lock(state_mutex_);
+    state_.step = step;
+  }
+  void set_loss(double loss) {
+    std::lock_guard<Mutex> lock(state_mutex_);
+    state_.loss = loss;
+  }
+  void set_gradient_norm(double norm) {
+    std::lock_guard<Mutex> lock(state_mutex_);
+    state_.gradient_norm = norm;
+  }
+  void set_memory_mb(double mb) {
+    std::lock_guard<Mutex> lock(state_mutex_);
+    state_.memory_mb = mb;
+  }
+  [[nodiscard]] TrainingState state() const {
+    std::lock_guard<Mutex> lock(state_mutex_);
+    return state_;
+  }
+  [[nodiscard]] int64_t step() const { return state().step; }
+
+  // ---- execution ------------------------------------------------------------------------
+
+  /// Runs the hooks that match `layer_name` on `tensor` (any device, dtype and strides).
+  /// Never throws for anything a hook does or for bad data: see the class comment.
+  Results execute_hooks(std::string_view layer_name, const at::Tensor& tensor, bool is_forward,
+                        const Metadata& metadata = {}) {
+    std::optional<std::string> input_error;
+    if (!tensor.defined()) {
+      input_error = "torchdbg: execute_hooks got an undefined tensor";
+    } else {
+      try {
+        detail::check_supported_dtype(tensor.scalar_type());
+      } catch (const std::exception& e) {
+        input_error = e.what();
+      }
+    }
+    return run_all(layer_name, tensor, is_forward, metadata, input_error);
+  }
+
+  /// Raw-data form: `size` elements of T at `data` laid out with `shape`. A size/shape
+  /// mismatch gives each matching hook an error result naming both.
+  template <typename T>
+  Results execute_hooks(std::string_view layer_name, const T* data, std::size_t size,
+                        c10::IntArrayRef shape, bool is_forward, const Metadata& metadata = {}) {
+    at::Tensor t;
+    std::optional<std::string> input_error;
+    try {
+      t = tensor_view(data, size, shape);
+    } catch (const std::exception& e) {
+      input_error = e.what();
+    }
+    return run_all(layer_name, t, is_forward, metadata, input_error);
+  }
+
+  template <typename T>
+  Results execute_hooks(std::string_view layer_name, const std::vector<T>& data,
+                        c10::IntArrayRef shape, bool is_forward, const Metadata& metadata = {}) {
+    return execute_hooks(layer_name, data.data(), data.size(), shape, is_forward, metadata);
+  }
+
+  // ---- pause ----------------------------------------------------------------------------
+
+  /// The flag PauseTraining sets; share it with whatever polls between steps.
+  [[nodiscard]] std::shared_ptr<std::atomic<bool>> pause_flag() const noexcept { return pause_; }
+  [[nodiscard]] bool is_paused() const noexcept { return pause_->load(); }
+  /// Why the current pause was raised (the first request wins until resumed).
+  [[nodiscard]] std::optional<PauseInfo> pause_info() const {
+    std::lock_guard<Mutex> lock(alert_mutex_);
+    return pause_info_;
+  }
+  /// Raises the pause flag from the loop or any thread.
+  void pause_training(std::string reason) {
+    PauseInfo info;
+    info.step = step();
+    info.reason = std::move(reason);
+    request_pause(std::move(info));
+  }
+  /// Clears the pause flag and its reason.
+  void resume_training() {
+    std::lock_guard<Mutex> lock(alert_mutex_);
+    pause_info_.reset();
+    pause_->store(false);
+  }
+
+  // ---- alerts and errors ----------------------------------------------------------------
+
+  /// The alert log, oldest first (bounded by alert_capacity).
+  [[nodiscard]] std::vector<Alert> alerts() const {
+    std::lock_guard<Mutex> lock(alert_mutex_);
+    return alerts_.to_vector();
+  }
+  /// Alerts raised since construction (or clear_alerts), including dropped ones.
+  [[nodiscard]] uint64_t alert_count() const {
+    std::lock_guard<Mutex> lock(alert_mutex_);
+    return alerts_.total_pushed();
+  }
+  void clear_alerts() {
+    std::lock_guard<Mutex> lock(alert_mutex_);
+    alerts_ = detail::RingBuffer<Alert>(options_.alert_capacity());
+  }
+  /// Also forwards every alert to `sink` (called without locks held; an exception from it
+  /// becomes the hook's error result).
+  void set_alert_sink(AlertSink sink) {
+    std::lock_guard<Mutex> lock(alert_mutex_);
+    alert_sink_ = std::move(sink);
+  }
+  /// Called for each error result (without locks held; its own exceptions are swallowed).
+  void set_error_handler(ErrorHandler handler) {
+    std::lock_guard<Mutex> lock(alert_mutex_);
+    error_handler_ = std::move(handler);
+  }
+
+ private:
+  struct Entry {
+    HookId id;
+    HookConfig config;
+    std::vector<std::regex> patterns;
+    uint64_t limit = std::numeric_limits<uint64_t>::max();
+    std::atomic<bool> enabled{true};
+    std::atomic<uint64_t> claimed{0};
+    std::atomic<uint64_t> executions{0}, errors{0}, skipped{0}, total_ns{0};
+    std::atomic<int64_t> last_step{std::numeric_limits<int64_t>::min()};
+    std::atomic<int64_t> last_alert_step{std::numeric_limits<int64_t>::min()};
+    mutable Mutex cache_mutex;
+    std::unordered_map<std::string, bool> match_cache;
+    std::size_t cache_capacity = 4096;
+
+    bool matches(std::string_view layer) {
+      if (patterns.empty()) return true;
+      std::lock_guard<Mutex> lock(cache_mutex);
+      const std::string key(layer);
+      auto it = match_cache.find(key);
+      if (it != match_cache.end()) return it->second;
+      bool hit = false;
+      for (const auto& re : patterns) {
+        if (std::regex_search(key, re)) {
+          hit = true;
+          break;
+        }
+      }
+      if (match_cache.size() >= cache_capacity) match_cache.clear();
+      match_cache.emplace(key, hit);
+      return hit;
+    }
+
+    /// Takes one of the `limit` executions; false when none is left.
+    bool claim() {
+      uint64_t cur = claimed.load();
+      do {
+        if (cur >= limit) return false;
+      } while (!claimed.compare_exchange_weak(cur, cur + 1));
+      return true;
+    }
+
+    HookStats stats() const {
+      HookStats s;
+      s.executions = executions.load();
+      s.errors = errors.load();
+      s.skipped = skipped.load();
+      const int64_t ls = last_step.load();
+      if (ls != std::numeric_limits<int64_t>::min()) s.last_step = ls;
+      s.total_time_us = static_cast<double>(total_ns.load()) / 1000.0;
+      return s;
+    }
+  };
+  using HookList = std::vector<std::shared_ptr<Entry>>;
+
+  static HookConfig current_config(const Entry& e) {
+    HookConfig c = e.config;
+    c.enabled(e.enabled.load());
+    return c;
+  }
+
+  Entry* find_locked(const HookId& id) const {
+    for (const auto& e : *hooks_)
+      if (e->id == id) return e.get();
+    return nullptr;
+  }
+
+  std::shared_ptr<const HookList> snapshot() const {
+    std::lock_guard<Mutex> lock(mutex_);
+    return hooks_;
+  }
+
+  static std::string exception_text(const std::exception& e) {
+    if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
+    return e.what();
+  }
+
+  /// Inspector key: the layer for forward data, "<layer>[.<parameter>]/grad" for gradients.
+  static std::string inspection_key(const HookContext& ctx) {
+    std::string key(ctx.layer_name());
+    if (ctx.is_forward()) return key;
+    if (auto p = ctx.metadata_value("parameter")) key += "." + std::string(*p);
+    return key + "/grad";
+  }
+
+  static AlertSeverity severity_of(TensorAlertKind k) noexcept {
+    return (k == TensorAlertKind::NaN || k == TensorAlertKind::Inf) ? AlertSeverity::Error
+                                                                     : AlertSeverity::Warning;
+  }
+
+  Results run_all(std::string_view layer, const at::Tensor& tensor, bool is_forward,
+                  const Metadata& metadata, const std::optional<std::string>& input_error) {
+    Results out;
+    if (!enabled_.load(std::memory_order_relaxed)) return out;
+    const std::shared_ptr<const HookList> hooks = snapshot();
+    if (hooks->empty()) return out;
+    HookContext ctx(layer, is_forward, state(), metadata, tensor);
+    for (const auto& e : *hooks) {
+      if (!e->enabled.load(std::memory_order_relaxed)) continue;
+      bool match = false;
+      try {
+        match = e->matches(layer);
+      } catch (const std::exception& ex) {
+        out.emplace_back(e->id, fail(*e, ctx, "layer pattern: " + exception_text(ex)));
+        continue;
+      }
+      if (!match) continue;
+      out.emplace_back(e->id, run_one(*e, ctx, input_error));
+    }
+    return out;
+  }
+
+  HookResult run_one(Entry& e, const HookContext& ctx, const std::optional<std::string>& input_error) {
+    if (input_error) return fail(e, ctx, *input_error);
+    const auto t0 = std::chrono::steady_clock::now();
+    bool executed = false;
+    std::optional<HookResult> result;
+    try {
+      if (!e.config.trigger().is_due(ctx)) {
+        result = HookResult::skipped("trigger not due (" + e.config.trigger().describe() + ")");
+      } else if (!e.claim()) {
+        result = HookResult::skipped("max_executions (" + std::to_string(e.limit) + ") reached");
+      } else {
+        executed = true;
+        std::string details;
+        for (const auto& action : e.config.actions()) {
+          std::string d = run_action(e, action, ctx);
+          if (!d.empty()) details += (details.empty() ? "" : "; ") + d;
+        }
+        result = HookResult::success(std::move(details));
+      }
+    } catch (const std::exception& ex) {
+      result = HookResult::error(exception_text(ex));
+    } catch (...) {
+      result = HookResult::error("unknown exception");
+    }
+    if (executed) {
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now() - t0)
+                          .count();
+      e.total_ns.fetch_add(static_cast<uint64_t>(ns));
+      e.executions.fetch_add(1);
+      e.last_step.store(ctx.step());
+    }
+    if (result->is_skipped()) e.skipped.fetch_add(1);
+    if (result->is_error()) return fail(e, ctx, result->message());
+    return std::move(*result);
+  }
+
+  HookResult fail(Entry& e, const HookContext& ctx, const std::string& message) {
+    e.errors.fetch_add(1);
+    ErrorHandler handler;
+    {
+      std::lock_guard<Mutex> lock(alert_mutex_);
+      handler = error_handler_;
+    }
+    if (handler) {
+      try {
+        handler(HookError{e.id, e.config.name(), std::string(ctx.layer_name()), ctx.step(), message});
+      } catch (...) {
+        // The handler is the last stop for errors; its own failure must not reach the loop.
+      }
+    }
+    return HookResult::error(message);
+  }
+
+  /// Runs one action; returns a detail for the success message, throws on failure.
+  std::string run_action(Entry& e, const HookAction& a, const HookContext& ctx) {
+    using K = HookAction::Kind;
+    switch (a.kind) {
+      case K::InspectTensor: {
+        const bool with_dist = inspector.should_sample_distribution();
+        const TensorStats& s = with_dist
+                                   ? ctx.stats_with_distribution(inspector.options().histogram_bins())
+                                   : ctx.stats();
+        const auto rec = inspector.record(inspection_key(ctx), s, ctx.step(), !ctx.is_forward(),
+                                          &ctx.tensor());
+        for (const auto& al : rec.alerts) add_alert(e, ctx, severity_of(al.kind), al.message);
+        return {};
+      }
+      case K::TrackGradients: {
+        for (const auto& al : inspector.track_gradient(inspection_key(ctx), ctx.stats(), ctx.step()))
+          add_alert(e, ctx, severity_of(al.kind), al.message);
+        return {};
+      }
+      case K::RecordActivations: {
+        visualizer.record(inspection_key(ctx), ctx.step(),
+                          ctx.stats_with_distribution(visualizer.options().histogram_bins()),
+                          ctx.tensor());
+        return {};
+      }
+      case K::SaveSnapshot: {
+        detail::ensure_directory(a.text);
+        const std::string path =
+            a.text + "/" + snapshot_file_name(ctx.layer_name(), ctx.step(), ctx.is_forward());
+        save_snapshot(ctx.tensor(), path);
+        return "saved " + path;
+      }
+      case K::Alert: {
+        // One entry per hook and step: a loss condition would otherwise log once per layer.
+        int64_t prev = e.last_alert_step.load();
+        if (prev == ctx.step() || !e.last_alert_step.compare_exchange_strong(prev, ctx.step())) {
+          return "alert already raised at step " + std::to_string(ctx.step());
+        }
+        add_alert(e, ctx, a.severity, a.text);
+        return {};
+      }
+      case K::CustomCallback: {
+        std::shared_ptr<const Callback> cb;
+        {
+          std::lock_guard<Mutex> lock(mutex_);
+          auto it = callbacks_.find(a.text);
+          if (it != callbacks_.end()) cb = it->second;
+        }
+        if (!cb) throw Error("torchdbg: no callback registered under '" + a.text + "'");
+        (*cb)(ctx);
+        return {};
+      }
+      case K::PauseTraining: {
+        PauseInfo info;
+        info.step = ctx.step();
+        info.layer = std::string(ctx.layer_name());
+        info.hook_name = e.config.name();
+        info.hook_id = e.id;
+        info.reason = a.text.empty() ? "hook '" + e.config.name() + "'" : a.text;
+        request_pause(std::move(info));
+        return "paused";
+      }
+    }
+    return {};
+  }
+
+  void add_alert(const Entry& e, const HookContext& ctx, AlertSeverity severity, std::string message) {
+    Alert al;
+    al.step = ctx.step();
+    al.layer = std::string(ctx.layer_name());
+    al.hook_name = e.config.name();
+    al.hook_id = e.id;
+    al.message = std::move(message);
+    al.severity = severity;
+    al.time = std::chrono::system_clock::now();
+    AlertSink sink;
+    {
+      std::lock_guard<Mutex> lock(alert_mutex_);
+      alerts_.push(al);
+      sink = alert_sink_;
+    }
+    if (sink) sink(al);
+  }
+
+  void request_pause(PauseInfo info) {
+    std::lock_guard<Mutex> lock(alert_mutex_);
+    if (!pause_->load()) pause_info_ = std::move(info);
+    pause_->store(true);
+  }
+
+  HookManagerOptions options_;
+  mutable Mutex mutex_;  // hooks_ and callbacks_
+  std::shared_ptr<const HookList> hooks_;
+  std::unordered_map<std::string, std::shared_ptr<const Callback>> callbacks_;
+  std::atomic<bool> enabled_{true};
+
+  mutable Mutex state_mutex_;
+  TrainingState state_;
+
+  mutable Mutex alert_mutex_;  // alerts_, sinks, pause_info_
+  detail::RingBuffer<Alert> alerts_;
+  AlertSink alert_sink_;
+  ErrorHandler error_handler_;
+  std::shared_ptr<std::atomic<bool>> pause_;
+  std::optional<PauseInfo> pause_info_;
+};
+
+/// Thread-safe hook manager (the default).
+using HookManager = BasicHookManager<std::mutex>;
+/// Single-thread hook manager: no locking.
+using HookManagerSt = BasicHookManager<detail::NullMutex>;
+
+}  // namespace torchdbg

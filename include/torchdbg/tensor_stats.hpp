@@ -1,0 +1,237 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/ScalarTypeToTypeMeta.h>
+#include <c10/util/ArrayRef.h>
+#include <nlohmann/json.hpp>
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "torchdbg/detail/stats_kernel.hpp"
+#include "torchdbg/error.hpp"
+
+namespace torchdbg {
+
+/// What `compute_stats` computes beyond the one-pass summary.
+///
+/// ```cpp
+/// auto s = torchdbg::compute_stats(t, torchdbg::StatsOptions().distribution(true).histogram_bins(32));
+/// ```
+struct StatsOptions {
+  /// Also compute quantiles, histogram, skewness, kurtosis and outlier counts (a second pass
+  /// over a host copy of the finite values).
+  TORCH_ARG(bool, distribution) = false;
+  /// Number of equal-width histogram bins over [min, max] of the finite values.
+  TORCH_ARG(int64_t, histogram_bins) = 50;
+};
+
+/// The distribution part of TensorStats, over finite values only.
+struct Distribution {
+  std::vector<double> bin_edges;    ///< histogram_bins + 1 edges, ascending
+  std::vector<int64_t> bin_counts;  ///< histogram_bins counts; they sum to finite_count
+  double p5 = detail::kNaN, p25 = detail::kNaN, p50 = detail::kNaN, p75 = detail::kNaN,
+         p95 = detail::kNaN, p99 = detail::kNaN;
+  double skewness = detail::kNaN;         ///< population skewness g1
+  double excess_kurtosis = detail::kNaN;  ///< population kurtosis minus 3
+  int64_t iqr_outliers = 0;     ///< outside [p25 - 1.5 IQR, p75 + 1.5 IQR]
+  int64_t sigma3_outliers = 0;  ///< |x - mean| > 3 std
+};
+
+/// Statistics of one tensor.
+///
+/// Conventions: moments, extrema, norms and the median cover the finite values only; NaN and
+/// +/-Inf are counted apart. `std` is the population standard deviation
+/// (torch.std(unbiased=false)). With no finite value (an empty tensor, or all NaN/Inf) mean,
+/// std, min, max and median are NaN while counts and norms are 0. `sparsity` is
+/// zero_count / numel, NaN for an empty tensor. `median` is NaN unless the distribution was
+/// computed.
+struct TensorStats {
+  std::vector<int64_t> shape;
+  std::string dtype;   ///< c10's name: "Float", "Half", "Long", ...
+  std::string device;  ///< "cpu", "cuda:0", ...
+  int64_t numel = 0;
+  int64_t bytes = 0;
+  int64_t finite_count = 0;
+  int64_t nan_count = 0;
+  int64_t inf_count = 0;  ///< pos_inf_count + neg_inf_count
+  int64_t pos_inf_count = 0;
+  int64_t neg_inf_count = 0;
+  int64_t zero_count = 0;
+  int64_t negative_count = 0;
+  int64_t positive_count = 0;
+  double mean = detail::kNaN;
+  double std = detail::kNaN;
+  double min = detail::kNaN;
+  double max = detail::kNaN;
+  double median = detail::kNaN;
+  double l1_norm = 0.0;
+  double l2_norm = 0.0;
+  double linf_norm = 0.0;
+  double sparsity = detail::kNaN;
+  std::optional<Distribution> distribution;
+
+  [[nodiscard]] bool has_non_finite() const noexcept { return nan_count + inf_count > 0; }
+};
+
+/// Builds TensorStats (without distribution) from the kernel's summary.
+inline TensorStats stats_from_moments(const detail::Moments& m, const at::Tensor& t) {
+  TensorStats s;
+  s.shape = t.sizes().vec();
+  s.dtype = c10::toString(t.scalar_type());
+  s.device = t.device().str();
+  s.numel = t.numel();
+  s.bytes = t.numel() * static_cast<int64_t>(t.element_size());
+  s.finite_count = m.finite;
+  s.nan_count = m.nan;
+  s.pos_inf_count = m.pos_inf;
+  s.neg_inf_count = m.neg_inf;
+  s.inf_count = m.pos_inf + m.neg_inf;
+  s.zero_count = m.zeros;
+  s.negative_count = m.negatives;
+  s.positive_count = m.positives;
+  if (m.finite > 0) {
+    s.mean = m.mean;
+    s.std = std::sqrt(m.variance());
+    s.min = m.min;
+    s.max = m.max;
+  }
+  s.l1_norm = m.abs_sum;
+  s.l2_norm = std::sqrt(std::max(0.0, m.sum_squares()));
+  s.linf_norm = m.abs_max;
+  if (s.numel > 0) s.sparsity = static_cast<double>(m.zeros) / static_cast<double>(s.numel);
+  return s;
+}
+
+/// Adds the distribution (quantiles, histogram, shape moments, outliers) to `s`, reading the
+/// data of `t` again. `s` must hold the summary of `t`.
+inline void add_distribution(TensorStats& s, const at::Tensor& t, int64_t histogram_bins) {
+  if (histogram_bins < 1) {
+    throw Error("torchdbg: histogram_bins must be at least 1, got " +
+                std::to_string(histogram_bins));
+  }
+  std::vector<double> values = detail::finite_values(t);
+  Distribution d;
+  const auto q = detail::quantiles(values, {0.05, 0.25, 0.5, 0.75, 0.95, 0.99});
+  d.p5 = q[0];
+  d.p25 = q[1];
+  d.p50 = q[2];
+  d.p75 = q[3];
+  d.p95 = q[4];
+  d.p99 = q[5];
+  s.median = d.p50;
+  if (!values.empty()) {
+    // A constant tensor gets one unit-wide range around its value, as torch.histc does.
+    double lo = s.min, hi = s.max;
+    if (!(hi > lo)) {
+      lo -= 1.0;
+      hi += 1.0;
+    }
+    d.bin_edges.resize(static_cast<std::size_t>(histogram_bins) + 1);
+    for (int64_t i = 0; i <= histogram_bins; ++i) {
+      d.bin_edges[static_cast<std::size_t>(i)] =
+          lo + (hi - lo) * static_cast<double>(i) / static_cast<double>(histogram_bins);
+    }
+    d.bin_counts = detail::histogram(values, histogram_bins, lo, hi);
+    const auto c = detail::central_moments(values, s.mean);
+    if (c.m2 > 0.0) {
+      d.skewness = c.m3 / std::pow(c.m2, 1.5);
+      d.excess_kurtosis = c.m4 / (c.m2 * c.m2) - 3.0;
+    }
+    const double iqr = d.p75 - d.p25;
+    const double fence_lo = d.p25 - 1.5 * iqr, fence_hi = d.p75 + 1.5 * iqr;
+    const double sigma3 = 3.0 * s.std;
+    for (double v : values) {
+      d.iqr_outliers += (v < fence_lo || v > fence_hi) ? 1 : 0;
+      d.sigma3_outliers += std::fabs(v - s.mean) > sigma3 ? 1 : 0;
+    }
+  } else {
+    d.bin_counts.assign(static_cast<std::size_t>(histogram_bins), 0);
+  }
+  s.distribution = std::move(d);
+}
+
+/// Statistics of a tensor of any device, dtype and strides. Throws torchdbg::Error for an
+/// undefined tensor or an unsupported dtype (complex, quantized).
+inline TensorStats compute_stats(const at::Tensor& t, const StatsOptions& options = {}) {
+  TensorStats s = stats_from_moments(detail::compute_moments(t), t);
+  if (options.distribution()) add_distribution(s, t, options.histogram_bins());
+  return s;
+}
+
+/// Product of `shape`; throws torchdbg::Error naming a negative dimension.
+inline int64_t shape_numel(c10::IntArrayRef shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) throw Error("torchdbg: negative dimension " + std::to_string(d) + " in shape " +
+                           c10::str(shape));
+    n *= d;
+  }
+  return n;
+}
+
+/// A CPU tensor viewing `size` elements at `data` with `shape` (no copy); throws
+/// torchdbg::Error when the element count and the shape disagree.
+template <typename T>
+at::Tensor tensor_view(const T* data, std::size_t size, c10::IntArrayRef shape) {
+  const int64_t need = shape_numel(shape);
+  if (need != static_cast<int64_t>(size)) {
+    throw Error("torchdbg: data has " + std::to_string(size) + " elements but shape " +
+                c10::str(shape) + " needs " + std::to_string(need));
+  }
+  if (size > 0 && data == nullptr) throw Error("torchdbg: data pointer is null");
+  const auto st = c10::CppTypeToScalarType<T>::value;
+  detail::check_supported_dtype(st);
+  return at::from_blob(const_cast<T*>(data), shape, at::TensorOptions().dtype(st));
+}
+
+/// Statistics of raw data: `size` elements of T at `data`, laid out with `shape`.
+/// T: float, double, c10::Half, c10::BFloat16, bool or an integer type.
+template <typename T>
+TensorStats compute_stats(const T* data, std::size_t size, c10::IntArrayRef shape,
+                          const StatsOptions& options = {}) {
+  return compute_stats(tensor_view(data, size, shape), options);
+}
+
+inline void to_json(nlohmann::json& j, const Distribution& d) {
+  j = nlohmann::json{{"bin_edges", d.bin_edges}, {"bin_counts", d.bin_counts},
+                     {"p5", d.p5},               {"p25", d.p25},
+                     {"p50", d.p50},             {"p75", d.p75},
+                     {"p95", d.p95},             {"p99", d.p99},
+                     {"skewness", d.skewness},   {"excess_kurtosis", d.excess_kurtosis},
+                     {"iqr_outliers", d.iqr_outliers}, {"sigma3_outliers", d.sigma3_outliers}};
+}
+
+/// JSON form of TensorStats; NaN values become null.
+inline void to_json(nlohmann::json& j, const TensorStats& s) {
+  j = nlohmann::json{{"shape", s.shape},
+                     {"dtype", s.dtype},
+                     {"device", s.device},
+                     {"numel", s.numel},
+                     {"bytes", s.bytes},
+                     {"finite_count", s.finite_count},
+                     {"nan_count", s.nan_count},
+                     {"inf_count", s.inf_count},
+                     {"pos_inf_count", s.pos_inf_count},
+                     {"neg_inf_count", s.neg_inf_count},
+                     {"zero_count", s.zero_count},
+                     {"negative_count", s.negative_count},
+                     {"positive_count", s.positive_count},
+                     {"mean", s.mean},
+                     {"std", s.std},
+                     {"min", s.min},
+                     {"max", s.max},
+                     {"median", s.median},
+                     {"l1_norm", s.l1_norm},
+                     {"l2_norm", s.l2_norm},
+                     {"linf_norm", s.linf_norm},
+                     {"sparsity", s.sparsity}};
+  if (s.distribution) j["distribution"] = *s.distribution;
+}
+
+}  // namespace torchdbg
