@@ -1,0 +1,12 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+// Catch2 v2 (Debian) and v3 behind one include.
+#if defined(TORCHDBG_CATCH2_V3)
+#include <catch2/catch_approx.hpp>
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
+using Catch::Approx;
+#else
+#include <catch2/catch.hpp>
+#endif

@@ -1,0 +1,108 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#include <torchdbg/activation_visualizer.hpp>
+
+#include "helpers.hpp"
+
+using torchdbg::ActivationVisualizer;
+using torchdbg::VisualizerOptions;
+
+TEST_CASE("visualizer keeps per-layer statistics checked against a reference", "[visualizer]") {
+  torchdbg_test::SeededRng rng(21);
+  ActivationVisualizer vis;
+  auto t = torch::relu(torch::randn({16, 32}));
+  vis.record("fc1/relu", t, 5);
+  const auto a = vis.latest("fc1/relu");
+  REQUIRE(a);
+  const auto r = torchdbg_test::reference(t);
+  CHECK(a->step == 5);
+  CHECK(a->numel == 512);
+  CHECK_CLOSE(a->mean, r.mean, 1e-9);
+  CHECK_CLOSE(a->std, r.std, 1e-9);
+  CHECK(a->min == 0.0);
+  CHECK(a->max == r.max);
+  CHECK_CLOSE(a->median, torchdbg_test::ref_quantile(r.sorted, 0.5), 1e-12);
+  CHECK_CLOSE(a->q25, torchdbg_test::ref_quantile(r.sorted, 0.25), 1e-12);
+  CHECK_CLOSE(a->q75, torchdbg_test::ref_quantile(r.sorted, 0.75), 1e-12);
+  CHECK(a->zeros == r.zeros);
+  CHECK(a->zeros > 150);  // ReLU zeroes about half
+  CHECK(a->negatives == 0);
+  CHECK(a->positives == r.pos);
+  CHECK_CLOSE(a->sparsity, static_cast<double>(r.zeros) / 512.0, 1e-15);
+  int64_t out3 = 0;
+  for (double x : r.sorted) out3 += std::fabs(x - r.mean) > 3 * r.std;
+  CHECK(a->outliers == out3);
+}
+
+TEST_CASE("visualizer history is bounded and the histogram covers every finite value", "[visualizer]") {
+  ActivationVisualizer vis(VisualizerOptions().history_capacity(4).histogram_bins(8));
+  for (int64_t s = 0; s < 9; ++s) vis.record("x", torch::randn({100}), s);
+  const auto h = vis.history("x");
+  REQUIRE(h.size() == 4);
+  CHECK(h.front().step == 5);
+  const auto hist = vis.histogram("x");
+  REQUIRE(hist);
+  CHECK(hist->counts.size() == 8);
+  CHECK(hist->edges.size() == 9);
+  int64_t total = 0;
+  for (auto c : hist->counts) total += c;
+  CHECK(total == 100);
+  CHECK_FALSE(vis.histogram("nope"));
+}
+
+TEST_CASE("heatmaps average leading dims, lay 1-D data near-square and downsample", "[visualizer]") {
+  SECTION("last two dims, mean over the rest") {
+    auto t = torch::arange(24, torch::kDouble).reshape({2, 3, 4});
+    const auto h = torchdbg::make_heatmap(t, 64);
+    REQUIRE(h.rows == 3);
+    REQUIRE(h.cols == 4);
+    const auto ref = t.mean(0);
+    for (int64_t r = 0; r < 3; ++r)
+      for (int64_t c = 0; c < 4; ++c) CHECK(h.at(r, c) == ref[r][c].item<double>());
+  }
+  SECTION("1-D becomes near-square with NaN padding") {
+    const auto h = torchdbg::make_heatmap(torch::arange(10, torch::kFloat), 64);
+    CHECK(h.rows == 3);
+    CHECK(h.cols == 4);
+    CHECK(h.at(0, 0) == 0.0);
+    CHECK(h.at(2, 1) == 9.0);
+    CHECK(std::isnan(h.at(2, 2)));
+  }
+  SECTION("block means down to the maximum size") {
+    auto t = torch::arange(64, torch::kDouble).reshape({8, 8});
+    const auto h = torchdbg::make_heatmap(t, 4);
+    REQUIRE(h.rows == 4);
+    REQUIRE(h.cols == 4);
+    const auto ref = torch::avg_pool2d(t.view({1, 1, 8, 8}), 2).view({4, 4});
+    for (int64_t r = 0; r < 4; ++r)
+      for (int64_t c = 0; c < 4; ++c) CHECK(h.at(r, c) == ref[r][c].item<double>());
+  }
+  CHECK_THROWS_AS(torchdbg::make_heatmap(torch::ones({2}), 0), torchdbg::Error);
+}
+
+TEST_CASE("visualizer draws an ASCII histogram and exports JSON and a table", "[visualizer]") {
+  ActivationVisualizer vis(VisualizerOptions().histogram_bins(4));
+  vis.record("conv1", torch::tensor({0.0, 0.1, 0.2, 0.3, 0.9, 1.0}), 2);
+  const std::string plot = vis.ascii_histogram("conv1", 10);
+  CHECK(plot.find("##########") != std::string::npos);  // the peak bin fills the width
+  CHECK(std::count(plot.begin(), plot.end(), '\n') == 5);
+  CHECK_THROWS_WITH(vis.ascii_histogram("nope"), Catch::Contains("nope"));
+  const auto j = vis.to_json();
+  CHECK(j["layers"]["conv1"]["latest"]["step"] == 2);
+  CHECK(j["layers"]["conv1"]["histogram"]["counts"].size() == 4);
+  CHECK(j["layers"]["conv1"]["heatmap"]["rows"] == 2);
+  CHECK(nlohmann::json::parse(j.dump()) == j);
+  const std::string table = vis.summary_table();
+  CHECK(table.find("conv1") != std::string::npos);
+  CHECK(table.find("sparsity") != std::string::npos);
+  vis.clear();
+  CHECK(vis.layers().empty());
+}
+
+TEST_CASE("visualizer needs statistics with a distribution and valid options", "[visualizer]") {
+  ActivationVisualizer vis;
+  CHECK_THROWS_AS(vis.record("x", 0, torchdbg::compute_stats(torch::ones({2})), torch::ones({2})), torchdbg::Error);
+  CHECK_THROWS_AS(ActivationVisualizer(VisualizerOptions().histogram_bins(0)), torchdbg::Error);
+  CHECK_THROWS_AS(vis.record("x", torch::ones({2}, torch::kComplexFloat)), torchdbg::Error);
+  CHECK(vis.layers().empty());
+}

@@ -1,0 +1,104 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#include <torchdbg/hook_config.hpp>
+
+#include <regex>
+#include <set>
+
+#include "helpers.hpp"
+
+using torchdbg::HookAction;
+using torchdbg::HookConfig;
+using torchdbg::HookTrigger;
+
+namespace {
+bool due(const HookTrigger& t, std::string_view layer, bool fwd, int64_t step, std::optional<double> loss = {}) {
+  torchdbg::Metadata md;
+  auto x = torch::zeros({1});
+  torchdbg::TrainingState st;
+  st.step = step;
+  st.loss = loss;
+  return t.is_due(torchdbg::HookContext(layer, fwd, st, md, x));
+}
+}  // namespace
+
+TEST_CASE("hook ids are unique and print like UUIDs", "[config]") {
+  std::set<torchdbg::HookId> ids;
+  const std::regex uuid("^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$");
+  for (int i = 0; i < 1000; ++i) {
+    const auto id = torchdbg::HookId::generate();
+    CHECK_FALSE(id.is_nil());
+    CHECK(std::regex_match(id.to_string(), uuid));
+    ids.insert(id);
+  }
+  CHECK(ids.size() == 1000);
+  CHECK(torchdbg::HookId{}.is_nil());
+  std::ostringstream os;
+  const auto id = torchdbg::HookId::generate();
+  os << id;
+  CHECK(os.str() == id.to_string());
+}
+
+TEST_CASE("triggers fire on their direction, interval, layers or condition", "[config]") {
+  CHECK(due(HookTrigger::every_forward(), "a", true, 0));
+  CHECK_FALSE(due(HookTrigger::every_forward(), "a", false, 0));
+  CHECK(due(HookTrigger::every_backward(), "a", false, 0));
+  CHECK_FALSE(due(HookTrigger::every_backward(), "a", true, 0));
+  const auto every3 = HookTrigger::every_n_steps(3);
+  for (int64_t s = 0; s < 10; ++s) {
+    CHECK(due(every3, "a", true, s) == (s % 3 == 0));
+    CHECK(due(every3, "a", false, s) == (s % 3 == 0));
+  }
+  const auto layers = HookTrigger::layer_specific({"fc1", "conv2"});
+  CHECK(due(layers, "fc1", true, 0));
+  CHECK(due(layers, "conv2", false, 0));
+  CHECK_FALSE(due(layers, "fc10", true, 0));  // exact names, not regex
+  CHECK_FALSE(due(layers, "fc", true, 0));
+  const auto cond = HookTrigger::conditional(torchdbg::HookCondition::loss_above(1.0));
+  CHECK_FALSE(due(cond, "a", true, 0));
+  CHECK(due(cond, "a", true, 0, 2.0));
+  CHECK(HookTrigger::once().kind() == HookTrigger::Kind::Once);
+  CHECK(every3.describe() == "every 3 steps");
+  CHECK(layers.describe() == "layers {fc1, conv2}");
+}
+
+TEST_CASE("invalid trigger and action arguments are rejected with the value named", "[config]") {
+  CHECK_THROWS_WITH(HookTrigger::every_n_steps(0), Catch::Contains("got 0"));
+  CHECK_THROWS_WITH(HookTrigger::every_n_steps(-4), Catch::Contains("got -4"));
+  CHECK_THROWS_AS(HookTrigger::layer_specific({}), torchdbg::Error);
+  CHECK_THROWS_AS(HookAction::save_snapshot(""), torchdbg::Error);
+  CHECK_THROWS_AS(HookAction::custom_callback(""), torchdbg::Error);
+}
+
+TEST_CASE("hook configs build in LibTorch's options style", "[config]") {
+  auto c = HookConfig()
+               .name("snap")
+               .trigger(HookTrigger::every_n_steps(100))
+               .actions({HookAction::save_snapshot("out")})
+               .max_executions(5)
+               .layer_patterns({"^fc"});
+  c.add_action(HookAction::alert("saved", torchdbg::AlertSeverity::Info));
+  CHECK(c.name() == "snap");
+  CHECK(c.trigger().interval() == 100);
+  REQUIRE(c.actions().size() == 2);
+  CHECK(c.actions()[0].describe() == "save_snapshot(out)");
+  CHECK(c.actions()[1].describe() == "alert(info: saved)");
+  CHECK(c.max_executions() == std::optional<uint64_t>(5));
+  CHECK(c.enabled());
+  CHECK(HookConfig().trigger().kind() == HookTrigger::Kind::EveryForward);
+}
+
+TEST_CASE("hook results carry status and message", "[config]") {
+  const auto ok = torchdbg::HookResult::success("saved x");
+  CHECK(ok.ok());
+  CHECK(ok.message() == "saved x");
+  const auto err = torchdbg::HookResult::error("bad");
+  CHECK(err.is_error());
+  CHECK_FALSE(err.ok());
+  CHECK(torchdbg::HookResult::skipped("later").is_skipped());
+  torchdbg::HookStats s;
+  CHECK(s.mean_time_us() == 0.0);
+  s.executions = 4;
+  s.total_time_us = 10.0;
+  CHECK(s.mean_time_us() == 2.5);
+}

@@ -1,0 +1,366 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#include <torchdbg/hook_manager.hpp>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "helpers.hpp"
+
+using torchdbg::AlertSeverity;
+using torchdbg::HookAction;
+using torchdbg::HookCondition;
+using torchdbg::HookConfig;
+using torchdbg::HookManager;
+using torchdbg::HookTrigger;
+
+namespace {
+std::string tmp_dir(const std::string& name) {
+  const char* base = std::getenv("TORCHDBG_TEST_TMP");
+  const auto dir = std::filesystem::path(base ? base : std::filesystem::temp_directory_path().string()) / name;
+  std::filesystem::remove_all(dir);
+  return dir.string();
+}
+
+HookConfig callback_hook(const std::string& name, const std::string& cb) {
+  return HookConfig().name(name).trigger(HookTrigger::every_forward()).actions({HookAction::custom_callback(cb)});
+}
+}  // namespace
+
+TEST_CASE("inspection hooks match layers by unanchored regex and record real statistics", "[manager]") {
+  HookManager hooks;
+  const auto id = hooks.create_tensor_inspection_hook({"fc"});
+  auto y = torch::randn({8, 16});
+  auto r = hooks.execute_hooks("encoder.fc1", y, true);
+  REQUIRE(r.size() == 1);
+  CHECK(r[0].first == id);
+  CHECK(r[0].second.ok());
+  CHECK(hooks.execute_hooks("conv1", y, true).empty());  // not matched: not in the results
+  const auto rec = hooks.inspector.latest("encoder.fc1");
+  REQUIRE(rec);
+  CHECK_CLOSE(rec->stats.mean, torchdbg_test::reference(y).mean, 1e-9);
+  REQUIRE(hooks.visualizer.latest("encoder.fc1"));
+  CHECK(hooks.visualizer.latest("encoder.fc1")->numel == 128);
+  // Backward calls are not due for an every-forward hook.
+  auto b = hooks.execute_hooks("encoder.fc1", y, false);
+  REQUIRE(b.size() == 1);
+  CHECK(b[0].second.is_skipped());
+  CHECK(hooks.get_hook_stats(id)->skipped == 1);
+}
+
+TEST_CASE("hooks run in registration order", "[manager]") {
+  HookManager hooks;
+  std::vector<std::string> order;
+  for (const char* n : {"c", "a", "b"}) {
+    hooks.register_callback(n, [&order, n](const torchdbg::HookContext&) { order.emplace_back(n); });
+    hooks.register_hook(callback_hook(n, n));
+  }
+  for (int i = 0; i < 3; ++i) hooks.execute_hooks("x", torch::ones({1}), true);
+  CHECK(order == std::vector<std::string>{"c", "a", "b", "c", "a", "b", "c", "a", "b"});
+  const auto all = hooks.get_all_hooks();
+  REQUIRE(all.size() == 3);
+  CHECK(all[0].second.name() == "c");
+  CHECK(all[2].second.name() == "b");
+}
+
+TEST_CASE("an invalid regex is rejected at registration with the pattern named", "[manager]") {
+  HookManager hooks;
+  CHECK_THROWS_WITH(hooks.register_hook(HookConfig().name("bad").layer_patterns({"fc(["})), Catch::Contains("fc(["));
+  CHECK_THROWS_WITH(hooks.register_hook(HookConfig().max_executions(0)), Catch::Contains("max_executions 0"));
+  CHECK(hooks.hook_count() == 0);  // nothing half-registered
+  hooks.register_hook(HookConfig().layer_patterns({"^fc1$"}).actions({HookAction::inspect_tensor()}));
+  CHECK(hooks.execute_hooks("fc1", torch::ones({1}), true).size() == 1);
+  CHECK(hooks.execute_hooks("fc10", torch::ones({1}), true).empty());
+}
+
+TEST_CASE("max_executions and once stop a hook, later calls are skipped", "[manager]") {
+  HookManager hooks;
+  int calls = 0;
+  hooks.register_callback("count", [&](const torchdbg::HookContext&) { ++calls; });
+  const auto twice = hooks.register_hook(callback_hook("twice", "count").max_executions(2));
+  const auto once = hooks.register_hook(callback_hook("once", "count").trigger(HookTrigger::once()));
+  for (int64_t s = 0; s < 5; ++s) {
+    hooks.set_step(s);
+    hooks.execute_hooks("x", torch::ones({1}), true);
+  }
+  CHECK(calls == 3);
+  const auto st = *hooks.get_hook_stats(twice);
+  CHECK(st.executions == 2);
+  CHECK(st.skipped == 3);
+  CHECK(st.last_step == 1);
+  CHECK(hooks.get_hook_stats(once)->executions == 1);
+  CHECK(hooks.get_hook_stats(once)->last_step == 0);
+  auto r = hooks.execute_hooks("x", torch::ones({1}), true);
+  CHECK(r[0].second.message().find("max_executions (2)") != std::string::npos);
+}
+
+TEST_CASE("every_n_steps hooks execute on multiples of n only", "[manager]") {
+  HookManager hooks;
+  std::vector<int64_t> seen;
+  hooks.register_callback("s", [&](const torchdbg::HookContext& c) { seen.push_back(c.step()); });
+  hooks.register_hook(callback_hook("n", "s").trigger(HookTrigger::every_n_steps(4)));
+  for (int64_t s = 0; s < 13; ++s) {
+    hooks.set_step(s);
+    hooks.execute_hooks("x", torch::ones({1}), s % 2 == 0);
+  }
+  CHECK(seen == std::vector<int64_t>{0, 4, 8, 12});
+}
+
+TEST_CASE("enabling, disabling, removing and clearing hooks", "[manager]") {
+  HookManager hooks;
+  const auto a = hooks.create_tensor_inspection_hook({});
+  const auto b = hooks.create_gradient_tracking_hook({});
+  hooks.set_hook_enabled(a, false);
+  CHECK_FALSE(hooks.get_hook(a)->enabled());
+  CHECK(hooks.execute_hooks("x", torch::ones({2}), true).size() == 1);  // only b, skipped
+  hooks.set_hook_enabled(a, true);
+  CHECK(hooks.execute_hooks("x", torch::ones({2}), true).size() == 2);
+  hooks.set_enabled(false);
+  CHECK(hooks.execute_hooks("x", torch::ones({2}), true).empty());
+  hooks.set_enabled(true);
+  const auto unknown = torchdbg::HookId::generate();
+  CHECK_THROWS_WITH(hooks.set_hook_enabled(unknown, true), Catch::Contains(unknown.to_string()));
+  CHECK_FALSE(hooks.remove_hook(unknown));
+  const auto removed = hooks.remove_hook(a);
+  REQUIRE(removed);
+  CHECK(removed->name() == "tensor_inspection");
+  CHECK_FALSE(hooks.get_hook(a));
+  CHECK_FALSE(hooks.get_hook_stats(a));
+  CHECK(hooks.get_hook(b));
+  hooks.clear_hooks();
+  CHECK(hooks.get_all_hooks().empty());
+  CHECK(hooks.get_all_stats().empty());
+}
+
+TEST_CASE("a throwing or missing callback becomes a counted error result", "[manager]") {
+  HookManager hooks;
+  std::vector<torchdbg::HookError> errors;
+  hooks.set_error_handler([&](const torchdbg::HookError& e) { errors.push_back(e); });
+  hooks.register_callback("throws", [](const torchdbg::HookContext&) { throw std::runtime_error("kaboom"); });
+  hooks.register_callback("torch", [](const torchdbg::HookContext&) { (void)torch::ones({2}).view({3}); });
+  const auto t = hooks.register_hook(callback_hook("t", "throws"));
+  const auto m = hooks.register_hook(callback_hook("m", "missing"));
+  const auto c = hooks.register_hook(callback_hook("c", "torch"));
+  hooks.set_step(9);
+  std::vector<std::pair<torchdbg::HookId, torchdbg::HookResult>> r;
+  REQUIRE_NOTHROW(r = hooks.execute_hooks("layer", torch::ones({1}), true));
+  REQUIRE(r.size() == 3);
+  CHECK(r[0].second.is_error());
+  CHECK(r[0].second.message() == "kaboom");
+  CHECK(r[1].second.message().find("'missing'") != std::string::npos);
+  CHECK(r[2].second.is_error());
+  CHECK(r[2].second.message().find("shape '[3]' is invalid") != std::string::npos);
+  CHECK(r[2].second.message().find("Exception raised from") == std::string::npos);  // no backtrace
+  CHECK(hooks.get_hook_stats(t)->errors == 1);
+  CHECK(hooks.get_hook_stats(m)->errors == 1);
+  CHECK(hooks.get_hook_stats(c)->executions == 1);
+  REQUIRE(errors.size() == 3);
+  CHECK(errors[0].hook_name == "t");
+  CHECK(errors[0].layer == "layer");
+  CHECK(errors[0].step == 9);
+  // A handler that throws is contained too.
+  hooks.set_error_handler([](const torchdbg::HookError&) { throw std::logic_error("handler"); });
+  CHECK_NOTHROW(hooks.execute_hooks("layer", torch::ones({1}), true));
+  CHECK_THROWS_AS(hooks.register_callback("", [](const torchdbg::HookContext&) {}), torchdbg::Error);
+  CHECK_THROWS_AS(hooks.register_callback("x", nullptr), torchdbg::Error);
+}
+
+TEST_CASE("bad data gives each matching hook an error result naming the problem", "[manager]") {
+  HookManager hooks;
+  const auto id = hooks.create_tensor_inspection_hook({});
+  std::vector<float> data = {1, 2, 3, 4, 5};
+  auto r = hooks.execute_hooks("fc", data, {2, 3}, true);
+  REQUIRE(r.size() == 1);
+  CHECK(r[0].second.is_error());
+  CHECK(r[0].second.message().find("5 elements") != std::string::npos);
+  CHECK(r[0].second.message().find("[2, 3]") != std::string::npos);
+  r = hooks.execute_hooks("fc", torch::ones({2}, torch::kComplexFloat), true);
+  CHECK(r[0].second.message().find("ComplexFloat") != std::string::npos);
+  r = hooks.execute_hooks("fc", torch::Tensor(), true);
+  CHECK(r[0].second.message().find("undefined") != std::string::npos);
+  CHECK(hooks.get_hook_stats(id)->errors == 3);
+  CHECK(hooks.inspector.names().empty());
+  // Good data after bad: the loop goes on.
+  CHECK(hooks.execute_hooks("fc", data, {5}, true)[0].second.ok());
+  CHECK(hooks.inspector.latest("fc")->stats.mean == 3.0);
+}
+
+TEST_CASE("raw data of every element type goes through the same statistics", "[manager]") {
+  HookManager hooks;
+  hooks.create_tensor_inspection_hook({});
+  std::vector<double> d = {1, 2, 3, 6};
+  std::vector<c10::Half> h = {c10::Half(1.f), c10::Half(3.f)};
+  std::vector<c10::BFloat16> bf = {c10::BFloat16(2.f), c10::BFloat16(4.f)};
+  std::vector<int32_t> i = {-1, 1, 3};
+  std::vector<uint8_t> u = {0, 0, 4};
+  CHECK(hooks.execute_hooks("d", d, {2, 2}, true)[0].second.ok());
+  CHECK(hooks.execute_hooks("h", h.data(), h.size(), {2}, true)[0].second.ok());
+  CHECK(hooks.execute_hooks("bf", bf, {2}, true)[0].second.ok());
+  CHECK(hooks.execute_hooks("i", i, {3}, true)[0].second.ok());
+  CHECK(hooks.execute_hooks("u", u, {3}, true)[0].second.ok());
+  CHECK(hooks.inspector.latest("d")->stats.mean == 3.0);
+  CHECK(hooks.inspector.latest("h")->stats.mean == 2.0);
+  CHECK(hooks.inspector.latest("bf")->stats.mean == 3.0);
+  CHECK(hooks.inspector.latest("i")->stats.dtype == "Int");
+  CHECK(hooks.inspector.latest("u")->stats.sparsity == Approx(2.0 / 3.0));
+}
+
+TEST_CASE("gradient tracking keys parameters and raises exploding alerts", "[manager]") {
+  HookManager hooks(torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().exploding_gradient_norm(5.0)));
+  hooks.create_gradient_tracking_hook({"^fc1$"});
+  hooks.set_step(2);
+  hooks.execute_hooks("fc1", torch::full({3, 3}, 4.0), false, {{"parameter", "weight"}});
+  hooks.execute_hooks("fc1", torch::full({3}, 0.1), false, {{"parameter", "bias"}});
+  CHECK(hooks.inspector.gradient_history("fc1.weight/grad").size() == 1);
+  CHECK(hooks.inspector.gradient_history("fc1.bias/grad").size() == 1);
+  const auto alerts = hooks.alerts();
+  REQUIRE(alerts.size() == 1);
+  CHECK(alerts[0].layer == "fc1");
+  CHECK(alerts[0].step == 2);
+  CHECK(alerts[0].hook_name == "gradient_tracking");
+  CHECK(alerts[0].message.find("exploding") != std::string::npos);
+}
+
+TEST_CASE("alert hooks log once per step with severity and forward to the sink", "[manager]") {
+  HookManager hooks(torchdbg::HookManagerOptions().alert_capacity(3));
+  std::vector<torchdbg::Alert> sunk;
+  hooks.set_alert_sink([&](const torchdbg::Alert& a) { sunk.push_back(a); });
+  const auto id = hooks.create_alert_hook(HookCondition::loss_above(10.0), "loss exploded", AlertSeverity::Critical);
+  hooks.set_step(0);
+  hooks.execute_hooks("fc1", torch::ones({1}), true);  // no loss reported: condition false
+  CHECK(hooks.alerts().empty());
+  for (int64_t s = 1; s <= 6; ++s) {
+    hooks.set_step(s);
+    hooks.set_loss(s >= 2 ? 50.0 : 1.0);
+    hooks.execute_hooks("fc1", torch::ones({1}), true);
+    hooks.execute_hooks("fc2", torch::ones({1}), true);  // same step: no second entry
+  }
+  CHECK(hooks.alert_count() == 5);   // steps 2..6
+  const auto log = hooks.alerts();  // ring of 3
+  REQUIRE(log.size() == 3);
+  CHECK(log.front().step == 4);
+  CHECK(log.back().step == 6);
+  CHECK(log.back().severity == AlertSeverity::Critical);
+  CHECK(log.back().message == "loss exploded");
+  CHECK(log.back().hook_id == id);
+  CHECK(sunk.size() == 5);
+  hooks.set_alert_sink([](const torchdbg::Alert&) { throw std::runtime_error("sink down"); });
+  hooks.set_step(7);
+  const auto r = hooks.execute_hooks("fc1", torch::ones({1}), true);
+  CHECK(r[0].second.message() == "sink down");
+  CHECK(hooks.alert_count() == 6);  // logged before the sink failed: nothing lost
+  hooks.clear_alerts();
+  CHECK(hooks.alerts().empty());
+}
+
+TEST_CASE("the pause action sets the shared flag, records why, and resume clears it", "[manager]") {
+  HookManager hooks;
+  auto flag = hooks.pause_flag();
+  hooks.register_hook(HookConfig()
+                          .name("nan guard")
+                          .trigger(HookTrigger::conditional(HookCondition::loss_non_finite()))
+                          .actions({HookAction::pause_training("loss is NaN")}));
+  hooks.set_step(3);
+  hooks.set_loss(1.0);
+  hooks.execute_hooks("fc1", torch::ones({1}), true);
+  CHECK_FALSE(flag->load());
+  hooks.set_step(4);
+  hooks.set_loss(std::nan(""));
+  hooks.execute_hooks("fc1", torch::ones({1}), true);
+  CHECK(flag->load());
+  CHECK(hooks.is_paused());
+  REQUIRE(hooks.pause_info());
+  CHECK(hooks.pause_info()->step == 4);
+  CHECK(hooks.pause_info()->reason == "loss is NaN");
+  CHECK(hooks.pause_info()->hook_name == "nan guard");
+  hooks.resume_training();
+  CHECK_FALSE(flag->load());
+  CHECK_FALSE(hooks.pause_info());
+  hooks.pause_training("manual");
+  CHECK(flag->load());
+  CHECK(hooks.pause_info()->reason == "manual");
+}
+
+TEST_CASE("snapshot actions write loadable files; a bad directory is an error result", "[manager]") {
+  HookManager hooks;
+  const auto dir = tmp_dir("manager_snap");
+  hooks.register_hook(HookConfig().name("snap").actions({HookAction::save_snapshot(dir)}));
+  hooks.set_step(12);
+  auto y = torch::randn({3, 4});
+  auto r = hooks.execute_hooks("encoder.0/fc1", y, true);
+  REQUIRE(r[0].second.ok());
+  const auto path = dir + "/encoder.0_fc1_step12_fwd.pt";
+  CHECK(r[0].second.message() == "saved " + path);
+  CHECK(torch::equal(torchdbg::load_snapshot(path), y));
+  // A directory under a regular file cannot be created.
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/file") << "x";
+  hooks.clear_hooks();
+  hooks.register_hook(HookConfig().name("bad").actions({HookAction::save_snapshot(dir + "/file/sub")}));
+  r = hooks.execute_hooks("fc1", y, true);
+  CHECK(r[0].second.is_error());
+  CHECK(r[0].second.message().find(dir + "/file/sub") != std::string::npos);
+}
+
+TEST_CASE("hooks may call back into the manager", "[manager]") {
+  HookManager hooks;
+  std::size_t seen_hooks = 0;
+  hooks.register_callback("reenter", [&](const torchdbg::HookContext& c) {
+    seen_hooks = hooks.get_all_stats().size();
+    hooks.set_gradient_norm(1.0);
+    hooks.create_alert_hook(HookCondition::step_range(0, 0), "inner");
+    hooks.execute_hooks(std::string(c.layer_name()) + "/inner", torch::ones({1}), true);
+  });
+  hooks.register_hook(callback_hook("outer", "reenter").layer_patterns({"^fc$"}));
+  auto r = hooks.execute_hooks("fc", torch::ones({1}), true);
+  REQUIRE(r.size() == 1);  // the hook registered during the call is not part of it
+  CHECK(r[0].second.ok());
+  CHECK(seen_hooks == 1);
+  CHECK(hooks.hook_count() == 2);
+  CHECK(hooks.state().gradient_norm == 1.0);
+}
+
+TEST_CASE("execute_hooks runs concurrently with itself and with registration", "[manager]") {
+  HookManager hooks(torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.0)));
+  std::atomic<int64_t> calls{0};
+  hooks.register_callback("count", [&](const torchdbg::HookContext&) { calls.fetch_add(1); });
+  const auto counted = hooks.register_hook(callback_hook("count", "count").trigger(HookTrigger::every_backward()));
+  hooks.create_gradient_tracking_hook({});
+  std::atomic<bool> stop{false};
+  std::thread churn([&] {
+    while (!stop.load()) {
+      auto id = hooks.create_tensor_inspection_hook({"^w"});
+      hooks.set_hook_enabled(id, false);
+      hooks.remove_hook(id);
+    }
+  });
+  std::vector<std::thread> workers;
+  for (int w = 0; w < 4; ++w) {
+    workers.emplace_back([&, w] {
+      for (int k = 0; k < 200; ++k) {
+        auto r = hooks.execute_hooks("w" + std::to_string(w), torch::ones({16}), false);
+        for (const auto& [id, res] : r) {
+          if (id == counted) CHECK(res.ok());
+        }
+      }
+    });
+  }
+  for (auto& t : workers) t.join();
+  stop.store(true);
+  churn.join();
+  CHECK(calls.load() == 800);
+  CHECK(hooks.get_hook_stats(counted)->executions == 800);
+  CHECK(hooks.get_hook_stats(counted)->errors == 0);
+  CHECK(hooks.get_hook_stats(counted)->total_time_us > 0.0);
+  CHECK(hooks.inspector.gradient_history("w0/grad").size() == 100);  // ring capacity
+}
+
+TEST_CASE("the single-thread manager offers the same behaviour", "[manager]") {
+  torchdbg::HookManagerSt hooks;
+  hooks.create_tensor_inspection_hook({"fc"});
+  CHECK(hooks.execute_hooks("fc1", torch::ones({2}), true)[0].second.ok());
+  CHECK(hooks.inspector.latest("fc1")->stats.mean == 1.0);
+}

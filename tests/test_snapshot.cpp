@@ -1,0 +1,121 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#include <torchdbg/snapshot.hpp>
+
+#include <sys/resource.h>
+
+#include <csignal>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+
+#include "helpers.hpp"
+
+namespace {
+std::string tmp_dir(const std::string& name) {
+  const char* base = std::getenv("TORCHDBG_TEST_TMP");
+  const auto dir = std::filesystem::path(base ? base : std::filesystem::temp_directory_path().string()) / name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+}  // namespace
+
+TEST_CASE("file names carry the sanitised layer name, step and direction", "[snapshot]") {
+  CHECK(torchdbg::sanitize_file_component("encoder.0/fc1") == "encoder.0_fc1");
+  CHECK(torchdbg::sanitize_file_component("a b:c*?<>|\\") == "a_b_c______");
+  CHECK(torchdbg::sanitize_file_component("") == "_");
+  CHECK(torchdbg::sanitize_file_component("..") == "_..");
+  CHECK(torchdbg::snapshot_file_name("fc1/relu", 40, true) == "fc1_relu_step40_fwd.pt");
+  CHECK(torchdbg::snapshot_file_name("fc1", 3, false) == "fc1_step3_grad.pt");
+}
+
+TEST_CASE("snapshots round-trip every dtype, shape and stride", "[snapshot]") {
+  torchdbg_test::SeededRng rng(31);
+  const auto dir = tmp_dir("snap_roundtrip");
+  const std::vector<torch::Tensor> tensors = {
+      torch::randn({3, 4}),
+      torch::randn({5}, torch::kDouble).to(torch::kHalf),
+      torch::randn({2, 2}).to(torch::kBFloat16),
+      torch::arange(10, torch::kLong),
+      torch::randn({6, 8}).t(),  // non-contiguous
+      torch::tensor(3.5),        // 0-d
+      torch::empty({0, 3}),
+      torch::tensor({1.0, std::nan(""), std::numeric_limits<double>::infinity()}),
+  };
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const auto path = dir + "/t" + std::to_string(i) + ".pt";
+    torchdbg::save_snapshot(tensors[i], path);
+    const auto back = torchdbg::load_snapshot(path);
+    INFO("tensor " << i);
+    CHECK(back.scalar_type() == tensors[i].scalar_type());
+    CHECK(back.sizes() == tensors[i].sizes());
+    CHECK(torch::equal(back.isnan(), tensors[i].isnan()));
+    CHECK(torch::equal(torch::nan_to_num(back), torch::nan_to_num(tensors[i])));
+  }
+}
+
+TEST_CASE("a snapshot replaces the old file whole and leaves no temporary behind", "[snapshot]") {
+  const auto dir = tmp_dir("snap_atomic");
+  const auto path = dir + "/x.pt";
+  torchdbg::save_snapshot(torch::zeros({4}), path);
+  torchdbg::save_snapshot(torch::ones({1000}), path);
+  CHECK(torchdbg::load_snapshot(path).numel() == 1000);
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    (void)e;
+    ++files;
+  }
+  CHECK(files == 1);
+}
+
+TEST_CASE("snapshot errors name the path and keep the existing file", "[snapshot]") {
+  const auto dir = tmp_dir("snap_errors");
+  const auto path = dir + "/keep.pt";
+  torchdbg::save_snapshot(torch::arange(3), path);
+  CHECK_THROWS_WITH(torchdbg::save_snapshot(torch::ones({2}), dir + "/missing/x.pt"), Catch::Contains(dir + "/missing/x.pt"));
+  CHECK_THROWS_AS(torchdbg::save_snapshot(torch::Tensor(), path), torchdbg::Error);
+  CHECK(torch::equal(torchdbg::load_snapshot(path), torch::arange(3)));
+  CHECK_THROWS_WITH(torchdbg::load_snapshot(dir + "/nope.pt"), Catch::Contains("nope.pt"));
+  std::ofstream(dir + "/garbage.pt") << "not a pickle";
+  CHECK_THROWS_WITH(torchdbg::load_snapshot(dir + "/garbage.pt"), Catch::Contains("not a tensor snapshot"));
+  // A full disk: with RLIMIT_FSIZE below the snapshot's size the write fails (EFBIG), the
+  // temporary is removed and the existing file stays whole.
+  struct rlimit old_limit {};
+  REQUIRE(::getrlimit(RLIMIT_FSIZE, &old_limit) == 0);
+  auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = old_limit;
+  small.rlim_cur = 4096;
+  REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
+  bool threw = false;
+  std::string message;
+  try {
+    torchdbg::save_snapshot(torch::ones({100000}), path);
+  } catch (const torchdbg::Error& e) {
+    threw = true;
+    message = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old_limit);
+  std::signal(SIGXFSZ, old_handler);
+  CHECK(threw);
+  CHECK(message.find("keep.pt") != std::string::npos);
+  CHECK(torch::equal(torchdbg::load_snapshot(path), torch::arange(3)));
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) files += e.path().string().find(".tmp.") != std::string::npos;
+  CHECK(files == 0);
+}
+
+TEST_CASE("Python's torch.load reads a snapshot", "[snapshot]") {
+  const std::string python = TORCHDBG_TEST_PYTHON;
+  if (python.empty() || std::system((python + " -c 'import torch' 2>/dev/null").c_str()) != 0) {
+    WARN("no Python with torch (set TORCHDBG_TEST_PYTHON): skipped");
+    return;
+  }
+  const auto dir = tmp_dir("snap_python");
+  const auto path = dir + "/p.pt";
+  torchdbg::save_snapshot(torch::arange(6, torch::kFloat).reshape({2, 3}) * 0.5, path);
+  const std::string cmd = python + " -c \"import torch,sys; t=torch.load('" + path +
+                          "'); sys.exit(0 if t.shape==(2,3) and t.dtype==torch.float32 and float(t.sum())==7.5 else 1)\"";
+  CHECK(std::system(cmd.c_str()) == 0);
+}

@@ -1,0 +1,297 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#include <torchdbg/tensor_stats.hpp>
+
+#include <limits>
+
+#include "helpers.hpp"
+
+using torchdbg_test::near;
+using torchdbg_test::Reference;
+using torchdbg_test::reference;
+
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+void check_summary(const torchdbg::TensorStats& s, const torch::Tensor& t, double rel = 1e-9) {
+  const Reference r = reference(t);
+  CHECK(s.numel == r.numel);
+  CHECK(s.shape == t.sizes().vec());
+  CHECK(s.dtype == std::string(c10::toString(t.scalar_type())));
+  CHECK(s.bytes == r.numel * static_cast<int64_t>(t.element_size()));
+  CHECK(s.finite_count == r.finite);
+  CHECK(s.nan_count == r.nan);
+  CHECK(s.pos_inf_count == r.pos_inf);
+  CHECK(s.neg_inf_count == r.neg_inf);
+  CHECK(s.inf_count == r.pos_inf + r.neg_inf);
+  CHECK(s.zero_count == r.zeros);
+  CHECK(s.negative_count == r.neg);
+  CHECK(s.positive_count == r.pos);
+  CHECK_CLOSE(s.mean, r.mean, rel);
+  CHECK_CLOSE(s.std, r.std, std::max(rel, 1e-7));
+  CHECK_CLOSE(s.min, r.min, 0.0);
+  CHECK_CLOSE(s.max, r.max, 0.0);
+  CHECK_CLOSE(s.l1_norm, r.l1, rel);
+  CHECK_CLOSE(s.l2_norm, r.l2, rel);
+  CHECK_CLOSE(s.linf_norm, r.linf, 0.0);
+  CHECK_CLOSE(s.sparsity, r.numel ? static_cast<double>(r.zeros) / static_cast<double>(r.numel) : kNaN, 1e-15);
+}
+
+torch::Tensor with_non_finite(torch::Tensor t) {
+  auto flat = t.view(-1);
+  flat[3] = kNaN;
+  flat[7] = kInf;
+  flat[11] = -kInf;
+  flat[13] = kNaN;
+  flat[17] = 0.0;
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("statistics of float data match a double reference, NaN and Inf counted apart", "[stats]") {
+  torchdbg_test::SeededRng rng(1);
+  auto t = with_non_finite(torch::randn({37, 29}) * 3.0 + 1.5);
+  const auto s = torchdbg::compute_stats(t);
+  check_summary(s, t);
+  CHECK(s.nan_count == 2);
+  CHECK(s.pos_inf_count == 1);
+  CHECK(s.neg_inf_count == 1);
+  CHECK(s.has_non_finite());
+  CHECK(std::isnan(s.median));  // no distribution asked
+  CHECK_FALSE(s.distribution.has_value());
+}
+
+TEST_CASE("every supported dtype gives the reference statistics", "[stats]") {
+  torchdbg_test::SeededRng rng(2);
+  const auto base = torch::randn({8, 33}) * 20.0;
+  const std::vector<torch::ScalarType> types = {torch::kFloat, torch::kDouble, torch::kHalf,
+                                                torch::kBFloat16, torch::kInt8,  torch::kUInt8,
+                                                torch::kInt16, torch::kInt32,  torch::kInt64};
+  for (auto st : types) {
+    INFO("dtype " << c10::toString(st));
+    auto t = st == torch::kUInt8 ? base.abs().to(st) : base.to(st);
+    check_summary(torchdbg::compute_stats(t), t);
+  }
+  SECTION("half and bfloat16 keep NaN/Inf") {
+    for (auto st : {torch::kHalf, torch::kBFloat16}) {
+      auto t = with_non_finite(base.clone()).to(st);
+      const auto s = torchdbg::compute_stats(t);
+      check_summary(s, t);
+      CHECK(s.nan_count == 2);
+      CHECK(s.inf_count == 2);
+    }
+  }
+  SECTION("bool counts true as one") {
+    auto t = base > 5.0;
+    const auto s = torchdbg::compute_stats(t);
+    check_summary(s, t);
+    CHECK(s.positive_count == t.sum().item<int64_t>());
+  }
+}
+
+TEST_CASE("empty, 0-d and all-NaN tensors give the documented statistics", "[stats]") {
+  SECTION("empty") {
+    const auto s = torchdbg::compute_stats(torch::empty({0, 5}));
+    CHECK(s.numel == 0);
+    CHECK(s.shape == std::vector<int64_t>{0, 5});
+    CHECK(s.finite_count == 0);
+    CHECK(std::isnan(s.mean));
+    CHECK(std::isnan(s.std));
+    CHECK(std::isnan(s.min));
+    CHECK(std::isnan(s.max));
+    CHECK(std::isnan(s.sparsity));
+    CHECK(s.l1_norm == 0.0);
+    CHECK(s.l2_norm == 0.0);
+    CHECK(s.linf_norm == 0.0);
+    const auto d = torchdbg::compute_stats(torch::empty({0}), torchdbg::StatsOptions().distribution(true));
+    REQUIRE(d.distribution);
+    CHECK(std::isnan(d.distribution->p50));
+    CHECK(d.distribution->bin_counts.size() == 50);
+  }
+  SECTION("0-d") {
+    auto t = torch::tensor(-2.5);
+    const auto s = torchdbg::compute_stats(t, torchdbg::StatsOptions().distribution(true));
+    check_summary(s, t);
+    CHECK(s.shape.empty());
+    CHECK(s.numel == 1);
+    CHECK(s.std == 0.0);
+    CHECK(s.median == -2.5);
+  }
+  SECTION("all NaN") {
+    auto t = torch::full({4, 4}, kNaN);
+    const auto s = torchdbg::compute_stats(t);
+    CHECK(s.nan_count == 16);
+    CHECK(s.finite_count == 0);
+    CHECK(std::isnan(s.mean));
+    CHECK(std::isnan(s.max));
+    CHECK(s.l2_norm == 0.0);
+    CHECK(s.sparsity == 0.0);
+  }
+}
+
+TEST_CASE("non-contiguous and expanded tensors are read through their strides", "[stats]") {
+  torchdbg_test::SeededRng rng(3);
+  auto base = with_non_finite(torch::randn({24, 40}));
+  auto transposed = base.t();
+  auto strided = base.index({torch::indexing::Slice(1, torch::indexing::None, 3),
+                             torch::indexing::Slice(torch::indexing::None, torch::indexing::None, 2)});
+  auto expanded = torch::randn({1, 7}).expand({9, 7});
+  REQUIRE_FALSE(transposed.is_contiguous());
+  REQUIRE_FALSE(strided.is_contiguous());
+  REQUIRE_FALSE(expanded.is_contiguous());
+  check_summary(torchdbg::compute_stats(transposed), transposed);
+  check_summary(torchdbg::compute_stats(strided), strided);
+  check_summary(torchdbg::compute_stats(expanded), expanded);
+}
+
+TEST_CASE("large tensors split across threads give the single-thread result", "[stats]") {
+  torchdbg_test::SeededRng rng(4);
+  const int prev = torch::get_num_threads();
+  torch::set_num_threads(2);
+  // A large offset checks that the variance does not cancel catastrophically.
+  auto t = torch::randn({3 * (1 << 18) + 17}, torch::kDouble) + 1e6;
+  t[12345] = kNaN;
+  const auto s = torchdbg::compute_stats(t);
+  check_summary(s, t, 1e-12);
+  CHECK_CLOSE(s.std, reference(t).std, 1e-9);
+  torch::set_num_threads(prev);
+}
+
+TEST_CASE("the on-device reduction path agrees with the CPU kernel", "[stats]") {
+  // pack_moments is what non-CPU tensors use; it runs on CPU tensors too.
+  torchdbg_test::SeededRng rng(5);
+  for (auto st : {torch::kFloat, torch::kDouble, torch::kHalf, torch::kInt32}) {
+    INFO("dtype " << c10::toString(st));
+    auto t = st == torch::kInt32 ? (torch::randn({33, 17}) * 50).to(st) : with_non_finite(torch::randn({33, 17})).to(st);
+    const auto m = torchdbg::detail::unpack_moments(torchdbg::detail::pack_moments(t));
+    const auto s = torchdbg::stats_from_moments(m, t);
+    check_summary(s, t, 1e-9);
+  }
+  const auto empty = torchdbg::detail::unpack_moments(torchdbg::detail::pack_moments(torch::empty({0})));
+  CHECK(empty.count == 0);
+  CHECK(empty.finite == 0);
+}
+
+TEST_CASE("the distribution matches torch.quantile, a naive histogram and reference moments", "[stats]") {
+  torchdbg_test::SeededRng rng(6);
+  auto t = with_non_finite(torch::randn({1001}).pow(3));  // skewed, heavy-tailed
+  const int64_t bins = 17;
+  const auto s = torchdbg::compute_stats(t, torchdbg::StatsOptions().distribution(true).histogram_bins(bins));
+  REQUIRE(s.distribution);
+  const auto& d = *s.distribution;
+  const Reference r = reference(t);
+  const auto finite = torch::tensor(r.sorted, torch::kDouble);
+  const std::vector<std::pair<double, double>> qs = {{0.05, d.p5}, {0.25, d.p25}, {0.5, d.p50},
+                                                     {0.75, d.p75}, {0.95, d.p95}, {0.99, d.p99}};
+  for (auto [q, got] : qs) {
+    INFO("q = " << q);
+    CHECK_CLOSE(got, torch::quantile(finite, q).item<double>(), 1e-12);
+  }
+  CHECK(s.median == d.p50);
+  // Histogram: naive edge comparison over the finite values.
+  REQUIRE(d.bin_edges.size() == static_cast<std::size_t>(bins + 1));
+  CHECK(d.bin_edges.front() == r.min);
+  CHECK_CLOSE(d.bin_edges.back(), r.max, 1e-12);
+  int64_t total = 0;
+  for (int64_t b = 0; b < bins; ++b) {
+    int64_t n = 0;
+    for (double x : r.sorted) {
+      const bool last = b == bins - 1;
+      if (x >= d.bin_edges[b] && (x < d.bin_edges[b + 1] || (last && x <= d.bin_edges[b + 1]))) ++n;
+    }
+    INFO("bin " << b);
+    CHECK(std::llabs(n - d.bin_counts[b]) <= 1);  // an edge value may round either way
+    total += d.bin_counts[b];
+  }
+  CHECK(total == r.finite);
+  // Shape moments and outliers.
+  double m2 = 0, m3 = 0, m4 = 0;
+  for (double x : r.sorted) {
+    const double z = x - r.mean;
+    m2 += z * z;
+    m3 += z * z * z;
+    m4 += z * z * z * z;
+  }
+  const double n = static_cast<double>(r.finite);
+  m2 /= n;
+  m3 /= n;
+  m4 /= n;
+  CHECK_CLOSE(d.skewness, m3 / std::pow(m2, 1.5), 1e-9);
+  CHECK_CLOSE(d.excess_kurtosis, m4 / (m2 * m2) - 3.0, 1e-9);
+  CHECK(d.skewness > 0.5);
+  const double q1 = torchdbg_test::ref_quantile(r.sorted, 0.25), q3 = torchdbg_test::ref_quantile(r.sorted, 0.75);
+  int64_t iqr = 0, sig = 0;
+  for (double x : r.sorted) {
+    iqr += (x < q1 - 1.5 * (q3 - q1) || x > q3 + 1.5 * (q3 - q1));
+    sig += std::fabs(x - r.mean) > 3 * r.std;
+  }
+  CHECK(d.iqr_outliers == iqr);
+  CHECK(d.sigma3_outliers == sig);
+  CHECK(iqr > 0);
+}
+
+TEST_CASE("a constant tensor gets a unit-wide histogram range and no shape moments", "[stats]") {
+  const auto s = torchdbg::compute_stats(torch::full({10}, 4.0), torchdbg::StatsOptions().distribution(true).histogram_bins(4));
+  REQUIRE(s.distribution);
+  CHECK(s.distribution->bin_edges.front() == 3.0);
+  CHECK(s.distribution->bin_edges.back() == 5.0);
+  CHECK(s.distribution->bin_counts == std::vector<int64_t>{0, 0, 10, 0});
+  CHECK(std::isnan(s.distribution->skewness));
+  CHECK(s.distribution->sigma3_outliers == 0);
+}
+
+TEST_CASE("raw data with a shape is viewed without copying; a mismatch names both", "[stats]") {
+  std::vector<float> data = {1.f, -2.f, 0.f, 4.f, std::nanf(""), 6.f};
+  const auto s = torchdbg::compute_stats(data.data(), data.size(), {2, 3});
+  check_summary(s, torch::tensor(data).reshape({2, 3}));
+  std::vector<c10::Half> half = {c10::Half(1.5f), c10::Half(-0.5f)};
+  CHECK(torchdbg::compute_stats(half.data(), half.size(), {2}).mean == 0.5);
+  std::vector<int64_t> ints = {3, 4, 5};
+  CHECK(torchdbg::compute_stats(ints.data(), ints.size(), {3}).l2_norm == Approx(std::sqrt(50.0)));
+  try {
+    (void)torchdbg::compute_stats(data.data(), data.size(), {4, 2});
+    FAIL("expected an error");
+  } catch (const torchdbg::Error& e) {
+    CHECK(std::string(e.what()).find("6 elements") != std::string::npos);
+    CHECK(std::string(e.what()).find("[4, 2]") != std::string::npos);
+  }
+  CHECK_THROWS_AS(torchdbg::compute_stats(data.data(), data.size(), {-1, -6}), torchdbg::Error);
+}
+
+TEST_CASE("unsupported dtypes and undefined tensors are rejected with the dtype named", "[stats]") {
+  try {
+    (void)torchdbg::compute_stats(torch::randn({3}, torch::kComplexFloat));
+    FAIL("expected an error");
+  } catch (const torchdbg::Error& e) {
+    CHECK(std::string(e.what()).find("ComplexFloat") != std::string::npos);
+  }
+  CHECK_THROWS_AS(torchdbg::compute_stats(torch::Tensor()), torchdbg::Error);
+  CHECK_THROWS_AS(torchdbg::compute_stats(torch::randn({3}), torchdbg::StatsOptions().distribution(true).histogram_bins(0)),
+                  torchdbg::Error);
+}
+
+TEST_CASE("statistics serialise to JSON with NaN as null", "[stats]") {
+  auto t = torch::tensor({1.0, 2.0, kNaN});
+  nlohmann::json j = torchdbg::compute_stats(t, torchdbg::StatsOptions().distribution(true).histogram_bins(2));
+  CHECK(j["nan_count"] == 1);
+  CHECK(j["mean"].get<double>() == 1.5);
+  CHECK(j["distribution"]["bin_counts"] == nlohmann::json::array({1, 1}));
+  nlohmann::json e = torchdbg::compute_stats(torch::empty({0}));
+  CHECK(std::isnan(e["mean"].get<double>()));                 // in memory: a NaN number
+  CHECK(nlohmann::json::parse(e.dump())["mean"].is_null());  // written: null
+}
+
+TEST_CASE("CUDA tensors are reduced on the device", "[stats][cuda]") {
+  if (!torch::cuda::is_available()) {
+    WARN("no CUDA device: skipped");
+    return;
+  }
+  torchdbg_test::SeededRng rng(7);
+  auto t = with_non_finite(torch::randn({513, 257})).to(torch::kCUDA);
+  const auto s = torchdbg::compute_stats(t, torchdbg::StatsOptions().distribution(true));
+  check_summary(s, t.cpu(), 1e-9);
+  CHECK(s.device == "cuda:0");
+}
