@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Configures the build directory (build/, or $TORCHDBG_BUILD_DIR) once; used by demo.sh and
+# test.sh. Passes CMAKE_PREFIX_PATH through for LibTorch zip users.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${TORCHDBG_BUILD_DIR:-$root/build}"
+args=(-S "$root" -B "$build" -DCMAKE_BUILD_TYPE="${CMAKE_BUILD_TYPE:-Release}")
+if command -v ninja >/dev/null; then args+=(-G Ninja); fi
+if [[ -n "${CMAKE_PREFIX_PATH:-}" ]]; then args+=("-DCMAKE_PREFIX_PATH=$CMAKE_PREFIX_PATH"); fi
+if [[ -f "$build/CMakeCache.txt" ]]; then
+  cmake -S "$root" -B "$build" >/dev/null
+else
+  cmake "${args[@]}" "$@"
+fi
+echo "$build"

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs what torchdbg's build, demo and tests need on Debian/Ubuntu, skipping what is
+# already installed. Users with a LibTorch zip set CMAKE_PREFIX_PATH=/path/to/libtorch and
+# libtorch-dev is not installed.
+set -euo pipefail
+
+pkgs=(cmake g++ ninja-build libfmt-dev catch2 nlohmann-json3-dev libopenblas0-pthread)
+if [[ -z "${CMAKE_PREFIX_PATH:-}" ]]; then
+  pkgs+=(libtorch-dev)
+fi
+# Debian's python3-torch: the test suite checks that snapshots load with Python's torch.load.
+pkgs+=(python3-torch)
+
+missing=()
+for p in "${pkgs[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if ((${#missing[@]})); then
+  echo "torchdbg setup: installing ${missing[*]}"
+  SUDO=""
+  if [[ $(id -u) -ne 0 ]]; then
+    if command -v sudo >/dev/null; then SUDO="sudo"; else
+      echo "torchdbg setup: need root (or sudo) to install: ${missing[*]}" >&2
+      exit 1
+    fi
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -q
+  $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+# Without OpenBLAS, Debian's LibTorch falls back to reference BLAS (~27x slower steps).
+if ! ldconfig -p | grep -q "libopenblas"; then
+  echo "torchdbg setup: warning: OpenBLAS not found by the dynamic linker" >&2
+fi

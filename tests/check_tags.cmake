@@ -1,0 +1,17 @@
+cmake_minimum_required(VERSION 3.16)
+# Fails when a test case carries a tag that tests/CMakeLists.txt does not run, so no test
+# can silently fall out of ctest. -DEXE=... -DTAGS="a;b;c" -DEXTRA="cuda"
+string(REPLACE "," ";" TAGS "${TAGS}")
+execute_process(COMMAND "${EXE}" --list-tags OUTPUT_VARIABLE out RESULT_VARIABLE rc)
+string(REGEX MATCHALL "\\[[^]]+\\]" found "${out}")
+set(bad "")
+foreach(t ${found})
+  string(REGEX REPLACE "^\\[(.*)\\]$" "\\1" name "${t}")
+  if(NOT name IN_LIST TAGS AND NOT name IN_LIST EXTRA)
+    list(APPEND bad "${name}")
+  endif()
+endforeach()
+if(bad)
+  message(FATAL_ERROR "test tags not run by ctest: ${bad}")
+endif()
+message(STATUS "all test tags are registered")
