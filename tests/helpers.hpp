@@ -8,6 +8,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <filesystem>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -17,6 +19,16 @@
 #include "catch.hpp"
 
 namespace torchdbg_test {
+
+/// A fresh, empty directory for one test under $TORCHDBG_TEST_TMP (set by ctest).
+inline std::string tmp_dir(const std::string& name) {
+  const char* base = std::getenv("TORCHDBG_TEST_TMP");
+  const auto dir =
+      std::filesystem::path(base ? base : std::filesystem::temp_directory_path().string()) / name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
 
 /// Seeds LibTorch's generator for the duration of a test.
 struct SeededRng {

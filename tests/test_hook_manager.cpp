@@ -18,12 +18,6 @@ using torchdbg::HookManager;
 using torchdbg::HookTrigger;
 
 namespace {
-std::string tmp_dir(const std::string& name) {
-  const char* base = std::getenv("TORCHDBG_TEST_TMP");
-  const auto dir = std::filesystem::path(base ? base : std::filesystem::temp_directory_path().string()) / name;
-  std::filesystem::remove_all(dir);
-  return dir.string();
-}
 
 HookConfig callback_hook(const std::string& name, const std::string& cb) {
   return HookConfig().name(name).trigger(HookTrigger::every_forward()).actions({HookAction::custom_callback(cb)});
@@ -286,7 +280,7 @@ TEST_CASE("the pause action sets the shared flag, records why, and resume clears
 
 TEST_CASE("snapshot actions write loadable files; a bad directory is an error result", "[manager]") {
   HookManager hooks;
-  const auto dir = tmp_dir("manager_snap");
+  const auto dir = torchdbg_test::tmp_dir("manager_snap") + "/created/by/hook";
   hooks.register_hook(HookConfig().name("snap").actions({HookAction::save_snapshot(dir)}));
   hooks.set_step(12);
   auto y = torch::randn({3, 4});

@@ -12,15 +12,6 @@
 
 #include "helpers.hpp"
 
-namespace {
-std::string tmp_dir(const std::string& name) {
-  const char* base = std::getenv("TORCHDBG_TEST_TMP");
-  const auto dir = std::filesystem::path(base ? base : std::filesystem::temp_directory_path().string()) / name;
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir.string();
-}
-}  // namespace
 
 TEST_CASE("file names carry the sanitised layer name, step and direction", "[snapshot]") {
   CHECK(torchdbg::sanitize_file_component("encoder.0/fc1") == "encoder.0_fc1");
@@ -33,7 +24,7 @@ TEST_CASE("file names carry the sanitised layer name, step and direction", "[sna
 
 TEST_CASE("snapshots round-trip every dtype, shape and stride", "[snapshot]") {
   torchdbg_test::SeededRng rng(31);
-  const auto dir = tmp_dir("snap_roundtrip");
+  const auto dir = torchdbg_test::tmp_dir("snap_roundtrip");
   const std::vector<torch::Tensor> tensors = {
       torch::randn({3, 4}),
       torch::randn({5}, torch::kDouble).to(torch::kHalf),
@@ -57,7 +48,7 @@ TEST_CASE("snapshots round-trip every dtype, shape and stride", "[snapshot]") {
 }
 
 TEST_CASE("a snapshot replaces the old file whole and leaves no temporary behind", "[snapshot]") {
-  const auto dir = tmp_dir("snap_atomic");
+  const auto dir = torchdbg_test::tmp_dir("snap_atomic");
   const auto path = dir + "/x.pt";
   torchdbg::save_snapshot(torch::zeros({4}), path);
   torchdbg::save_snapshot(torch::ones({1000}), path);
@@ -71,7 +62,7 @@ TEST_CASE("a snapshot replaces the old file whole and leaves no temporary behind
 }
 
 TEST_CASE("snapshot errors name the path and keep the existing file", "[snapshot]") {
-  const auto dir = tmp_dir("snap_errors");
+  const auto dir = torchdbg_test::tmp_dir("snap_errors");
   const auto path = dir + "/keep.pt";
   torchdbg::save_snapshot(torch::arange(3), path);
   CHECK_THROWS_WITH(torchdbg::save_snapshot(torch::ones({2}), dir + "/missing/x.pt"), Catch::Contains(dir + "/missing/x.pt"));
@@ -112,7 +103,7 @@ TEST_CASE("Python's torch.load reads a snapshot", "[snapshot]") {
     WARN("no Python with torch (set TORCHDBG_TEST_PYTHON): skipped");
     return;
   }
-  const auto dir = tmp_dir("snap_python");
+  const auto dir = torchdbg_test::tmp_dir("snap_python");
   const auto path = dir + "/p.pt";
   torchdbg::save_snapshot(torch::arange(6, torch::kFloat).reshape({2, 3}) * 0.5, path);
   const std::string cmd = python + " -c \"import torch,sys; t=torch.load('" + path +

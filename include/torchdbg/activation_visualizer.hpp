@@ -10,14 +10,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <deque>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <vector>
 
+#include "torchdbg/detail/bounded_map.hpp"
 #include "torchdbg/detail/mutex.hpp"
 #include "torchdbg/detail/ring_buffer.hpp"
 #include "torchdbg/error.hpp"
@@ -125,7 +124,8 @@ inline Heatmap make_heatmap(const at::Tensor& t, int64_t max_size) {
 template <typename Mutex>
 class BasicActivationVisualizer {
  public:
-  explicit BasicActivationVisualizer(VisualizerOptions options = {}) : options_(std::move(options)) {
+  explicit BasicActivationVisualizer(VisualizerOptions options = {})
+      : options_(std::move(options)), entries_(options_.max_layers()) {
     if (options_.history_capacity() == 0) throw Error("torchdbg: history_capacity must be >= 1, got 0");
     if (options_.max_layers() == 0) throw Error("torchdbg: max_layers must be >= 1, got 0");
     if (options_.histogram_bins() < 1) {
@@ -179,7 +179,7 @@ class BasicActivationVisualizer {
 
   [[nodiscard]] std::vector<std::string> layers() const {
     std::lock_guard<Mutex> lock(mutex_);
-    return {order_.begin(), order_.end()};
+    return entries_.names();
   }
   [[nodiscard]] std::optional<ActivationStats> latest(std::string_view layer) const {
     std::lock_guard<Mutex> lock(mutex_);
@@ -226,8 +226,7 @@ class BasicActivationVisualizer {
   [[nodiscard]] nlohmann::json to_json() const {
     std::lock_guard<Mutex> lock(mutex_);
     nlohmann::json layers = nlohmann::json::object();
-    for (const auto& name : order_) {
-      const Entry& e = entries_.at(name);
+    entries_.for_each([&](const std::string& name, const Entry& e) {
       nlohmann::json j;
       j["history"] = nlohmann::json::array();
       for (std::size_t i = 0; i < e.history.size(); ++i) j["history"].push_back(stats_json(e.history.at(i)));
@@ -237,7 +236,7 @@ class BasicActivationVisualizer {
         j["heatmap"] = {{"rows", e.heatmap->rows}, {"cols", e.heatmap->cols}, {"values", e.heatmap->values}};
       }
       layers[name] = std::move(j);
-    }
+    });
     return nlohmann::json{{"layers", std::move(layers)}};
   }
 
@@ -247,20 +246,18 @@ class BasicActivationVisualizer {
     std::string out = fmt::format("{:<28} {:>6} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8}\n",
                                   "layer", "step", "mean", "std", "min", "median", "max",
                                   "sparsity", "outliers");
-    for (const auto& name : order_) {
-      const Entry& e = entries_.at(name);
-      if (e.history.empty()) continue;
+    entries_.for_each([&](const std::string& name, const Entry& e) {
+      if (e.history.empty()) return;
       const ActivationStats& a = e.history.back();
       out += fmt::format("{:<28} {:>6} {:>10.4g} {:>10.4g} {:>10.4g} {:>10.4g} {:>10.4g} {:>8.3f} {:>8}\n",
                          name, a.step, a.mean, a.std, a.min, a.median, a.max, a.sparsity, a.outliers);
-    }
+    });
     return out;
   }
 
   void clear() {
     std::lock_guard<Mutex> lock(mutex_);
     entries_.clear();
-    order_.clear();
   }
 
  private:
@@ -279,26 +276,15 @@ class BasicActivationVisualizer {
             {"outliers", a.outliers}, {"non_finite", a.non_finite}, {"sparsity", a.sparsity}};
   }
 
-  const Entry* find(std::string_view layer) const {
-    auto it = entries_.find(std::string(layer));
-    return it == entries_.end() ? nullptr : &it->second;
-  }
+  const Entry* find(std::string_view layer) const { return entries_.find(layer); }
 
   Entry& entry(std::string_view layer) {
-    auto it = entries_.find(std::string(layer));
-    if (it != entries_.end()) return it->second;
-    if (entries_.size() >= options_.max_layers()) {
-      entries_.erase(order_.front());
-      order_.pop_front();
-    }
-    order_.emplace_back(layer);
-    return entries_.emplace(std::string(layer), Entry(options_.history_capacity())).first->second;
+    return entries_.get_or_create(layer, [&] { return Entry(options_.history_capacity()); });
   }
 
   VisualizerOptions options_;
   mutable Mutex mutex_;
-  std::unordered_map<std::string, Entry> entries_;
-  std::deque<std::string> order_;
+  detail::BoundedMap<Entry> entries_;
 };
 
 using ActivationVisualizer = BasicActivationVisualizer<std::mutex>;

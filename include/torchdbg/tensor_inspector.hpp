@@ -8,14 +8,13 @@
 
 #include <cmath>
 #include <cstdint>
-#include <deque>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <vector>
 
+#include "torchdbg/detail/bounded_map.hpp"
 #include "torchdbg/detail/mutex.hpp"
 #include "torchdbg/detail/ring_buffer.hpp"
 #include "torchdbg/error.hpp"
@@ -180,7 +179,8 @@ struct InspectorSummary {
 template <typename Mutex>
 class BasicTensorInspector {
  public:
-  explicit BasicTensorInspector(InspectorOptions options = {}) : options_(std::move(options)) {
+  explicit BasicTensorInspector(InspectorOptions options = {})
+      : options_(std::move(options)), entries_(options_.max_names()) {
     if (options_.history_capacity() == 0) throw Error("torchdbg: history_capacity must be >= 1, got 0");
     if (options_.max_names() == 0) throw Error("torchdbg: max_names must be >= 1, got 0");
     if (!(options_.sample_rate() >= 0.0 && options_.sample_rate() <= 1.0)) {
@@ -290,28 +290,28 @@ class BasicTensorInspector {
 
   [[nodiscard]] std::optional<InspectionRecord> latest(std::string_view name) const {
     std::lock_guard<Mutex> lock(mutex_);
-    auto it = entries_.find(std::string(name));
-    if (it == entries_.end() || it->second.records.empty()) return std::nullopt;
-    return it->second.records.back();
+    const Entry* e = entries_.find(name);
+    if (e == nullptr || e->records.empty()) return std::nullopt;
+    return e->records.back();
   }
 
   /// Records of `name`, oldest first (empty for an unknown name).
   [[nodiscard]] std::vector<InspectionRecord> history(std::string_view name) const {
     std::lock_guard<Mutex> lock(mutex_);
-    auto it = entries_.find(std::string(name));
-    return it == entries_.end() ? std::vector<InspectionRecord>{} : it->second.records.to_vector();
+    const Entry* e = entries_.find(name);
+    return e ? e->records.to_vector() : std::vector<InspectionRecord>{};
   }
 
   [[nodiscard]] std::vector<GradientRecord> gradient_history(std::string_view name) const {
     std::lock_guard<Mutex> lock(mutex_);
-    auto it = entries_.find(std::string(name));
-    return it == entries_.end() ? std::vector<GradientRecord>{} : it->second.gradients.to_vector();
+    const Entry* e = entries_.find(name);
+    return e ? e->gradients.to_vector() : std::vector<GradientRecord>{};
   }
 
   /// Tracked names, in the order they were first seen.
   [[nodiscard]] std::vector<std::string> names() const {
     std::lock_guard<Mutex> lock(mutex_);
-    return {order_.begin(), order_.end()};
+    return entries_.names();
   }
 
   /// Compares the latest kept tensors of two names (needs `keep_latest_tensor(true)`).
@@ -331,8 +331,9 @@ class BasicTensorInspector {
     s.tensors_tracked = entries_.size();
     s.inspections = inspections_;
     s.alerts = alerts_;
-    for (const auto& [name, e] : entries_)
+    entries_.for_each([&](const std::string& name, const Entry& e) {
       if (!e.records.empty()) s.latest.emplace_back(name, e.records.back());
+    });
     std::sort(s.latest.begin(), s.latest.end(),
               [](const auto& x, const auto& y) { return x.first < y.first; });
     return s;
@@ -342,7 +343,6 @@ class BasicTensorInspector {
   void clear() {
     std::lock_guard<Mutex> lock(mutex_);
     entries_.clear();
-    order_.clear();
     inspections_ = 0;
     alerts_ = 0;
     sample_acc_ = 0.0;
@@ -357,14 +357,7 @@ class BasicTensorInspector {
   };
 
   Entry& entry(std::string_view name) {
-    auto it = entries_.find(std::string(name));
-    if (it != entries_.end()) return it->second;
-    if (entries_.size() >= options_.max_names()) {
-      entries_.erase(order_.front());
-      order_.pop_front();
-    }
-    order_.emplace_back(name);
-    return entries_.emplace(std::string(name), Entry(options_.history_capacity())).first->second;
+    return entries_.get_or_create(name, [&] { return Entry(options_.history_capacity()); });
   }
 
   at::Tensor kept(std::string_view name) const {
@@ -372,17 +365,16 @@ class BasicTensorInspector {
       throw Error("torchdbg: compare(\"" + std::string(name) +
                   "\", ...) needs InspectorOptions().keep_latest_tensor(true)");
     }
-    auto it = entries_.find(std::string(name));
-    if (it == entries_.end() || !it->second.latest_tensor.defined()) {
+    const Entry* e = entries_.find(name);
+    if (e == nullptr || !e->latest_tensor.defined()) {
       throw Error("torchdbg: no tensor recorded under '" + std::string(name) + "'");
     }
-    return it->second.latest_tensor;
+    return e->latest_tensor;
   }
 
   InspectorOptions options_;
   mutable Mutex mutex_;
-  std::unordered_map<std::string, Entry> entries_;
-  std::deque<std::string> order_;
+  detail::BoundedMap<Entry> entries_;
   uint64_t inspections_ = 0;
   uint64_t alerts_ = 0;
   double sample_acc_ = 0.0;
