@@ -130,13 +130,17 @@ class BasicHookManager {
     e->enabled.store(config.enabled());
     e->cache_capacity = options_.layer_match_cache();
     e->config = std::move(config);
-    std::lock_guard<Mutex> lock(mutex_);
-    do {
-      e->id = HookId::generate();
-    } while (find_locked(e->id) != nullptr);
-    auto next = std::make_shared<HookList>(*hooks_);
-    next->push_back(e);
-    hooks_ = std::move(next);
+    notify(Change::Before);
+    {
+      std::lock_guard<Mutex> lock(mutex_);
+      do {
+        e->id = HookId::generate();
+      } while (find_locked(e->id) != nullptr);
+      auto next = std::make_shared<HookList>(*hooks_);
+      next->push_back(e);
+      hooks_ = std::move(next);
+    }
+    notify(Change::After);
     return e->id;
   }
 
@@ -156,36 +160,52 @@ class BasicHookManager {
 
   /// Removes a hook and returns its configuration, or nullopt for an unknown id.
   std::optional<HookConfig> remove_hook(const HookId& id) {
-    std::lock_guard<Mutex> lock(mutex_);
-    auto next = std::make_shared<HookList>();
     std::optional<HookConfig> removed;
-    for (const auto& e : *hooks_) {
-      if (e->id == id) {
-        removed = current_config(*e);
-      } else {
-        next->push_back(e);
+    notify(Change::Before);
+    {
+      std::lock_guard<Mutex> lock(mutex_);
+      auto next = std::make_shared<HookList>();
+      for (const auto& e : *hooks_) {
+        if (e->id == id) {
+          removed = current_config(*e);
+        } else {
+          next->push_back(e);
+        }
       }
+      if (removed) hooks_ = std::move(next);
     }
-    if (removed) hooks_ = std::move(next);
+    notify(Change::After);
     return removed;
   }
 
   /// Removes every hook (and with them their statistics).
   void clear_hooks() {
-    std::lock_guard<Mutex> lock(mutex_);
-    hooks_ = std::make_shared<const HookList>();
+    notify(Change::Before);
+    {
+      std::lock_guard<Mutex> lock(mutex_);
+      hooks_ = std::make_shared<const HookList>();
+    }
+    notify(Change::After);
   }
 
   /// Enables or disables one hook; throws torchdbg::Error for an unknown id.
   void set_hook_enabled(const HookId& id, bool enabled) {
-    std::lock_guard<Mutex> lock(mutex_);
-    Entry* e = find_locked(id);
-    if (e == nullptr) throw Error("torchdbg: no hook with id " + id.to_string());
-    e->enabled.store(enabled);
+    if (!get_hook(id)) throw Error("torchdbg: no hook with id " + id.to_string());
+    notify(Change::Before);
+    {
+      std::lock_guard<Mutex> lock(mutex_);
+      Entry* e = find_locked(id);
+      if (e != nullptr) e->enabled.store(enabled);
+    }
+    notify(Change::After);
   }
 
   /// Enables or disables every hook at once (execute_hooks returns nothing while disabled).
-  void set_enabled(bool enabled) noexcept { enabled_.store(enabled); }
+  void set_enabled(bool enabled) {
+    notify(Change::Before);
+    enabled_.store(enabled);
+    notify(Change::After);
+  }
   [[nodiscard]] bool enabled() const noexcept { return enabled_.load(); }
 
   [[nodiscard]] std::optional<HookConfig> get_hook(const HookId& id) const {
@@ -245,11 +265,67 @@ class BasicHookManager {
                              .actions({HookAction::alert(std::move(message), severity)}));
   }
 
+  // ---- observers of the manager (attached models) ----------------------------------------
+
+  /// When a listener is called: just before or just after a change.
+  enum class Change { Before, After };
+  using Listener = std::function<void(Change)>;
+
+  /// Calls `listener` (without locks held) just before and just after every change that can
+  /// alter which hooks are due: set_step, set_enabled, registering, removing, enabling or
+  /// clearing hooks. Attached models use it to deliver what belongs to the old state first and
+  /// to switch their observers on only when a hook could fire. Returns an id for
+  /// `remove_listener`.
+  uint64_t add_listener(Listener listener) {
+    std::lock_guard<Mutex> lock(listener_mutex_);
+    const uint64_t id = ++listener_seq_;
+    auto next = std::make_shared<std::vector<std::pair<uint64_t, Listener>>>(*listeners_);
+    next->emplace_back(id, std::move(listener));
+    listeners_ = std::move(next);
+    return id;
+  }
+  void remove_listener(uint64_t id) {
+    std::lock_guard<Mutex> lock(listener_mutex_);
+    auto next = std::make_shared<std::vector<std::pair<uint64_t, Listener>>>();
+    for (const auto& l : *listeners_)
+      if (l.first != id) next->push_back(l);
+    listeners_ = std::move(next);
+  }
+
+  /// Whether some hook could fire for a call in this direction at `step`, judged without a
+  /// tensor: false when every hook is disabled, exhausted, or due only in the other direction
+  /// or at other steps. Conditional and layer-specific hooks count as possibly due.
+  [[nodiscard]] bool may_fire(bool is_forward, int64_t step) const {
+    if (!enabled_.load()) return false;
+    for (const auto& e : *snapshot()) {
+      if (!e->enabled.load() || e->claimed.load() >= e->limit) continue;
+      const HookTrigger& t = e->config.trigger();
+      switch (t.kind()) {
+        case HookTrigger::Kind::EveryForward:
+          if (is_forward) return true;
+          break;
+        case HookTrigger::Kind::EveryBackward:
+          if (!is_forward) return true;
+          break;
+        case HookTrigger::Kind::EveryNSteps:
+          if (step % t.interval() == 0) return true;
+          break;
+        default:
+          return true;
+      }
+    }
+    return false;
+  }
+
   // ---- training state -------------------------------------------------------------------
 
   void set_step(int64_t step) {
-    std::lock_guard<Mutex> lock(state_mutex_);
-    state_.step = step;
+    notify(Change::Before);
+    {
+      std::lock_guard<Mutex> lock(state_mutex_);
+      state_.step = step;
+    }
+    notify(Change::After);
   }
   void set_loss(double loss) {
     std::lock_guard<Mutex> lock(state_mutex_);
@@ -611,6 +687,15 @@ class BasicHookManager {
     if (sink) sink(al);
   }
 
+  void notify(Change change) {
+    std::shared_ptr<const std::vector<std::pair<uint64_t, Listener>>> ls;
+    {
+      std::lock_guard<Mutex> lock(listener_mutex_);
+      ls = listeners_;
+    }
+    for (const auto& l : *ls) l.second(change);
+  }
+
   void request_pause(PauseInfo info) {
     std::lock_guard<Mutex> lock(alert_mutex_);
     if (!pause_->load()) pause_info_ = std::move(info);
@@ -625,6 +710,11 @@ class BasicHookManager {
 
   mutable Mutex state_mutex_;
   TrainingState state_;
+
+  mutable Mutex listener_mutex_;
+  uint64_t listener_seq_ = 0;
+  std::shared_ptr<const std::vector<std::pair<uint64_t, Listener>>> listeners_ =
+      std::make_shared<const std::vector<std::pair<uint64_t, Listener>>>();
 
   mutable Mutex alert_mutex_;  // alerts_, sinks, pause_info_
   detail::RingBuffer<Alert> alerts_;

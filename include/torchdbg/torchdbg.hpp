@@ -4,6 +4,7 @@
 
 /// Umbrella header: everything torchdbg offers.
 #include "torchdbg/activation_visualizer.hpp"
+#include "torchdbg/attach.hpp"
 #include "torchdbg/error.hpp"
 #include "torchdbg/hook_condition.hpp"
 #include "torchdbg/hook_config.hpp"

@@ -1,0 +1,678 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+// Attaching a HookManager to any torch::nn::Module without changing the model's code.
+//
+// Mechanism (measured and chosen on LibTorch 1.13, valid on 2.x):
+// * Backward: a tensor hook on every parameter of every attached module delivers the
+//   gradient (`is_forward == false`, metadata {"parameter": name}) as autograd produces it.
+//   The first hook of a backward pass queues an autograd final callback, which computes the
+//   per-module gradient norms (one host copy for all modules), reports the global norm to
+//   the manager (`set_gradient_norm`) and, with `auto_step`, advances the step.
+// * Forward: Module::forward is not virtual and `fc1(x)` inside a user's forward never
+//   passes through any registry, so the output is observed one level down: an ATen
+//   RecordFunction observer sees every operator with its inputs and outputs. An operator
+//   that takes a module's own parameter or buffer (or a tensor derived only from them, such
+//   as `weight.t()`) together with data is attributed to that module; the outermost such
+//   operator wins (nested ones are ignored), and when several consecutive operators belong
+//   to the same module the last one's output is reported. The output is delivered when the
+//   next operator consumes it or another module starts (at the latest when backward begins).
+//   A parameter-free activation (relu, tanh, sigmoid, gelu, softmax, ... as a function or a
+//   module) that consumes a module's output is delivered as "<module>/<activation>", e.g.
+//   "fc1/relu". Operators inside backward are ignored.
+// * Cost: the observer is registered only while some hook could fire for a forward call at
+//   the current step (HookManager::may_fire, re-evaluated on every set_step and hook change)
+//   and removed otherwise, so a step with no hook due runs no torchdbg code in the forward.
+//   Gradient hooks cost one atomic check when no hook is due.
+//
+// Limits: a module whose own parameters are used by several separate operator groups (e.g.
+// a custom module computing two linear maps of its own weights with an activation between)
+// reports each group under its name; MultiheadAttention's attention output is reported by
+// its `out_proj` child. Exact interception (read/replace/stop) needs the call to go through
+// torchdbg: see hooked.hpp.
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/arg.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/nn/module.h>
+
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <regex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "torchdbg/error.hpp"
+#include "torchdbg/hook_context.hpp"
+#include "torchdbg/hook_manager.hpp"
+
+namespace torchdbg {
+
+/// What `attach` observes.
+///
+/// ```cpp
+/// auto session = torchdbg::attach(*model, hooks, AttachOptions().patterns({"encoder\\."}).auto_step(true));
+/// ```
+struct AttachOptions {
+  /// Regexes matched from the start of a module's dotted name (`$` anchors the end); a module
+  /// is attached when one matches. Empty: every module that owns parameters or buffers.
+  TORCH_ARG(std::vector<std::string>, patterns);
+  /// Deliver forward outputs (and activations).
+  TORCH_ARG(bool, forward) = true;
+  /// Deliver parameter gradients.
+  TORCH_ARG(bool, backward) = true;
+  /// Deliver the parameter-free activation applied to a module's output as "<module>/<act>".
+  TORCH_ARG(bool, activations) = true;
+  /// Compute per-module gradient norms at the end of each backward pass with hooks due.
+  TORCH_ARG(bool, gradient_norms) = true;
+  /// One backward pass = one step: the manager's step advances at the end of each backward.
+  TORCH_ARG(bool, auto_step) = false;
+};
+
+namespace detail {
+
+using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+inline WeakImpl weak_of(const at::Tensor& t) { return WeakImpl(t.getIntrusivePtr()); }
+
+/// State shared by a session, its gradient hooks and the forward observer. Held by
+/// shared_ptr so that a hook still running while the session detaches finds it alive.
+class AttachCore : public std::enable_shared_from_this<AttachCore> {
+ public:
+  struct Param {
+    std::string name;
+    WeakImpl impl;
+    unsigned hook = 0;
+    bool hooked = false;
+  };
+  struct Module {
+    std::string name;
+    std::string type_name;
+    std::vector<Param> params;
+  };
+
+  AttachOptions options;
+  std::vector<Module> modules;
+  /// Own parameters and buffers of attached modules -> module index. The weak references
+  /// in `keep` hold the addresses, so a freed tensor's address is never reused for another.
+  std::unordered_map<const c10::TensorImpl*, std::size_t> owner;
+  std::vector<WeakImpl> keep;
+
+  std::atomic<bool> active{true};
+  std::atomic<bool> forward_due{false};
+  std::atomic<bool> backward_due{false};
+  std::atomic<uint64_t> forward_deliveries{0};
+  std::atomic<uint64_t> backward_deliveries{0};
+
+  std::function<void(std::string_view, const at::Tensor&, bool, const Metadata&)> deliver;
+  std::function<void(double)> report_gradient_norm;
+  std::function<void()> advance_step;
+
+  /// Sends one tensor to the manager; never throws.
+  void send(std::size_t module, std::string_view name, const at::Tensor& t, bool is_forward,
+            const Metadata& md) {
+    if (!active.load()) return;
+    if (is_forward) {
+      note_order(module);
+      forward_deliveries.fetch_add(1);
+    } else {
+      backward_deliveries.fetch_add(1);
+    }
+    try {
+      deliver(name, t, is_forward, md);
+    } catch (...) {
+      // execute_hooks turns hook failures into results; anything else (bad_alloc) is
+      // dropped rather than thrown into an operator or the autograd engine.
+    }
+  }
+
+  void on_grad(std::size_t m, const std::string& pname, const at::Tensor& g);
+
+  [[nodiscard]] std::vector<std::string> execution_order() const {
+    std::lock_guard<std::mutex> lock(order_mutex_);
+    std::vector<std::string> out;
+    for (auto i : order_) out.push_back(modules[i].name);
+    return out;
+  }
+  [[nodiscard]] std::vector<std::pair<std::string, double>> gradient_norms() const {
+    std::lock_guard<std::mutex> lock(grad_mutex_);
+    return last_norms_;
+  }
+
+ private:
+  void note_order(std::size_t m) {
+    std::lock_guard<std::mutex> lock(order_mutex_);
+    if (seen_.size() < modules.size()) seen_.assign(modules.size(), 0);
+    if (!seen_[m]) {
+      seen_[m] = 1;
+      order_.push_back(m);
+    }
+  }
+
+  void on_backward_end() {
+    end_queued_.store(false);
+    if (active.load() && options.gradient_norms()) {
+      std::vector<std::size_t> idx;
+      std::vector<at::Tensor> sq;
+      {
+        std::lock_guard<std::mutex> lock(grad_mutex_);
+        for (std::size_t i = 0; i < grad_sq_.size(); ++i) {
+          if (grad_sq_[i].defined()) {
+            idx.push_back(i);
+            sq.push_back(grad_sq_[i].to(at::kCPU, at::kDouble).reshape({1}));
+            grad_sq_[i] = at::Tensor();
+          }
+        }
+      }
+      if (!sq.empty()) {
+        try {
+          const at::Tensor all = at::cat(sq).contiguous();  // one host copy per backward
+          const double* v = all.data_ptr<double>();
+          std::vector<std::pair<std::string, double>> norms;
+          double total = 0.0;
+          for (std::size_t k = 0; k < idx.size(); ++k) {
+            norms.emplace_back(modules[idx[k]].name, std::sqrt(v[k]));
+            total += v[k];
+          }
+          {
+            std::lock_guard<std::mutex> lock(grad_mutex_);
+            last_norms_ = std::move(norms);
+          }
+          if (report_gradient_norm) report_gradient_norm(std::sqrt(total));
+        } catch (...) {
+        }
+      }
+    }
+    if (active.load() && options.auto_step() && advance_step) {
+      try {
+        advance_step();
+      } catch (...) {
+      }
+    }
+  }
+
+  mutable std::mutex order_mutex_;
+  std::vector<std::size_t> order_;
+  std::vector<char> seen_;
+  mutable std::mutex grad_mutex_;
+  std::vector<at::Tensor> grad_sq_;
+  std::vector<std::pair<std::string, double>> last_norms_;
+  std::atomic<bool> end_queued_{false};
+};
+
+inline void AttachCore::on_grad(std::size_t m, const std::string& pname, const at::Tensor& g) {
+  if (!active.load()) return;
+  if (!end_queued_.exchange(true)) {
+    try {
+      std::weak_ptr<AttachCore> self = weak_from_this();
+      torch::autograd::Engine::get_default_engine().queue_callback([self] {
+        if (auto s = self.lock()) s->on_backward_end();
+      });
+    } catch (...) {
+      end_queued_.store(false);  // not inside a backward pass (a manual hook call)
+    }
+  }
+  if (!backward_due.load() || !g.defined()) return;
+  if (options.gradient_norms()) {
+    at::Tensor sq = g.detach().to(at::kDouble).pow(2).sum();  // stays on the device
+    std::lock_guard<std::mutex> lock(grad_mutex_);
+    if (grad_sq_.size() < modules.size()) grad_sq_.resize(modules.size());
+    grad_sq_[m] = grad_sq_[m].defined() ? grad_sq_[m] + sq : sq;
+  }
+  send(m, modules[m].name, g, false, Metadata{{"parameter", pname}});
+}
+
+/// The process-wide ATen observer behind forward attachment. RecordFunction callbacks are
+/// plain function pointers, so the attached sessions live in a registry here; the callback
+/// is registered while at least one session wants forward outputs.
+class ForwardObserver {
+ public:
+  static ForwardObserver& instance() {
+    static ForwardObserver o;
+    return o;
+  }
+
+  /// Adds (`on`) or removes `core` from the sessions the observer serves.
+  void set(const std::shared_ptr<AttachCore>& core, bool on) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto next = std::make_shared<std::vector<std::shared_ptr<AttachCore>>>();
+    bool present = false;
+    for (const auto& c : *cores()) {
+      if (c == core) {
+        present = true;
+        if (!on) continue;
+      }
+      next->push_back(c);
+    }
+    if (on && !present) next->push_back(core);
+    if (on == present) return;
+    std::atomic_store(&cores_, std::shared_ptr<const std::vector<std::shared_ptr<AttachCore>>>(next));
+    if (!next->empty() && handle_ == 0) {
+      handle_ = at::addGlobalCallback(
+          at::RecordFunctionCallback(&ForwardObserver::on_start, &ForwardObserver::on_end)
+              .needsInputs(true)
+              .needsOutputs(true)
+              .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+    } else if (next->empty() && handle_ != 0) {
+      at::removeCallback(handle_);
+      handle_ = 0;
+    }
+  }
+
+  /// Whether the ATen callback is registered now.
+  [[nodiscard]] bool registered() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return handle_ != 0;
+  }
+
+  /// Delivers this thread's pending output of `core` (all cores when null).
+  static void flush(const AttachCore* core = nullptr) {
+    Tls& t = tls();
+    if (t.pending.core && (core == nullptr || t.pending.core.get() == core)) flush_pending(t);
+  }
+
+  /// Forgets this thread's pending output and derived tensors of `core` without delivering.
+  static void discard(const AttachCore* core) {
+    Tls& t = tls();
+    if (t.pending.core.get() == core) t.pending = {};
+    for (auto& d : t.derived)
+      if (d.core == core) d = {};
+  }
+
+ private:
+  struct Pending {
+    std::shared_ptr<AttachCore> core;
+    std::size_t module = 0;
+    at::Tensor out;
+  };
+  struct Derived {
+    const AttachCore* core = nullptr;
+    std::size_t module = 0;
+    std::optional<WeakImpl> impl;
+  };
+  struct Tls {
+    int backward_depth = 0;
+    int skip_depth = 0;
+    bool delivering = false;
+    Pending pending;
+    std::array<Derived, 16> derived;
+    std::size_t next_derived = 0;
+  };
+  struct OpCtx : at::ObserverContext {
+    enum Kind { Backward, Forward, Weights, Activation } kind = Backward;
+    std::shared_ptr<AttachCore> core;
+    std::size_t module = 0;
+    std::string act;
+  };
+
+  static Tls& tls() {
+    thread_local Tls t;
+    return t;
+  }
+
+  std::shared_ptr<const std::vector<std::shared_ptr<AttachCore>>> cores() const {
+    return std::atomic_load(&cores_);
+  }
+
+  static void flush_pending(Tls& t) {
+    Pending p = std::move(t.pending);
+    t.pending = {};
+    if (!p.core || !p.out.defined()) return;
+    t.delivering = true;
+    p.core->send(p.module, p.core->modules[p.module].name, p.out, true, Metadata{});
+    t.delivering = false;
+  }
+
+  static at::ArrayRef<const c10::IValue> safe_inputs(const at::RecordFunction& fn) {
+    try {
+      return fn.inputs();  // asserts in builds without NDEBUG for ops recorded without inputs
+    } catch (...) {
+      return {};
+    }
+  }
+
+  template <typename F>
+  static void for_each_tensor(const c10::IValue& v, F&& f) {
+    if (v.isTensor()) {
+      f(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) f(t);
+    } else if (v.isList()) {
+      for (const c10::IValue& e : v.toListRef())
+        if (e.isTensor()) f(e.toTensor());
+    } else if (v.isTuple()) {
+      for (const c10::IValue& e : v.toTupleRef().elements())
+        if (e.isTensor()) f(e.toTensor());
+    }
+  }
+
+  static at::Tensor first_output(const at::RecordFunction& fn) {
+    const auto& outs = fn.outputs();
+    if (outs.empty()) return {};
+    at::Tensor first;
+    for_each_tensor(outs.front(), [&](const at::Tensor& t) {
+      if (!first.defined()) first = t;
+    });
+    return first;
+  }
+
+  /// "aten::relu_" -> "relu", "aten::_softmax" -> "softmax"; empty when not an activation.
+  static std::string activation_name(std::string_view op) {
+    static const char* const kActs[] = {"relu",      "relu6",    "leaky_relu", "elu",    "selu",
+                                        "celu",      "gelu",     "silu",       "mish",   "tanh",
+                                        "sigmoid",   "softplus", "softmax",    "log_softmax",
+                                        "hardtanh",  "hardsigmoid", "hardswish", "threshold",
+                                        "softsign",  "tanhshrink", "logsigmoid"};
+    if (op.substr(0, 6) != "aten::") return {};
+    op.remove_prefix(6);
+    if (!op.empty() && op.front() == '_') op.remove_prefix(1);
+    if (!op.empty() && op.back() == '_') op.remove_suffix(1);
+    for (const char* a : kActs)
+      if (op == a) return std::string(op);
+    return {};
+  }
+
+  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+    Tls& t = tls();
+    if (t.delivering) return nullptr;
+    if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {
+      if (t.backward_depth == 0 && t.pending.core) flush_pending(t);
+      ++t.backward_depth;
+      return std::make_unique<OpCtx>();
+    }
+    if (t.backward_depth > 0 || t.skip_depth > 0) return nullptr;
+    const auto cores = instance().cores();
+    if (cores->empty()) return nullptr;
+    std::shared_ptr<AttachCore> owner;
+    std::size_t module = 0;
+    bool has_data = false;
+    bool consumes_pending = false;
+    const c10::TensorImpl* pending_impl =
+        t.pending.core && t.pending.out.defined() ? t.pending.out.unsafeGetTensorImpl() : nullptr;
+    for (const c10::IValue& v : safe_inputs(fn)) {
+      for_each_tensor(v, [&](const at::Tensor& x) {
+        if (!x.defined()) return;
+        const c10::TensorImpl* impl = x.unsafeGetTensorImpl();
+        for (const auto& c : *cores) {
+          auto it = c->owner.find(impl);
+          if (it != c->owner.end()) {
+            owner = c;
+            module = it->second;
+            return;
+          }
+        }
+        for (const auto& d : t.derived) {
+          if (d.core != nullptr && d.impl && d.impl->_unsafe_get_target() == impl && !d.impl->expired()) {
+            for (const auto& c : *cores) {
+              if (c.get() == d.core) {
+                owner = c;
+                module = d.module;
+                return;
+              }
+            }
+          }
+        }
+        has_data = true;
+        if (impl == pending_impl) consumes_pending = true;
+      });
+    }
+    if (owner) {
+      auto ctx = std::make_unique<OpCtx>();
+      ctx->core = owner;
+      ctx->module = module;
+      if (!has_data) {
+        ctx->kind = OpCtx::Weights;  // e.g. weight.t(): remember its output as the module's
+      } else {
+        ctx->kind = OpCtx::Forward;
+        if (t.pending.core && (t.pending.core != owner || t.pending.module != module)) flush_pending(t);
+      }
+      ++t.skip_depth;
+      return ctx;
+    }
+    if (consumes_pending) {
+      auto core = t.pending.core;
+      const std::size_t m = t.pending.module;
+      flush_pending(t);
+      if (core->options.activations()) {
+        std::string act = activation_name(fn.name());
+        if (!act.empty()) {
+          auto ctx = std::make_unique<OpCtx>();
+          ctx->kind = OpCtx::Activation;
+          ctx->core = std::move(core);
+          ctx->module = m;
+          ctx->act = std::move(act);
+          ++t.skip_depth;
+          return ctx;
+        }
+      }
+    }
+    return nullptr;
+  }
+
+  static void on_end(const at::RecordFunction& fn, at::ObserverContext* raw) {
+    if (raw == nullptr) return;
+    auto* ctx = static_cast<OpCtx*>(raw);
+    Tls& t = tls();
+    if (ctx->kind == OpCtx::Backward) {
+      --t.backward_depth;
+      return;
+    }
+    --t.skip_depth;
+    at::Tensor out = first_output(fn);
+    if (!out.defined()) return;
+    switch (ctx->kind) {
+      case OpCtx::Weights: {
+        t.derived[t.next_derived] = Derived{ctx->core.get(), ctx->module, weak_of(out)};
+        t.next_derived = (t.next_derived + 1) % t.derived.size();
+        break;
+      }
+      case OpCtx::Forward:
+        t.pending = Pending{ctx->core, ctx->module, out};
+        break;
+      case OpCtx::Activation: {
+        t.delivering = true;
+        ctx->core->send(ctx->module, ctx->core->modules[ctx->module].name + "/" + ctx->act, out,
+                        true, Metadata{{"activation", ctx->act}});
+        t.delivering = false;
+        break;
+      }
+      default:
+        break;
+    }
+  }
+
+  mutable std::mutex mutex_;
+  std::shared_ptr<const std::vector<std::shared_ptr<AttachCore>>> cores_ =
+      std::make_shared<const std::vector<std::shared_ptr<AttachCore>>>();
+  at::CallbackHandle handle_ = 0;
+};
+
+}  // namespace detail
+
+/// An attachment of a HookManager to a model; detaches (removing every tensor hook, the
+/// observer and the manager listener) when destroyed or on `detach()`. Movable, not copyable.
+/// The manager must outlive the session; the model need not (a session outliving its model
+/// is safe, and so is a model destroyed after detaching).
+///
+/// Thread safety: `detach()` and the queries may be called from any thread, also while a
+/// forward or backward pass runs; callbacks already running finish, later ones do nothing.
+template <typename Mutex>
+class BasicAttachSession {
+ public:
+  BasicAttachSession(torch::nn::Module& model, BasicHookManager<Mutex>& hooks, AttachOptions options)
+      : hooks_(&hooks), core_(std::make_shared<detail::AttachCore>()) {
+    core_->options = std::move(options);
+    std::vector<std::regex> patterns;
+    for (const auto& p : core_->options.patterns()) {
+      try {
+        patterns.emplace_back(p, std::regex::ECMAScript);
+      } catch (const std::regex_error& e) {
+        throw Error("torchdbg: invalid attach pattern '" + p + "': " + e.what());
+      }
+    }
+    for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+      const std::string name = item.key().empty() ? "root" : item.key();
+      torch::nn::Module& m = *item.value();
+      const auto params = m.named_parameters(/*recurse=*/false);
+      const auto buffers = m.named_buffers(/*recurse=*/false);
+      if (params.is_empty() && buffers.is_empty()) continue;
+      if (!patterns.empty()) {
+        bool hit = false;
+        for (const auto& re : patterns)
+          hit = hit || std::regex_search(name, re, std::regex_constants::match_continuous);
+        if (!hit) continue;
+      }
+      const std::size_t idx = core_->modules.size();
+      detail::AttachCore::Module info;
+      info.name = name;
+      info.type_name = m.name();
+      for (const auto& p : params) {
+        info.params.push_back({p.key(), detail::weak_of(p.value()), 0, false});
+        core_->owner.emplace(p.value().unsafeGetTensorImpl(), idx);
+        core_->keep.push_back(detail::weak_of(p.value()));
+      }
+      for (const auto& b : buffers) {
+        if (!b.value().defined()) continue;
+        core_->owner.emplace(b.value().unsafeGetTensorImpl(), idx);
+        core_->keep.push_back(detail::weak_of(b.value()));
+      }
+      core_->modules.push_back(std::move(info));
+    }
+    BasicHookManager<Mutex>* mgr = hooks_;
+    core_->deliver = [mgr](std::string_view layer, const at::Tensor& t, bool fwd, const Metadata& md) {
+      (void)mgr->execute_hooks(layer, t, fwd, md);
+    };
+    core_->report_gradient_norm = [mgr](double n) { mgr->set_gradient_norm(n); };
+    core_->advance_step = [mgr] { mgr->set_step(mgr->step() + 1); };
+    if (core_->options.backward()) {
+      for (std::size_t m = 0; m < core_->modules.size(); ++m) {
+        for (auto& p : core_->modules[m].params) {
+          at::Tensor t(p.impl.lock());
+          if (!t.defined() || !t.requires_grad()) continue;
+          std::shared_ptr<detail::AttachCore> core = core_;
+          const std::string pname = p.name;
+          p.hook = t.register_hook([core, m, pname](const at::Tensor& g) { core->on_grad(m, pname, g); });
+          p.hooked = true;
+        }
+      }
+    }
+    std::weak_ptr<detail::AttachCore> weak = core_;
+    listener_ = hooks_->add_listener([weak, mgr](typename BasicHookManager<Mutex>::Change change) {
+      auto c = weak.lock();
+      if (!c) return;
+      if (change == BasicHookManager<Mutex>::Change::Before) {
+        detail::ForwardObserver::flush(c.get());  // an output pending under the old state
+      } else {
+        update(c, *mgr);
+      }
+    });
+    update(core_, *hooks_);
+  }
+
+  BasicAttachSession(const BasicAttachSession&) = delete;
+  BasicAttachSession& operator=(const BasicAttachSession&) = delete;
+  BasicAttachSession(BasicAttachSession&& o) noexcept
+      : hooks_(o.hooks_), core_(std::move(o.core_)), listener_(o.listener_) {
+    o.hooks_ = nullptr;
+  }
+  BasicAttachSession& operator=(BasicAttachSession&& o) noexcept {
+    if (this != &o) {
+      detach();
+      hooks_ = o.hooks_;
+      core_ = std::move(o.core_);
+      listener_ = o.listener_;
+      o.hooks_ = nullptr;
+    }
+    return *this;
+  }
+  ~BasicAttachSession() { detach(); }
+
+  /// Removes every hook and observer this session installed; idempotent.
+  void detach() noexcept {
+    if (!core_ || !core_->active.exchange(false)) return;
+    try {
+      hooks_->remove_listener(listener_);
+      detail::ForwardObserver::instance().set(core_, false);
+      detail::ForwardObserver::discard(core_.get());
+      for (auto& m : core_->modules) {
+        for (auto& p : m.params) {
+          if (!p.hooked) continue;
+          at::Tensor t(p.impl.lock());  // undefined when the model is gone: nothing to remove
+          if (t.defined()) t.remove_hook(p.hook);
+          p.hooked = false;
+        }
+      }
+    } catch (...) {
+    }
+  }
+
+  [[nodiscard]] bool attached() const noexcept { return core_ && core_->active.load(); }
+
+  /// Dotted names of the attached modules ("root" for the model itself), in module order.
+  [[nodiscard]] std::vector<std::string> module_names() const {
+    std::vector<std::string> out;
+    for (const auto& m : core_->modules) out.push_back(m.name);
+    return out;
+  }
+
+  /// Attached modules in the order their forward outputs were first seen.
+  [[nodiscard]] std::vector<std::string> execution_order() const { return core_->execution_order(); }
+
+  /// Per-module gradient L2 norms of the last backward pass that had hooks due.
+  [[nodiscard]] std::vector<std::pair<std::string, double>> gradient_norms() const {
+    return core_->gradient_norms();
+  }
+
+  /// Forward outputs and gradients delivered so far.
+  [[nodiscard]] uint64_t forward_deliveries() const noexcept { return core_->forward_deliveries.load(); }
+  [[nodiscard]] uint64_t backward_deliveries() const noexcept { return core_->backward_deliveries.load(); }
+
+  /// Delivers the calling thread's last module output now if it has not been consumed yet
+  /// (e.g. after an inference-only forward whose result is not used by another operator).
+  void flush() { detail::ForwardObserver::flush(core_.get()); }
+
+ private:
+  static void update(const std::shared_ptr<detail::AttachCore>& c, BasicHookManager<Mutex>& mgr) {
+    if (!c->active.load()) return;
+    const int64_t step = mgr.step();
+    const bool fwd = c->options.forward() && mgr.may_fire(true, step);
+    const bool bwd = c->options.backward() && mgr.may_fire(false, step);
+    c->forward_due.store(fwd);
+    c->backward_due.store(bwd);
+    detail::ForwardObserver::instance().set(c, fwd);
+  }
+
+  BasicHookManager<Mutex>* hooks_;
+  std::shared_ptr<detail::AttachCore> core_;
+  uint64_t listener_ = 0;
+};
+
+using AttachSession = BasicAttachSession<std::mutex>;
+
+/// Attaches `hooks` to every module of `model` that owns parameters or buffers (or those
+/// matching `options.patterns()`), without changing the model's code.
+///
+/// ```cpp
+/// auto session = torchdbg::attach(*model, hooks);
+/// // the unchanged training loop: forward outputs arrive as execute_hooks(name, out, true),
+/// // gradients as execute_hooks(name, grad, false, {{"parameter", "weight"}})
+/// ```
+template <typename Mutex>
+[[nodiscard]] BasicAttachSession<Mutex> attach(torch::nn::Module& model, BasicHookManager<Mutex>& hooks,
+                                               AttachOptions options = {}) {
+  return BasicAttachSession<Mutex>(model, hooks, std::move(options));
+}
+
+}  // namespace torchdbg

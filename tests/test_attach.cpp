@@ -1,0 +1,310 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#include <torchdbg/attach.hpp>
+
+#include <map>
+
+#include "helpers.hpp"
+
+using torchdbg::AttachOptions;
+using torchdbg::HookAction;
+using torchdbg::HookConfig;
+using torchdbg::HookManager;
+using torchdbg::HookTrigger;
+
+namespace {
+
+// A user's own network: not a Sequential, children called directly in forward().
+struct Net : torch::nn::Module {
+  explicit Net(int64_t width)
+      : conv(register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1)))),
+        bn(register_module("bn", torch::nn::BatchNorm2d(4))),
+        fc(register_module("fc", torch::nn::Linear(4 * 6 * 6, width))),
+        lstm(register_module("lstm", torch::nn::LSTM(torch::nn::LSTMOptions(width, 8).batch_first(true)))),
+        emb(register_module("emb", torch::nn::Embedding(20, 8))),
+        head(register_module("head", torch::nn::Linear(8, 3))) {}
+
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& tokens) {
+    auto h = torch::relu(bn(conv(x)));
+    auto f = fc(h.flatten(1));
+    auto seq = std::get<0>(lstm(f.unsqueeze(1))).squeeze(1);
+    return head(seq + emb(tokens));
+  }
+
+  torch::nn::Conv2d conv;
+  torch::nn::BatchNorm2d bn;
+  torch::nn::Linear fc;
+  torch::nn::LSTM lstm;
+  torch::nn::Embedding emb;
+  torch::nn::Linear head;
+};
+
+/// Records every delivered tensor (cloned) per step and name.
+struct Recorder {
+  std::map<int64_t, std::map<std::string, std::vector<torch::Tensor>>> fwd, bwd;
+  void install(HookManager& hooks) {
+    hooks.register_callback("record", [this](const torchdbg::HookContext& c) {
+      std::string key(c.layer_name());
+      if (auto p = c.metadata_value("parameter")) key += "." + std::string(*p);
+      (c.is_forward() ? fwd : bwd)[c.step()][key].push_back(c.tensor().detach().clone());
+    });
+    hooks.register_hook(HookConfig().name("record").trigger(HookTrigger::every_n_steps(1)).actions(
+        {HookAction::custom_callback("record")}));
+  }
+};
+
+const std::vector<std::string> kForwardNames = {"conv", "bn", "bn/relu", "fc", "lstm", "emb", "head"};
+
+}  // namespace
+
+TEST_CASE("every child's forward output equals running that child alone, once per step", "[attach]") {
+  for (int64_t width : {5, 12}) {
+    torchdbg_test::SeededRng rng(100 + width);
+    auto net = std::make_shared<Net>(width);
+    torch::optim::SGD opt(net->parameters(), 0.05);
+    HookManager hooks;
+    Recorder rec;
+    rec.install(hooks);
+    auto session = torchdbg::attach(*net, hooks);
+    CHECK(session.module_names() == std::vector<std::string>{"conv", "bn", "fc", "lstm", "emb", "head"});
+    for (int64_t step = 0; step < 3; ++step) {
+      hooks.set_step(step);
+      auto x = torch::randn({6, 1, 6, 6});
+      auto tokens = torch::randint(0, 20, {6});
+      opt.zero_grad();
+      auto out = net->forward(x, tokens);
+      // The reference: each child run alone on the same input, before the update.
+      std::map<std::string, torch::Tensor> ref;
+      {
+        hooks.set_enabled(false);  // the reference run must not be observed itself
+        torch::NoGradGuard ng;
+        ref["conv"] = net->conv(x);
+        ref["bn"] = net->bn(ref["conv"]);
+        ref["bn/relu"] = torch::relu(ref["bn"]);
+        ref["fc"] = net->fc(ref["bn/relu"].flatten(1));
+        ref["lstm"] = std::get<0>(net->lstm(ref["fc"].unsqueeze(1)));
+        ref["emb"] = net->emb(tokens);
+        ref["head"] = net->head(ref["lstm"].squeeze(1) + ref["emb"]);
+        hooks.set_enabled(true);
+      }
+      torch::nn::functional::cross_entropy(out, torch::randint(0, 3, {6})).backward();
+      INFO("width " << width << " step " << step);
+      const auto& seen = rec.fwd[step];
+      CHECK(seen.size() == kForwardNames.size());
+      for (const auto& name : kForwardNames) {
+        INFO("layer " << name);
+        REQUIRE(seen.count(name) == 1);
+        CHECK(seen.at(name).size() == 1);  // exactly once per step
+        CHECK(torch::allclose(seen.at(name)[0], ref[name], 1e-6, 1e-7));
+      }
+      // Gradients: what autograd delivered equals param.grad after backward.
+      const auto& grads = rec.bwd[step];
+      for (const auto& item : net->named_parameters()) {
+        INFO("parameter " << item.key());
+        REQUIRE(grads.count(item.key()) == 1);
+        CHECK(grads.at(item.key()).size() == 1);
+        CHECK(torch::equal(grads.at(item.key())[0], item.value().grad()));
+      }
+      opt.step();
+    }
+    CHECK(session.execution_order() == std::vector<std::string>{"conv", "bn", "fc", "lstm", "emb", "head"});
+  }
+}
+
+TEST_CASE("attached statistics match an independent reference", "[attach]") {
+  torchdbg_test::SeededRng rng(7);
+  auto net = std::make_shared<Net>(8);
+  HookManager hooks;
+  hooks.create_tensor_inspection_hook({});
+  auto session = torchdbg::attach(*net, hooks);
+  auto x = torch::randn({4, 1, 6, 6});
+  net->forward(x, torch::randint(0, 20, {4})).sum().backward();
+  torch::Tensor conv_ref;
+  {
+    hooks.set_enabled(false);
+    torch::NoGradGuard ng;
+    conv_ref = net->conv(x);
+  }
+  const auto r = torchdbg_test::reference(conv_ref);
+  const auto rec = hooks.inspector.latest("conv");
+  REQUIRE(rec);
+  CHECK_CLOSE(rec->stats.mean, r.mean, 1e-6);
+  CHECK_CLOSE(rec->stats.std, r.std, 1e-6);
+  CHECK(rec->stats.numel == r.numel);
+  CHECK(hooks.visualizer.latest("bn/relu")->zeros > 0);
+}
+
+TEST_CASE("per-module gradient norms and the global norm come from one backward", "[attach]") {
+  torchdbg_test::SeededRng rng(8);
+  auto net = std::make_shared<Net>(6);
+  HookManager hooks;
+  hooks.create_gradient_tracking_hook({});
+  auto session = torchdbg::attach(*net, hooks);
+  net->forward(torch::randn({3, 1, 6, 6}), torch::randint(0, 20, {3})).pow(2).mean().backward();
+  const auto norms = session.gradient_norms();
+  REQUIRE(norms.size() == 6);
+  double total = 0;
+  for (const auto& [name, n] : norms) {
+    double ref = 0;
+    for (const auto& p : net->named_modules()[name]->parameters(false)) ref += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
+    INFO("module " << name);
+    CHECK_CLOSE(n, std::sqrt(ref), 1e-9);
+    total += ref;
+  }
+  REQUIRE(hooks.state().gradient_norm);
+  CHECK_CLOSE(*hooks.state().gradient_norm, std::sqrt(total), 1e-9);
+  CHECK(hooks.inspector.gradient_history("lstm.weight_ih_l0/grad").size() == 1);
+}
+
+TEST_CASE("the observer runs only on steps where a forward hook is due", "[attach]") {
+  auto net = std::make_shared<Net>(4);
+  HookManager hooks;
+  Recorder rec;
+  hooks.register_callback("record", [&](const torchdbg::HookContext& c) {
+    rec.fwd[c.step()][std::string(c.layer_name())].push_back(c.tensor());
+  });
+  hooks.register_hook(HookConfig().trigger(HookTrigger::every_n_steps(5)).actions({HookAction::custom_callback("record")}));
+  auto& observer = torchdbg::detail::ForwardObserver::instance();
+  auto session = torchdbg::attach(*net, hooks);
+  for (int64_t step = 0; step < 11; ++step) {
+    hooks.set_step(step);
+    CHECK(observer.registered() == (step % 5 == 0));
+    net->forward(torch::randn({2, 1, 6, 6}), torch::randint(0, 20, {2})).sum().backward();
+  }
+  CHECK(rec.fwd.size() == 3);  // steps 0, 5, 10
+  CHECK(rec.fwd.count(5) == 1);
+  const auto before = session.forward_deliveries();
+  hooks.clear_hooks();
+  CHECK_FALSE(observer.registered());
+  net->forward(torch::randn({2, 1, 6, 6}), torch::randint(0, 20, {2})).sum().backward();
+  CHECK(session.forward_deliveries() == before);
+  CHECK(session.backward_deliveries() > 0);
+}
+
+TEST_CASE("detaching stops every callback and removes the observer", "[attach]") {
+  auto net = std::make_shared<Net>(4);
+  HookManager hooks;
+  int calls = 0;
+  hooks.register_callback("count", [&](const torchdbg::HookContext&) { ++calls; });
+  hooks.register_hook(HookConfig().trigger(HookTrigger::every_n_steps(1)).actions({HookAction::custom_callback("count")}));
+  auto run = [&] { net->forward(torch::randn({2, 1, 6, 6}), torch::randint(0, 20, {2})).sum().backward(); };
+  {
+    auto session = torchdbg::attach(*net, hooks);
+    run();
+    CHECK(calls > 0);
+    session.detach();
+    CHECK_FALSE(session.attached());
+    const int after = calls;
+    run();
+    CHECK(calls == after);
+  }  // destroying a detached session is a no-op
+  CHECK_FALSE(torchdbg::detail::ForwardObserver::instance().registered());
+  const int after = calls;
+  run();
+  CHECK(calls == after);
+  // Attaching again works, and a moved session keeps the attachment.
+  auto s1 = torchdbg::attach(*net, hooks);
+  auto s2 = std::move(s1);
+  run();
+  CHECK(calls > after);
+}
+
+TEST_CASE("a session may outlive its model and a model may die after detaching", "[attach]") {
+  HookManager hooks;
+  hooks.create_tensor_inspection_hook({});
+  hooks.create_gradient_tracking_hook({});
+  std::optional<torchdbg::AttachSession> session;
+  {
+    auto net = std::make_shared<Net>(4);
+    session.emplace(torchdbg::attach(*net, hooks));
+    net->forward(torch::randn({2, 1, 6, 6}), torch::randint(0, 20, {2})).sum().backward();
+  }  // model gone, session alive
+  auto other = torch::nn::Linear(3, 3);  // new tensors must not be mistaken for the dead model's
+  other(torch::randn({2, 3})).sum().backward();
+  CHECK(hooks.inspector.latest("fc"));
+  CHECK_FALSE(hooks.inspector.latest("weight"));
+  session.reset();  // detaching with the model gone
+  {
+    auto net = std::make_shared<Net>(4);
+    auto s = torchdbg::attach(*net, hooks);
+    s.detach();
+  }  // model dies after detaching
+  SUCCEED();
+}
+
+TEST_CASE("auto step counts one step per backward pass", "[attach]") {
+  auto net = std::make_shared<Net>(4);
+  HookManager hooks;
+  hooks.create_gradient_tracking_hook({});
+  auto session = torchdbg::attach(*net, hooks, AttachOptions().auto_step(true));
+  for (int i = 0; i < 4; ++i) net->forward(torch::randn({2, 1, 6, 6}), torch::randint(0, 20, {2})).sum().backward();
+  CHECK(hooks.step() == 4);
+}
+
+TEST_CASE("patterns select modules from the start of their dotted names", "[attach]") {
+  struct Outer : torch::nn::Module {
+    Outer() {
+      enc = register_module("enc", std::make_shared<Net>(4));
+      fc = register_module("fc", torch::nn::Linear(3, 3));
+    }
+    std::shared_ptr<Net> enc;
+    torch::nn::Linear fc{nullptr};
+  };
+  auto outer = std::make_shared<Outer>();
+  HookManager hooks;
+  auto all = torchdbg::attach(*outer, hooks);
+  CHECK(all.module_names().size() == 7);
+  auto fc_only = torchdbg::attach(*outer, hooks, AttachOptions().patterns({"fc"}));
+  CHECK(fc_only.module_names() == std::vector<std::string>{"fc"});  // not "enc.fc": matched from the start
+  auto enc = torchdbg::attach(*outer, hooks, AttachOptions().patterns({"enc\\.(conv|bn)$"}));
+  CHECK(enc.module_names() == std::vector<std::string>{"enc.conv", "enc.bn"});
+  CHECK_THROWS_WITH(torchdbg::attach(*outer, hooks, AttachOptions().patterns({"(("})), Catch::Contains("(("));
+}
+
+TEST_CASE("custom modules, activation modules and weight views are attributed correctly", "[attach]") {
+  // A module with its own parameters used through a transposed view, and a ReLU module.
+  struct Custom : torch::nn::Module {
+    Custom() {
+      w = register_parameter("w", torch::randn({5, 3}));
+      b = register_parameter("b", torch::randn({5}));
+      act = register_module("act", torch::nn::Tanh());
+    }
+    torch::Tensor forward(const torch::Tensor& x) { return act(x.matmul(w.t()) + b); }
+    torch::Tensor w, b;
+    torch::nn::Tanh act{nullptr};
+  };
+  torchdbg_test::SeededRng rng(9);
+  auto m = std::make_shared<Custom>();
+  HookManager hooks;
+  Recorder rec;
+  rec.install(hooks);
+  auto session = torchdbg::attach(*m, hooks);
+  auto x = torch::randn({4, 3});
+  m->forward(x).sum().backward();
+  hooks.set_enabled(false);
+  const auto& seen = rec.fwd[0];
+  REQUIRE(seen.count("root") == 1);
+  REQUIRE(seen.count("root/tanh") == 1);
+  CHECK(seen.size() == 2);
+  torch::NoGradGuard ng;
+  CHECK(torch::allclose(seen.at("root")[0], x.matmul(m->w.t()) + m->b));
+  CHECK(torch::allclose(seen.at("root/tanh")[0], torch::tanh(x.matmul(m->w.t()) + m->b)));
+  CHECK(rec.bwd[0].count("root.w") == 1);
+}
+
+TEST_CASE("an output not yet consumed is delivered under the step it was computed in", "[attach]") {
+  auto fc = torch::nn::Linear(3, 2);
+  HookManager hooks;
+  std::vector<int64_t> steps;
+  hooks.register_callback("s", [&](const torchdbg::HookContext& c) { steps.push_back(c.step()); });
+  hooks.register_hook(HookConfig().trigger(HookTrigger::every_forward()).actions({HookAction::custom_callback("s")}));
+  auto session = torchdbg::attach(*fc, hooks);
+  hooks.set_step(7);
+  auto y = fc(torch::randn({4, 3}));  // nothing consumes y yet
+  CHECK(steps.empty());
+  hooks.set_step(8);  // the output belongs to step 7
+  CHECK(steps == std::vector<int64_t>{7});
+  auto z = fc(torch::randn({4, 3}));
+  session.flush();  // or deliver it explicitly
+  CHECK(steps == std::vector<int64_t>{7, 8});
+}
