@@ -34,6 +34,8 @@ TEST_CASE("good paths resolve to the modules their grammar names", "[paths]") {
   const std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> table = {
       {"", model},
       {"layers", model->layers.ptr()},
+      {"[0]", model->layers.ptr()},
+      {"[-1][0]", model->odd->linear.ptr()},
       {"layers[0]", model->layers->ptr(0)},
       {"layers[-1]", model->layers->ptr(3)},
       {"layers.2", model->layers->ptr(2)},
@@ -95,6 +97,7 @@ TEST_CASE("paths convert to names and merge under a relative root", "[paths]") {
   CHECK(torchdbg::submodule_path_to_name("heads['cls']") == "heads.cls");
   CHECK(torchdbg::submodule_path_to_name("<block0/module>") == "block0/module");
   CHECK(torchdbg::submodule_path_to_name("") == "");
+  CHECK(torchdbg::submodule_path_to_name("[2].fc") == "2.fc");
   CHECK_THROWS_WITH(torchdbg::submodule_path_to_name("layers[-1]"), Catch::Contains("needs the model"));
   CHECK_THROWS_WITH(torchdbg::submodule_path_to_name("layers[0:2]"), Catch::Contains("needs the model"));
   CHECK(torchdbg::merge_paths("encoder", "layers[0]") == "encoder.layers[0]");

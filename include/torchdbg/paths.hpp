@@ -3,7 +3,7 @@
 #pragma once
 
 // Submodule paths (tdhook's grammar):
-//   path    := segment ( '.' segment | '[' index ']' )*
+//   path    := ( segment | '[' index ']' ) ( '.' segment | '[' index ']' )*
 //   segment := name | '<' any characters but '>' '>'        e.g. encoder, <block0/module>
 //   index   := integer | -integer | 'key' | "key" | [int]:[int][:int]
 // `layers[0]` is the first child of `layers` (Sequential/ModuleList item 0), `layers[-1]` the
@@ -144,7 +144,11 @@ inline std::vector<PathStep> parse_submodule_path(std::string_view path) {
   };
 
   if (n == 0) return steps;  // the root itself
-  read_segment();
+  if (path[0] == '[') {
+    read_index();  // "[0]" indexes the root container itself
+  } else {
+    read_segment();
+  }
   while (i < n) {
     if (path[i] == '.') {
       ++i;
@@ -264,7 +268,7 @@ inline std::string merge_paths(std::string_view root, std::string_view path) {
   if (root.empty()) return std::string(path);
   if (path.empty()) return std::string(root);
   (void)parse_submodule_path(root);
-  (void)parse_submodule_path(path.front() == '[' ? std::string("x") + std::string(path) : std::string(path));
+  (void)parse_submodule_path(path);
   return std::string(root) + (path.front() == '[' ? "" : ".") + std::string(path);
 }
 

@@ -10,6 +10,7 @@
 #include "torchdbg/hook_config.hpp"
 #include "torchdbg/hook_context.hpp"
 #include "torchdbg/hook_manager.hpp"
+#include "torchdbg/hooked.hpp"
 #include "torchdbg/paths.hpp"
 #include "torchdbg/snapshot.hpp"
 #include "torchdbg/tensor_inspector.hpp"

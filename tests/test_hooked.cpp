@@ -1,0 +1,187 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#include <torchdbg/hooked.hpp>
+
+#include <torch/torch.h>
+
+#include "helpers.hpp"
+
+using torchdbg::ExactHook;
+using torchdbg::HookDirection;
+using torchdbg::HookTensors;
+using torchdbg::ModuleCall;
+
+namespace {
+
+struct Net : torch::nn::Module {
+  Net() {
+    fc1 = register_module("fc1", torch::nn::Linear(4, 6));
+    fc2 = register_module("fc2", torch::nn::Linear(6, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::relu(fc1(x))); }
+  torchdbg::Hooked<torch::nn::Linear> fc1{nullptr};
+  torchdbg::Hooked<torch::nn::Linear> fc2{nullptr};
+};
+
+torch::Tensor plain(Net& n, const torch::Tensor& x) {  // the same computation, no hooks
+  return n.fc2->forward(torch::relu(n.fc1->forward(x)));
+}
+
+ExactHook fwd(std::function<std::optional<torch::Tensor>(const torch::Tensor& in, const torch::Tensor& out)> f) {
+  return {HookDirection::Fwd, [f](const ModuleCall&, const HookTensors& t) { return f(t.input, t.output); }};
+}
+
+}  // namespace
+
+TEST_CASE("a forward hook patches the output exactly, and removing it restores the original", "[hooked]") {
+  torchdbg_test::SeededRng rng(1);
+  auto net = std::make_shared<Net>();
+  auto x = torch::randn({5, 4});
+  const auto original = net->forward(x);
+  CHECK(torch::equal(original, plain(*net, x)));
+  {
+    auto h = torchdbg::register_module_hook(net->fc1.ptr(), fwd([](const torch::Tensor&, const torch::Tensor& out) {
+                                              return std::optional<torch::Tensor>(out * 0.5 - 1.0);
+                                            }),
+                                            "fc1");
+    const auto patched = net->forward(x);
+    torch::NoGradGuard ng;
+    const auto expected = net->fc2->forward(torch::relu(net->fc1->forward(x) * 0.5 - 1.0));
+    CHECK(torch::allclose(patched, expected));
+    CHECK_FALSE(torch::allclose(patched, original));
+  }
+  CHECK(torch::equal(net->forward(x), original));
+}
+
+TEST_CASE("a pre-hook replaces the input; a mismatched replacement is an error naming both", "[hooked]") {
+  torchdbg_test::SeededRng rng(2);
+  auto net = std::make_shared<Net>();
+  auto x = torch::randn({2, 4});
+  auto h = torchdbg::register_module_hook(
+      net->fc1.ptr(), {HookDirection::FwdPre, [](const ModuleCall&, const HookTensors& t) { return std::optional<torch::Tensor>(t.input.flip(1)); }},
+      "fc1");
+  CHECK(torch::allclose(net->forward(x), plain(*net, x.flip(1))));
+  h.remove();
+  auto bad = torchdbg::register_module_hook(net->fc2.ptr(), torchdbg::setting_hook(torch::zeros({2, 4})), "fc2");
+  CHECK_THROWS_WITH(net->forward(x), Catch::Contains("fwd hook of 'fc2'") && Catch::Contains("[2, 3]") && Catch::Contains("[2, 4]"));
+}
+
+TEST_CASE("caching, setting from the cache and reading hooks", "[hooked]") {
+  torchdbg_test::SeededRng rng(3);
+  auto net = std::make_shared<Net>();
+  auto cache = std::make_shared<torchdbg::TensorCache>();
+  auto x1 = torch::randn({3, 4}), x2 = torch::randn({3, 4});
+  torch::Tensor fc1_x1;
+  {
+    auto h = torchdbg::register_module_hook(net->fc1.ptr(), torchdbg::caching_hook(cache), "fc1");
+    net->forward(x1);
+    REQUIRE(cache->contains("fc1"));
+    fc1_x1 = cache->get("fc1");
+    CHECK_FALSE(fc1_x1.requires_grad());  // detached by default
+    CHECK(torch::allclose(fc1_x1, net->fc1->forward(x1)));
+  }
+  // Activation patching: run x2 with fc1's output taken from the x1 run.
+  std::vector<std::string> read;
+  auto h = torchdbg::register_module_hook(net->fc1.ptr(), torchdbg::setting_hook(cache, "fc1"), "fc1") +
+           torchdbg::register_module_hook(net->fc2.ptr(), torchdbg::reading_hook([&](const ModuleCall& c, const torch::Tensor& t) {
+                                            read.push_back(std::string(c.path) + ":" + std::to_string(t.size(1)));
+                                          }),
+                                          "fc2");
+  CHECK(h.size() == 2);
+  CHECK(torch::allclose(net->forward(x2), net->forward(x1)));
+  CHECK(read == std::vector<std::string>{"fc2:3", "fc2:3"});
+  CHECK(h.remove());
+  CHECK_FALSE(h.remove());  // removable once
+  auto missing = torchdbg::register_module_hook(net->fc1.ptr(), torchdbg::setting_hook(cache, "nope"), "fc1");
+  CHECK_THROWS_WITH(net->forward(x2), Catch::Contains("'nope'"));
+}
+
+TEST_CASE("backward hooks see and may replace gradients", "[hooked]") {
+  torchdbg_test::SeededRng rng(4);
+  auto net = std::make_shared<Net>();
+  auto x = torch::randn({3, 4}).requires_grad_(true);
+  // Reference gradients through autograd on the plain computation.
+  auto h1 = net->fc1->forward(x);
+  auto a1 = torch::relu(h1);
+  auto y = net->fc2->forward(a1);
+  auto ref = torch::autograd::grad({y.pow(2).sum()}, {h1, a1, x});
+  torch::Tensor g_out_fc1, g_in_fc2, g_out_fc2;
+  auto handle = torchdbg::register_module_hook(net->fc1.ptr(), torchdbg::caching_hook(std::make_shared<torchdbg::TensorCache>(), "", HookDirection::BwdPre), "fc1") +
+                torchdbg::register_module_hook(net->fc1.ptr(), {HookDirection::BwdPre, [&](const ModuleCall&, const HookTensors& t) {
+                                                  g_out_fc1 = t.grad_output;
+                                                  return std::optional<torch::Tensor>();
+                                                }}, "fc1") +
+                torchdbg::register_module_hook(net->fc2.ptr(), {HookDirection::Bwd, [&](const ModuleCall&, const HookTensors& t) {
+                                                  g_in_fc2 = t.grad_input;
+                                                  g_out_fc2 = t.grad_output;
+                                                  return std::optional<torch::Tensor>();
+                                                }}, "fc2");
+  net->forward(x).pow(2).sum().backward();
+  REQUIRE(g_out_fc1.defined());
+  CHECK(torch::allclose(g_out_fc1, ref[0]));
+  CHECK(torch::allclose(g_in_fc2, ref[1]));
+  CHECK(torch::allclose(g_out_fc2, 2 * y));
+  const auto x_grad = x.grad().clone();
+  CHECK(torch::allclose(x_grad, ref[2]));
+  handle.remove();
+  // Replacing fc1's output gradient with zeros silences every gradient below it.
+  auto zero = torchdbg::register_module_hook(net->fc1.ptr(), torchdbg::setting_hook([](const torch::Tensor& g) { return torch::zeros_like(g); }, HookDirection::BwdPre), "fc1");
+  net->zero_grad();
+  x.mutable_grad() = torch::Tensor();
+  net->forward(x).pow(2).sum().backward();
+  CHECK(net->fc1->weight.grad().abs().sum().item<double>() == 0.0);
+  CHECK(x.grad().abs().sum().item<double>() == 0.0);
+  CHECK(net->fc2->weight.grad().abs().sum().item<double>() > 0.0);
+}
+
+TEST_CASE("run_until stops the forward after the module and returns its output", "[hooked]") {
+  torchdbg_test::SeededRng rng(5);
+  auto seq = torchdbg::HookedSequential(torch::nn::Linear(4, 5), torch::nn::ReLU(), torch::nn::Linear(5, 2));
+  int later = 0;
+  auto count = torchdbg::register_module_hook(seq->ptr(2), torchdbg::reading_hook([&](const ModuleCall&, const torch::Tensor&) { ++later; }), "2");
+  auto x = torch::randn({3, 4});
+  seq->forward(x);
+  CHECK(later == 1);
+  auto cache = torchdbg::run_until(seq, x, "[1]");
+  CHECK(later == 1);  // the last layer never ran
+  REQUIRE(cache->contains("1"));
+  CHECK(torch::allclose(cache->get("1"), torch::relu(seq[0]->as<torch::nn::Linear>()->forward(x))));
+  CHECK_THROWS_WITH(torchdbg::run_until(seq, x, "[7]"), Catch::Contains("out of range"));
+}
+
+TEST_CASE("a multi-hook manager selects by pattern from the start, classes and relative root", "[hooked]") {
+  struct Model : torch::nn::Module {
+    Model() {
+      layers = register_module("layers", torchdbg::HookedSequential(torch::nn::Linear(4, 4), torch::nn::ReLU(), torch::nn::Linear(4, 4), torch::nn::Tanh()));
+      head = register_module("head", torch::nn::Linear(4, 2));  // plain: not hookable
+    }
+    torch::Tensor forward(const torch::Tensor& x) { return head(layers->forward(x)); }
+    torchdbg::HookedSequential layers{nullptr};
+    torch::nn::Linear head{nullptr};
+  };
+  auto model = std::make_shared<Model>();
+  auto cache = std::make_shared<torchdbg::TensorCache>();
+  torchdbg::MultiHookManager linears(torchdbg::MultiHookOptions().pattern("layers").classes_to_hook({torchdbg::module_type<torch::nn::LinearImpl>()}));
+  CHECK(linears.matching(model) == std::vector<std::string>{"layers.0", "layers.2"});
+  torchdbg::MultiHookManager not_relu(torchdbg::MultiHookOptions().pattern("layers\\.").classes_to_skip({torchdbg::module_type<torch::nn::ReLUImpl>()}));
+  CHECK(not_relu.matching(model) == std::vector<std::string>{"layers.0", "layers.2", "layers.3"});
+  torchdbg::MultiHookManager rel(torchdbg::MultiHookOptions().relative_path("layers").pattern("layers\\.[13]$"));
+  CHECK(rel.matching(model) == std::vector<std::string>{"layers.1", "layers.3"});
+  {
+    auto h = linears.register_hook(model, torchdbg::caching_hook(cache));
+    CHECK(h.size() == 2);
+    auto x = torch::randn({2, 4});
+    model->forward(x);
+    CHECK(cache->keys() == std::vector<std::string>{"layers.0", "layers.2"});
+    torch::NoGradGuard ng;
+    CHECK(torch::allclose(cache->get("layers.0"), model->layers[0]->as<torch::nn::Linear>()->forward(x)));
+  }
+  cache->clear();
+  model->forward(torch::randn({2, 4}));
+  CHECK(cache->size() == 0);  // the handle went out of scope: hooks removed
+  torchdbg::MultiHookManager head(torchdbg::MultiHookOptions().pattern("head"));
+  CHECK_THROWS_WITH(head.register_hook(model, torchdbg::caching_hook(cache)), Catch::Contains("not hookable: head"));
+  CHECK_THROWS_WITH(torchdbg::register_module_hook(model->head.ptr(), torchdbg::caching_hook(cache), "head"),
+                    Catch::Contains("not called through torchdbg"));
+  CHECK_THROWS_WITH(torchdbg::MultiHookManager(torchdbg::MultiHookOptions().pattern("([")), Catch::Contains("(["));
+}
