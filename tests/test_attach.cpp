@@ -107,7 +107,61 @@ TEST_CASE("every child's forward output equals running that child alone, once pe
       }
       opt.step();
     }
+    hooks.set_step(99);  // delivers anything still pending from step 2
+    // Counted again after the optimizer steps: an update is never a forward output.
+    for (int64_t step = 0; step < 3; ++step) {
+      INFO("step " << step);
+      CHECK(rec.fwd[step].size() == kForwardNames.size());
+      for (const auto& [name, list] : rec.fwd[step]) {
+        INFO("layer " << name);
+        CHECK(list.size() == 1);
+      }
+    }
     CHECK(session.execution_order() == std::vector<std::string>{"conv", "bn", "fc", "lstm", "emb", "head"});
+  }
+}
+
+TEST_CASE("optimizer updates and no-grad passes are not forward outputs unless asked", "[attach]") {
+  torchdbg_test::SeededRng rng(11);
+  auto net = std::make_shared<Net>(4);
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-3).weight_decay(0.1));
+  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.1));
+  HookManager hooks;
+  Recorder rec;
+  rec.install(hooks);
+  auto session = torchdbg::attach(*net, hooks);
+  for (int64_t step = 0; step < 2; ++step) {
+    hooks.set_step(step);
+    net->forward(torch::randn({2, 1, 6, 6}), torch::randint(0, 20, {2})).sum().backward();
+    adam.step();
+    sgd.step();
+  }
+  hooks.set_step(2);
+  {
+    torch::NoGradGuard ng;  // an evaluation pass: not observed by default
+    net->forward(torch::randn({2, 1, 6, 6}), torch::randint(0, 20, {2}));
+  }
+  hooks.set_step(3);
+  for (int64_t step = 0; step < 2; ++step) {
+    INFO("step " << step);
+    for (const auto& [name, list] : rec.fwd[step]) {
+      INFO("layer " << name);
+      CHECK(list.size() == 1);
+    }
+  }
+  CHECK(rec.fwd.count(2) == 0);
+  auto eval_session = torchdbg::attach(*net, hooks, AttachOptions().no_grad_forward(true).backward(false));
+  session.detach();
+  {
+    torch::NoGradGuard ng;
+    net->forward(torch::randn({2, 1, 6, 6}), torch::randint(0, 20, {2})).sum();
+    adam.step();  // in-place updates stay invisible even then
+  }
+  hooks.set_step(4);
+  CHECK(rec.fwd[3].size() == kForwardNames.size());
+  for (const auto& [name, list] : rec.fwd[3]) {
+    INFO("layer " << name);
+    CHECK(list.size() == 1);
   }
 }
 

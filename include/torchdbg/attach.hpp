@@ -26,6 +26,11 @@
 //   and removed otherwise, so a step with no hook due runs no torchdbg code in the forward.
 //   Gradient hooks cost one atomic check when no hook is due.
 //
+// Not forward outputs: in-place updates of a module's own tensors, operators that take a
+// parameter together with its own gradient (optimizer arithmetic such as weight decay), and
+// by default anything run with gradients disabled (AttachOptions::no_grad_forward opts in to
+// observing evaluation passes under torch::NoGradGuard).
+//
 // Limits: a module whose own parameters are used by several separate operator groups (e.g.
 // a custom module computing two linear maps of its own weights with an activation between)
 // reports each group under its name; MultiheadAttention's attention output is reported by
@@ -39,6 +44,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -79,6 +85,10 @@ struct AttachOptions {
   TORCH_ARG(bool, gradient_norms) = true;
   /// One backward pass = one step: the manager's step advances at the end of each backward.
   TORCH_ARG(bool, auto_step) = false;
+  /// Also observe forward passes run with gradients disabled (torch::NoGradGuard,
+  /// evaluation). Off by default because optimizers update parameters under no-grad, and
+  /// an update such as SGD's weight decay `grad + wd * param` is not a forward output.
+  TORCH_ARG(bool, no_grad_forward) = false;
 };
 
 namespace detail {
@@ -395,21 +405,46 @@ class ForwardObserver {
     if (t.backward_depth > 0 || t.skip_depth > 0) return nullptr;
     const auto cores = instance().cores();
     if (cores->empty()) return nullptr;
+    const bool grad_mode = at::GradMode::is_enabled();
+    // An in-place operator whose `self` is a module's own tensor updates state (optimizer
+    // steps, running statistics); it is never a forward output.
+    const std::string_view op_name = fn.name();
+    const bool in_place = !op_name.empty() && op_name.back() == '_';
     std::shared_ptr<AttachCore> owner;
     std::size_t module = 0;
     bool has_data = false;
     bool consumes_pending = false;
     const c10::TensorImpl* pending_impl =
         t.pending.core && t.pending.out.defined() ? t.pending.out.unsafeGetTensorImpl() : nullptr;
-    for (const c10::IValue& v : safe_inputs(fn)) {
+    bool first_input = true;
+    bool updates_owned = false;
+    const at::ArrayRef<const c10::IValue> inputs = safe_inputs(fn);
+    // An operator taking a parameter together with that parameter's own gradient is an
+    // optimizer's (weight decay `grad + wd * p`, ...), whatever the grad mode.
+    std::vector<const c10::TensorImpl*> grads_of_owned;
+    for (const c10::IValue& v : inputs) {
       for_each_tensor(v, [&](const at::Tensor& x) {
+        if (!x.defined() || !x.requires_grad()) return;
+        for (const auto& c : *cores) {
+          if (c->owner.count(x.unsafeGetTensorImpl()) && x.grad().defined()) {
+            grads_of_owned.push_back(x.grad().unsafeGetTensorImpl());
+          }
+        }
+      });
+    }
+    for (const c10::IValue& v : inputs) {
+      for_each_tensor(v, [&](const at::Tensor& x) {
+        const bool is_self = first_input;
+        first_input = false;
         if (!x.defined()) return;
         const c10::TensorImpl* impl = x.unsafeGetTensorImpl();
         for (const auto& c : *cores) {
           auto it = c->owner.find(impl);
           if (it != c->owner.end()) {
+            if (!grad_mode && !c->options.no_grad_forward()) return;
             owner = c;
             module = it->second;
+            updates_owned = updates_owned || (in_place && is_self);
             return;
           }
         }
@@ -424,10 +459,14 @@ class ForwardObserver {
             }
           }
         }
+        if (std::find(grads_of_owned.begin(), grads_of_owned.end(), impl) != grads_of_owned.end()) {
+          updates_owned = true;  // an optimizer's arithmetic, not a forward
+        }
         has_data = true;
         if (impl == pending_impl) consumes_pending = true;
       });
     }
+    if (updates_owned) return nullptr;
     if (owner) {
       auto ctx = std::make_unique<OpCtx>();
       ctx->core = owner;
