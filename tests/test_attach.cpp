@@ -362,3 +362,65 @@ TEST_CASE("an output not yet consumed is delivered under the step it was compute
   session.flush();  // or deliver it explicitly
   CHECK(steps == std::vector<int64_t>{7, 8});
 }
+
+TEST_CASE("each built-in layer kind delivers exactly its own output once", "[attach]") {
+  using torch::nn::Module;
+  struct Case {
+    std::string name;
+    std::shared_ptr<Module> module;
+    std::function<torch::Tensor(const torch::Tensor&)> call;
+    torch::Tensor input;
+  };
+  torchdbg_test::SeededRng rng(12);
+  auto ln = torch::nn::LayerNorm(torch::nn::LayerNormOptions({6}));
+  auto gn = torch::nn::GroupNorm(2, 4);
+  auto c1 = torch::nn::Conv1d(torch::nn::Conv1dOptions(2, 3, 3));
+  auto c3 = torch::nn::Conv3d(torch::nn::Conv3dOptions(1, 2, 2));
+  auto gru = torch::nn::GRU(torch::nn::GRUOptions(6, 5));
+  auto rnn = torch::nn::RNN(torch::nn::RNNOptions(6, 5));
+  auto bn1 = torch::nn::BatchNorm1d(6);
+  auto in1 = torch::nn::InstanceNorm1d(torch::nn::InstanceNorm1dOptions(2).affine(true));
+  std::vector<Case> cases = {
+      {"LayerNorm", ln.ptr(), [&](const torch::Tensor& x) { return ln(x); }, torch::randn({3, 6})},
+      {"GroupNorm", gn.ptr(), [&](const torch::Tensor& x) { return gn(x); }, torch::randn({3, 4, 5})},
+      {"Conv1d", c1.ptr(), [&](const torch::Tensor& x) { return c1(x); }, torch::randn({2, 2, 7})},
+      {"Conv3d", c3.ptr(), [&](const torch::Tensor& x) { return c3(x); }, torch::randn({1, 1, 3, 3, 3})},
+      {"GRU", gru.ptr(), [&](const torch::Tensor& x) { return std::get<0>(gru(x)); }, torch::randn({4, 2, 6})},
+      {"RNN", rnn.ptr(), [&](const torch::Tensor& x) { return std::get<0>(rnn(x)); }, torch::randn({4, 2, 6})},
+      {"BatchNorm1d", bn1.ptr(), [&](const torch::Tensor& x) { return bn1(x); }, torch::randn({5, 6})},
+      {"InstanceNorm1d", in1.ptr(), [&](const torch::Tensor& x) { return in1(x); }, torch::randn({2, 2, 5})},
+  };
+  for (auto& c : cases) {
+    INFO("module " << c.name);
+    HookManager hooks;
+    Recorder rec;
+    rec.install(hooks);
+    auto session = torchdbg::attach(*c.module, hooks);
+    auto y = c.call(c.input);
+    y.sum().backward();
+    hooks.set_enabled(false);
+    const auto& seen = rec.fwd[0];
+    REQUIRE(seen.count("root") == 1);
+    CHECK(seen.size() == 1);
+    CHECK(seen.at("root").size() == 1);
+    CHECK(torch::allclose(seen.at("root")[0], y.detach()));
+    CHECK(rec.bwd[0].size() == c.module->parameters().size());
+  }
+}
+
+TEST_CASE("MultiheadAttention's attention output arrives through its out_proj child", "[attach]") {
+  torchdbg_test::SeededRng rng(13);
+  auto mha = torch::nn::MultiheadAttention(torch::nn::MultiheadAttentionOptions(8, 2));
+  HookManager hooks;
+  Recorder rec;
+  rec.install(hooks);
+  auto session = torchdbg::attach(*mha, hooks);
+  auto q = torch::randn({3, 2, 8});
+  auto out = std::get<0>(mha(q, q, q));
+  out.sum().backward();
+  hooks.set_enabled(false);
+  REQUIRE(rec.fwd[0].count("out_proj") == 1);
+  CHECK(rec.fwd[0].at("out_proj").size() == 1);
+  CHECK(torch::allclose(rec.fwd[0].at("out_proj")[0], out.detach(), 1e-5, 1e-6));
+  CHECK(rec.bwd[0].count("root.in_proj_weight") == 1);
+}

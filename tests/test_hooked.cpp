@@ -185,3 +185,71 @@ TEST_CASE("a multi-hook manager selects by pattern from the start, classes and r
                     Catch::Contains("not called through torchdbg"));
   CHECK_THROWS_WITH(torchdbg::MultiHookManager(torchdbg::MultiHookOptions().pattern("([")), Catch::Contains("(["));
 }
+
+TEST_CASE("children of a plain Sequential are hooked without changing the model", "[hooked]") {
+  struct Model : torch::nn::Module {
+    Model() {
+      layers = register_module("layers", torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::ReLU(), torch::nn::Linear(4, 2)));
+    }
+    torch::Tensor forward(const torch::Tensor& x) { return layers->forward(x); }
+    torch::nn::Sequential layers{nullptr};
+  };
+  torchdbg_test::SeededRng rng(6);
+  auto model = std::make_shared<Model>();
+  auto x = torch::randn({3, 4});
+  const auto original = model->forward(x);
+  const auto names_before = model->named_parameters().keys();
+  auto* first = model->layers->ptr(0).get();
+  {
+    auto h = torchdbg::register_module_hook(model, "layers[0]", fwd([](const torch::Tensor&, const torch::Tensor& out) {
+                                              return std::optional<torch::Tensor>(torch::zeros_like(out));
+                                            }));
+    CHECK(model->named_parameters().keys() == names_before);  // parameters untouched
+    const auto patched = model->forward(x);
+    torch::NoGradGuard ng;
+    const auto bias_only = model->layers[2]->as<torch::nn::Linear>()->bias.expand({3, 2});
+    CHECK(torch::allclose(patched, bias_only));  // relu(0) = 0, so only fc2's bias remains
+  }
+  CHECK(model->layers->ptr(0).get() == first);  // the original is back in place
+  CHECK(torch::equal(model->forward(x), original));
+  // MultiHookManager finds Sequential children the same way.
+  auto cache = std::make_shared<torchdbg::TensorCache>();
+  torchdbg::MultiHookManager mgr(torchdbg::MultiHookOptions().pattern("layers\\.[02]$"));
+  {
+    auto h = mgr.register_hook(model, torchdbg::caching_hook(cache));
+    CHECK(h.size() == 2);
+    CHECK(torch::equal(model->forward(x), original));  // reading does not change the output
+  }
+  CHECK(cache->keys() == std::vector<std::string>{"layers.0", "layers.2"});
+  CHECK(torch::allclose(cache->get("layers.2"), original));
+  CHECK(model->layers->ptr(2)->as<torch::nn::Linear>() != nullptr);
+  // Cloning while hooked keeps the child's parameters reachable.
+  auto h = torchdbg::register_module_hook(model, "layers[2]", torchdbg::caching_hook(cache));
+  auto copy = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model->layers->clone());
+  REQUIRE(copy);
+  CHECK(copy->parameters().size() == 4);
+  CHECK(torch::allclose(copy->forward(x), original));
+}
+
+TEST_CASE("ModuleList items run their hooks when called through hooked_call", "[hooked]") {
+  struct Model : torch::nn::Module {
+    Model() { blocks = register_module("blocks", torch::nn::ModuleList(torch::nn::Linear(3, 3), torch::nn::Linear(3, 3))); }
+    torch::Tensor forward(torch::Tensor x) {
+      for (const auto& b : *blocks) x = torchdbg::hooked_call<torch::nn::LinearImpl>(b, x);
+      return x;
+    }
+    torch::nn::ModuleList blocks{nullptr};
+  };
+  torchdbg_test::SeededRng rng(7);
+  auto model = std::make_shared<Model>();
+  auto x = torch::randn({2, 3});
+  const auto original = model->forward(x);  // first call: the items become hookable
+  auto cache = std::make_shared<torchdbg::TensorCache>();
+  auto h = torchdbg::register_module_hook(model, "blocks[1]", torchdbg::caching_hook(cache));
+  model->forward(x);
+  CHECK(torch::allclose(cache->get("blocks.1"), original));
+  CHECK_THROWS_WITH(torchdbg::hooked_call<torch::nn::Conv2dImpl>(model->blocks[0], x), Catch::Contains("not of the requested type"));
+  auto fresh = torch::nn::ModuleList(torch::nn::Linear(3, 3));
+  CHECK_THROWS_WITH(torchdbg::register_module_hook(fresh.ptr(), "[0]", torchdbg::caching_hook(cache)),
+                    Catch::Contains("hooked_call"));
+}

@@ -2,9 +2,17 @@
 // SPDX-License-Identifier: MIT
 #pragma once
 
-// Exact module hooks where the forward call goes through torchdbg: modules declared as
-// `torchdbg::Hooked<torch::nn::Linear> fc1{nullptr};` (a drop-in for the ModuleHolder) and
-// children of `torchdbg::HookedSequential`. Hooks can read, cache, replace and stop, in
+// Exact module hooks where the forward call goes through torchdbg:
+// * modules declared as `torchdbg::Hooked<torch::nn::Linear> fc1{nullptr};` (a drop-in for
+//   the ModuleHolder);
+// * children of a plain torch::nn::Sequential, with no change to the model: while a child
+//   has hooks, torchdbg swaps a forwarder for it in the Sequential's list of AnyModules
+//   (public API: SequentialImpl::begin()) and swaps the original back when its last hook is
+//   removed; named_children() and parameters() never change, `seq->ptr(i)` returns the
+//   forwarder meanwhile. Register and remove such hooks while no forward runs on the model;
+// * children of torchdbg::HookedSequential (always hookable);
+// * ModuleList/ModuleDict items, which the model's own forward calls directly: call them
+//   through `torchdbg::hooked_call<Impl>(list[i], x)`. Hooks can read, cache, replace and stop, in
 // tdhook's four directions:
 //   FwdPre  sees the input, may replace it;
 //   Fwd     sees input and output, may replace the output (activation patching);
@@ -165,6 +173,12 @@ class ExactHookRegistry {
     return true;
   }
 
+  /// A child of a plain Sequential becomes hookable by swapping, in the Sequential's list of
+  /// AnyModules, a forwarder that runs the hooks around the original; `restore` swaps the
+  /// original back. named_children()/parameters() are never touched.
+  void forward_through(const std::shared_ptr<torch::nn::SequentialImpl>& parent,
+                       const std::shared_ptr<torch::nn::Module>& child);
+
   uint64_t add(const std::shared_ptr<torch::nn::Module>& m, std::string path, ExactHook hook) {
     std::lock_guard<std::mutex> lock(mutex_);
     const uint64_t id = ++seq_;
@@ -179,21 +193,34 @@ class ExactHookRegistry {
   }
 
   bool remove(uint64_t id) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto o = owner_of_.find(id);
-    if (o == owner_of_.end()) return false;
-    auto it = hooks_.find(o->second);
-    owner_of_.erase(o);
-    if (it == hooks_.end()) return false;
-    auto next = std::make_shared<List>();
-    for (const auto& e : *it->second.list)
-      if (e.id != id) next->push_back(e);
-    if (next->empty()) {
-      hooks_.erase(it);
-    } else {
-      it->second.list = std::move(next);
+    std::shared_ptr<torch::nn::SequentialImpl> restore_parent;
+    const torch::nn::Module* restore_child = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto o = owner_of_.find(id);
+      if (o == owner_of_.end()) return false;
+      auto it = hooks_.find(o->second);
+      owner_of_.erase(o);
+      if (it == hooks_.end()) return false;
+      auto next = std::make_shared<List>();
+      for (const auto& e : *it->second.list)
+        if (e.id != id) next->push_back(e);
+      const torch::nn::Module* m = it->first;
+      if (next->empty()) {
+        hooks_.erase(it);
+        auto f = forwarded_.find(m);
+        if (f != forwarded_.end()) {  // the last hook of a Sequential child: put it back
+          restore_parent = f->second.lock();
+          restore_child = m;
+          forwarded_.erase(f);
+          hookable_.erase(m);
+        }
+      } else {
+        it->second.list = std::move(next);
+      }
+      count_.fetch_sub(1);
     }
-    count_.fetch_sub(1);
+    if (restore_parent) restore(*restore_parent, restore_child);
     return true;
   }
 
@@ -216,6 +243,9 @@ class ExactHookRegistry {
   std::unordered_map<const torch::nn::Module*, Slot> hooks_;
   std::unordered_map<uint64_t, const torch::nn::Module*> owner_of_;
   std::unordered_map<const torch::nn::Module*, std::weak_ptr<torch::nn::Module>> hookable_;
+  std::unordered_map<const torch::nn::Module*, std::weak_ptr<torch::nn::SequentialImpl>> forwarded_;
+
+  static void restore(torch::nn::SequentialImpl& parent, const torch::nn::Module* child);
 };
 
 inline void check_replacement(const at::Tensor& original, const at::Tensor& replacement, const ModuleCall& call) {
@@ -312,6 +342,72 @@ at::Tensor run_with_hooks(const std::shared_ptr<torch::nn::Module>& m, const at:
   return out;
 }
 
+/// Stands in a plain Sequential's list for a hooked child: runs the child's exact hooks
+/// around the original AnyModule. Not registered as a child, so parameters are unchanged.
+class SequentialForwarderImpl : public torch::nn::Module {
+ public:
+  explicit SequentialForwarderImpl(torch::nn::AnyModule original)
+      : torch::nn::Module("torchdbg::SequentialForwarder"), original_(std::move(original)), target_(original_.ptr()) {}
+
+  at::Tensor forward(const at::Tensor& x) {
+    return run_with_hooks(target_, x, [this](const at::Tensor& in) { return original_.forward<at::Tensor>(in); });
+  }
+  /// Cloning a Sequential while a child is hooked clones the child, which stays reachable
+  /// (and its parameters registered) under the forwarder's child "module"; hooks do not
+  /// follow clones.
+  std::shared_ptr<torch::nn::Module> clone(const c10::optional<at::Device>& device = c10::nullopt) const override {
+    auto copy = std::make_shared<SequentialForwarderImpl>(original_.clone(device));
+    copy->register_module("module", copy->target_);
+    return copy;
+  }
+  [[nodiscard]] const std::shared_ptr<torch::nn::Module>& target() const noexcept { return target_; }
+  torch::nn::AnyModule take_original() { return std::move(original_); }
+
+ private:
+  torch::nn::AnyModule original_;
+  std::shared_ptr<torch::nn::Module> target_;
+};
+
+inline void ExactHookRegistry::forward_through(const std::shared_ptr<torch::nn::SequentialImpl>& parent,
+                                               const std::shared_ptr<torch::nn::Module>& child) {
+  bool installed = false;
+  for (auto it = parent->begin(); it != parent->end(); ++it) {
+    auto current = it->ptr();
+    if (auto* f = dynamic_cast<SequentialForwarderImpl*>(current.get())) {
+      if (f->target().get() == child.get()) installed = true;
+    } else if (current.get() == child.get()) {
+      *it = torch::nn::AnyModule(std::make_shared<SequentialForwarderImpl>(std::move(*it)));
+      installed = true;
+    }
+    if (installed) break;
+  }
+  if (!installed) throw Error("torchdbg: module is not a child of the given Sequential");
+  std::lock_guard<std::mutex> lock(mutex_);
+  hookable_[child.get()] = child;
+  forwarded_[child.get()] = parent;
+}
+
+inline void ExactHookRegistry::restore(torch::nn::SequentialImpl& parent, const torch::nn::Module* child) {
+  for (auto it = parent.begin(); it != parent.end(); ++it) {
+    auto current = it->ptr();
+    auto* f = dynamic_cast<SequentialForwarderImpl*>(current.get());
+    if (f != nullptr && f->target().get() == child) {
+      *it = f->take_original();
+      return;
+    }
+  }
+}
+
+/// The direct parent of `child` under `root`, or null.
+inline std::shared_ptr<torch::nn::Module> find_parent(const std::shared_ptr<torch::nn::Module>& root,
+                                                      const torch::nn::Module* child) {
+  for (const auto& item : root->named_children()) {
+    if (item.value().get() == child) return root;
+    if (auto p = find_parent(item.value(), child)) return p;
+  }
+  return nullptr;
+}
+
 }  // namespace detail
 
 /// RAII ownership of registered exact hooks: removes them when destroyed or on `remove()`.
@@ -355,18 +451,52 @@ class ModuleHookHandle {
   std::vector<uint64_t> ids_;
 };
 
-/// Registers an exact hook on one module. Throws torchdbg::Error when the module's calls do
-/// not go through torchdbg (not declared Hooked<...>, not a HookedSequential child).
+class HookedSequentialImpl;
+
+/// Registers an exact hook on one module. The module's calls must go through torchdbg: it is
+/// declared Hooked<...>, is a child of a (Hooked)Sequential — pass that Sequential as
+/// `parent`, or use the path overload or MultiHookManager, which find it — or is called with
+/// hooked_call. Throws torchdbg::Error otherwise.
 [[nodiscard]] inline ModuleHookHandle register_module_hook(const std::shared_ptr<torch::nn::Module>& module,
-                                                           ExactHook hook, std::string path = "") {
+                                                           ExactHook hook, std::string path = "",
+                                                           const std::shared_ptr<torch::nn::Module>& parent = nullptr) {
   if (!module) throw Error("torchdbg: register_module_hook got a null module");
   if (!hook.fn) throw Error("torchdbg: register_module_hook got an empty hook for '" + path + "'");
-  if (!detail::ExactHookRegistry::instance().is_hookable(module.get())) {
-    throw Error("torchdbg: module '" + path + "' (" + module->name() +
-                ") is not called through torchdbg: declare it as torchdbg::Hooked<...> or put it in a "
-                "torchdbg::HookedSequential, or observe it read-only with torchdbg::attach()");
+  auto& registry = detail::ExactHookRegistry::instance();
+  if (!registry.is_hookable(module.get())) {
+    auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(parent);
+    if (seq) {
+      registry.forward_through(seq, module);
+    } else {
+      throw Error("torchdbg: module '" + path + "' (" + module->name() +
+                  ") is not called through torchdbg: declare it as torchdbg::Hooked<...>, put it in a "
+                  "Sequential (register by path or with MultiHookManager), call it with "
+                  "torchdbg::hooked_call, or observe it read-only with torchdbg::attach()");
+    }
   }
-  return ModuleHookHandle({detail::ExactHookRegistry::instance().add(module, std::move(path), std::move(hook))});
+  return ModuleHookHandle({registry.add(module, std::move(path), std::move(hook))});
+}
+
+/// Registers an exact hook on the module at `path` (paths.hpp) under `root`; a child of a
+/// plain Sequential is made hookable for as long as it has hooks.
+[[nodiscard]] inline ModuleHookHandle register_module_hook(const std::shared_ptr<torch::nn::Module>& root,
+                                                           std::string_view path, ExactHook hook) {
+  auto found = resolve_submodule_paths(root, path);
+  if (found.size() != 1) throw Error("torchdbg: path '" + std::string(path) + "' must select one module");
+  return register_module_hook(found.front().module, std::move(hook), found.front().name,
+                              detail::find_parent(root, found.front().module.get()));
+}
+
+/// Calls a container child (a ModuleList or ModuleDict item, whose calls the model's own
+/// forward makes) through torchdbg so its exact hooks run: `hooked_call<torch::nn::LinearImpl>(list[i], x)`.
+/// The child becomes hookable at its first call.
+template <typename Impl>
+at::Tensor hooked_call(const std::shared_ptr<torch::nn::Module>& module, const at::Tensor& x) {
+  if (!module) throw Error("torchdbg: hooked_call got a null module");
+  auto* impl = module->as<Impl>();
+  if (impl == nullptr) throw Error("torchdbg: hooked_call: module " + module->name() + " is not of the requested type");
+  detail::ExactHookRegistry::instance().mark_hookable(module);
+  return detail::run_with_hooks(module, x, [impl](const at::Tensor& in) { return impl->forward(in); });
 }
 
 /// A drop-in for a ModuleHolder whose calls run the module's exact hooks.
@@ -575,7 +705,7 @@ class MultiHookManager {
   /// The dotted names of the modules that a hook would be registered on.
   [[nodiscard]] std::vector<std::string> matching(const std::shared_ptr<torch::nn::Module>& model) const {
     std::vector<std::string> names;
-    for (auto& [name, m] : select(model)) names.push_back(name);
+    for (auto& sel : select(model)) names.push_back(sel.name);
     return names;
   }
 
@@ -587,7 +717,7 @@ class MultiHookManager {
                   (skipped_unhookable_.empty() ? std::string() : " (matching but not hookable: " + skipped_unhookable_ + ")"));
     }
     ModuleHookHandle all;
-    for (auto& [name, m] : selected) all = std::move(all) + register_module_hook(m, hook, name);
+    for (auto& sel : selected) all = std::move(all) + register_module_hook(sel.module, hook, sel.name, sel.parent);
     return all;
   }
 
@@ -597,8 +727,13 @@ class MultiHookManager {
   }
 
  private:
-  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> select(
-      const std::shared_ptr<torch::nn::Module>& model) const {
+  struct Selected {
+    std::string name;
+    std::shared_ptr<torch::nn::Module> module;
+    std::shared_ptr<torch::nn::Module> parent;
+  };
+
+  std::vector<Selected> select(const std::shared_ptr<torch::nn::Module>& model) const {
     if (!model) throw Error("torchdbg: MultiHookManager got a null model");
     skipped_unhookable_.clear();
     std::shared_ptr<torch::nn::Module> root = model;
@@ -609,20 +744,20 @@ class MultiHookManager {
       root = found.front().module;
       prefix = found.front().name;
     }
-    std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> out;
+    std::vector<Selected> out;
     walk(root, prefix, out);
     return out;
   }
 
-  void walk(const std::shared_ptr<torch::nn::Module>& parent, const std::string& prefix,
-            std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>& out) const {
+  void walk(const std::shared_ptr<torch::nn::Module>& parent, const std::string& prefix, std::vector<Selected>& out) const {
     if (auto* seq = dynamic_cast<HookedSequentialImpl*>(parent.get())) seq->mark_children();
+    const bool sequential = dynamic_cast<torch::nn::SequentialImpl*>(parent.get()) != nullptr;
     for (const auto& item : parent->named_children()) {
       const std::string name = prefix.empty() ? item.key() : prefix + "." + item.key();
       const auto& m = item.value();
       if (accept(name, *m)) {
-        if (detail::ExactHookRegistry::instance().is_hookable(m.get())) {
-          out.emplace_back(name, m);
+        if (sequential || detail::ExactHookRegistry::instance().is_hookable(m.get())) {
+          out.push_back({name, m, parent});
         } else {
           skipped_unhookable_ += (skipped_unhookable_.empty() ? "" : ", ") + name;
         }
@@ -658,13 +793,13 @@ std::shared_ptr<TensorCache> run_until(Model& model, const at::Tensor& input, st
   std::shared_ptr<torch::nn::Module> root = detail::as_module_ptr(model);
   auto found = resolve_submodule_paths(root, path);
   if (found.size() != 1) throw Error("torchdbg: run_until path '" + std::string(path) + "' must select one module");
-  if (auto* seq = dynamic_cast<HookedSequentialImpl*>(root.get())) seq->mark_children();
   auto cache = std::make_shared<TensorCache>();
   const std::string name = found.front().name;
   {
     // Two statements: the cache must be registered (and run) before the stop.
-    auto handle = register_module_hook(found.front().module, caching_hook(cache, name, HookDirection::Fwd, options), name);
-    handle = std::move(handle) + register_module_hook(found.front().module, stopping_hook(), name);
+    const auto parent = detail::find_parent(root, found.front().module.get());
+    auto handle = register_module_hook(found.front().module, caching_hook(cache, name, HookDirection::Fwd, options), name, parent);
+    handle = std::move(handle) + register_module_hook(found.front().module, stopping_hook(), name, parent);
     try {
       (void)model->forward(input);
     } catch (const StopForward&) {
