@@ -261,81 +261,61 @@ inline void check_replacement(const at::Tensor& original, const at::Tensor& repl
   }
 }
 
+/// Runs the hooks of direction `d` in order on `value` (what they may replace); `make`
+/// builds the HookTensors they see from the current value.
+template <typename Make>
+at::Tensor apply_direction(const ExactHookRegistry::List& hooks, HookDirection d, torch::nn::Module& m,
+                           at::Tensor value, Make&& make) {
+  for (const auto& e : hooks) {
+    if (e.hook.direction != d) continue;
+    ModuleCall c{e.path, m, d};
+    if (auto r = e.hook.fn(c, make(value))) {
+      check_replacement(value, *r, c);
+      value = std::move(*r);
+    }
+  }
+  return value;
+}
+
 /// Runs `call(input)` with the exact hooks of `m` around it.
 template <typename Call>
 at::Tensor run_with_hooks(const std::shared_ptr<torch::nn::Module>& m, const at::Tensor& x, Call&& call) {
   const auto hooks = ExactHookRegistry::instance().hooks_for(m.get());
   if (!hooks || hooks->empty()) return call(x);
-  const at::Tensor none;
-  at::Tensor in = x;
+  static const at::Tensor none;
   bool has_bwd = false, has_bwd_pre = false;
   for (const auto& e : *hooks) {
     has_bwd = has_bwd || e.hook.direction == HookDirection::Bwd;
     has_bwd_pre = has_bwd_pre || e.hook.direction == HookDirection::BwdPre;
-    if (e.hook.direction != HookDirection::FwdPre) continue;
-    ModuleCall c{e.path, *m, HookDirection::FwdPre};
-    if (auto r = e.hook.fn(c, HookTensors{in, none, none, none})) {
-      check_replacement(in, *r, c);
-      in = *r;
-    }
   }
+  at::Tensor in = apply_direction(*hooks, HookDirection::FwdPre, *m, x,
+                                  [](const at::Tensor& v) { return HookTensors{v, none, none, none}; });
   // Gradients w.r.t. this module's input alone: hook an identity view of it.
   const bool hook_input = has_bwd && in.defined() && in.requires_grad() && at::GradMode::is_enabled();
   if (hook_input) in = in.view_as(in);
-  at::Tensor out = call(in);
-  for (const auto& e : *hooks) {
-    if (e.hook.direction != HookDirection::Fwd) continue;
-    ModuleCall c{e.path, *m, HookDirection::Fwd};
-    if (auto r = e.hook.fn(c, HookTensors{in, out, none, none})) {
-      check_replacement(out, *r, c);
-      out = *r;
-    }
-  }
+  at::Tensor out = apply_direction(*hooks, HookDirection::Fwd, *m, call(in),
+                                   [&in](const at::Tensor& v) { return HookTensors{in, v, none, none}; });
   if ((has_bwd || has_bwd_pre) && out.defined() && out.requires_grad()) {
-    struct State {
-      at::Tensor grad_output;
-    };
-    auto state = std::make_shared<State>();
+    auto grad_output = std::make_shared<at::Tensor>();
     std::weak_ptr<torch::nn::Module> weak = m;
     if (out.is_leaf()) out = out.view_as(out);  // hooks on a returned leaf would outlive the call
-    out.register_hook([hooks, state, weak, hook_input](const at::Tensor& g) -> at::Tensor {
+    out.register_hook([hooks, grad_output, weak, hook_input](const at::Tensor& g) -> at::Tensor {
       auto mod = weak.lock();
       if (!mod) return g;
-      const at::Tensor none2;
-      at::Tensor grad = g;
-      for (const auto& e : *hooks) {
-        if (e.hook.direction != HookDirection::BwdPre) continue;
-        ModuleCall c{e.path, *mod, HookDirection::BwdPre};
-        if (auto r = e.hook.fn(c, HookTensors{none2, none2, none2, grad})) {
-          check_replacement(grad, *r, c);
-          grad = *r;
-        }
-      }
-      state->grad_output = grad;
+      *grad_output = apply_direction(*hooks, HookDirection::BwdPre, *mod, g,
+                                     [](const at::Tensor& v) { return HookTensors{none, none, none, v}; });
       if (!hook_input) {  // no input gradient will come: Bwd hooks see it undefined
-        for (const auto& e : *hooks) {
-          if (e.hook.direction != HookDirection::Bwd) continue;
-          ModuleCall c{e.path, *mod, HookDirection::Bwd};
-          (void)e.hook.fn(c, HookTensors{none2, none2, none2, grad});
-        }
+        (void)apply_direction(*hooks, HookDirection::Bwd, *mod, at::Tensor(),
+                              [&](const at::Tensor& v) { return HookTensors{none, none, v, *grad_output}; });
       }
-      return grad;
+      return *grad_output;
     });
     if (hook_input) {
-      in.register_hook([hooks, state, weak](const at::Tensor& gi) -> at::Tensor {
+      in.register_hook([hooks, grad_output, weak](const at::Tensor& gi) -> at::Tensor {
         auto mod = weak.lock();
         if (!mod) return gi;
-        const at::Tensor none2;
-        at::Tensor grad = gi;
-        for (const auto& e : *hooks) {
-          if (e.hook.direction != HookDirection::Bwd) continue;
-          ModuleCall c{e.path, *mod, HookDirection::Bwd};
-          if (auto r = e.hook.fn(c, HookTensors{none2, none2, grad, state->grad_output})) {
-            check_replacement(grad, *r, c);
-            grad = *r;
-          }
-        }
-        return grad;
+        return apply_direction(*hooks, HookDirection::Bwd, *mod, gi,
+                               [&](const at::Tensor& v) { return HookTensors{none, none, v, *grad_output}; });
       });
     }
   }
