@@ -49,12 +49,23 @@ inline bool near(double a, double b, double rel = 1e-9, double abs_tol = 1e-12) 
     CHECK(torchdbg_test::near(va_, vb_, rel));                                  \
   } while (0)
 
+/// |a - b| <= rel * scale: for moments of float32 data, whose error follows the data's
+/// magnitude (mean |x|), not the possibly near-zero moment itself.
+#define CHECK_SCALED(a, b, scale, rel)                                          \
+  do {                                                                          \
+    const double va_ = (a), vb_ = (b), sc_ = (scale);                           \
+    INFO(#a " = " << va_ << ", " #b " = " << vb_ << ", scale " << sc_);         \
+    CHECK(std::fabs(va_ - vb_) <= (rel) * sc_);                                 \
+  } while (0)
+
 /// Reference statistics over the finite values, computed naively in double.
 struct Reference {
   int64_t numel = 0, finite = 0, nan = 0, pos_inf = 0, neg_inf = 0, zeros = 0, neg = 0, pos = 0;
   double mean = std::nan(""), std = std::nan(""), min = std::nan(""), max = std::nan("");
   double l1 = 0, l2 = 0, linf = 0;
   std::vector<double> sorted;  // finite values, ascending
+  /// Mean |x| over the finite values: the scale of the data.
+  [[nodiscard]] double scale() const { return finite > 0 ? l1 / static_cast<double>(finite) : 0.0; }
 };
 
 inline std::vector<double> as_doubles(const torch::Tensor& t) {

@@ -182,7 +182,7 @@ TEST_CASE("attached statistics match an independent reference", "[attach]") {
   const auto r = torchdbg_test::reference(conv_ref);
   const auto rec = hooks.inspector.latest("conv");
   REQUIRE(rec);
-  CHECK_CLOSE(rec->stats.mean, r.mean, 1e-6);
+  CHECK_SCALED(rec->stats.mean, r.mean, r.scale(), 1e-6);
   CHECK_CLOSE(rec->stats.std, r.std, 1e-6);
   CHECK(rec->stats.numel == r.numel);
   CHECK(hooks.visualizer.latest("bn/relu")->zeros > 0);
@@ -202,11 +202,11 @@ TEST_CASE("per-module gradient norms and the global norm come from one backward"
     double ref = 0;
     for (const auto& p : net->named_modules()[name]->parameters(false)) ref += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
     INFO("module " << name);
-    CHECK_CLOSE(n, std::sqrt(ref), 1e-9);
+    CHECK_CLOSE(n, std::sqrt(ref), 1e-6);  // float32 gradients: the kernel's float path
     total += ref;
   }
   REQUIRE(hooks.state().gradient_norm);
-  CHECK_CLOSE(*hooks.state().gradient_norm, std::sqrt(total), 1e-9);
+  CHECK_CLOSE(*hooks.state().gradient_norm, std::sqrt(total), 1e-6);
   CHECK(hooks.inspector.gradient_history("lstm.weight_ih_l0/grad").size() == 1);
 }
 

@@ -126,13 +126,13 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
   std::atomic<uint64_t> forward_deliveries{0};
   std::atomic<uint64_t> backward_deliveries{0};
 
-  std::function<void(std::string_view, const at::Tensor&, bool, const Metadata&)> deliver;
+  std::function<void(std::string_view, const at::Tensor&, bool, const Metadata&, const TensorStats*)> deliver;
   std::function<void(double)> report_gradient_norm;
   std::function<void()> advance_step;
 
   /// Sends one tensor to the manager; never throws.
   void send(std::size_t module, std::string_view name, const at::Tensor& t, bool is_forward,
-            const Metadata& md) {
+            const Metadata& md, const TensorStats* precomputed = nullptr) {
     if (!active.load()) return;
     if (is_forward) {
       note_order(module);
@@ -141,7 +141,7 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
       backward_deliveries.fetch_add(1);
     }
     try {
-      deliver(name, t, is_forward, md);
+      deliver(name, t, is_forward, md, precomputed);
     } catch (...) {
       // execute_hooks turns hook failures into results; anything else (bad_alloc) is
       // dropped rather than thrown into an operator or the autograd engine.
@@ -235,13 +235,26 @@ inline void AttachCore::on_grad(std::size_t m, const std::string& pname, const a
     }
   }
   if (!backward_due.load() || !g.defined()) return;
+  std::optional<TensorStats> stats;
   if (options.gradient_norms()) {
-    at::Tensor sq = g.detach().to(at::kDouble).pow(2).sum();  // stays on the device
-    std::lock_guard<std::mutex> lock(grad_mutex_);
-    if (grad_sq_.size() < modules.size()) grad_sq_.resize(modules.size());
-    grad_sq_[m] = grad_sq_[m].defined() ? grad_sq_[m] + sq : sq;
+    at::Tensor sq;
+    if (g.device().is_cpu()) {
+      // One pass: the same statistics serve the norm and every hook of this delivery.
+      try {
+        stats = compute_stats(g);
+        sq = at::scalar_tensor(stats->l2_norm * stats->l2_norm, at::kDouble);
+      } catch (...) {
+      }
+    } else {
+      sq = g.detach().to(at::kDouble).pow(2).sum();  // stays on the device: no host sync here
+    }
+    if (sq.defined()) {
+      std::lock_guard<std::mutex> lock(grad_mutex_);
+      if (grad_sq_.size() < modules.size()) grad_sq_.resize(modules.size());
+      grad_sq_[m] = grad_sq_[m].defined() ? grad_sq_[m] + sq : sq;
+    }
   }
-  send(m, modules[m].name, g, false, Metadata{{"parameter", pname}});
+  send(m, modules[m].name, g, false, Metadata{{"parameter", pname}}, stats ? &*stats : nullptr);
 }
 
 /// The process-wide ATen observer behind forward attachment. RecordFunction callbacks are
@@ -590,9 +603,8 @@ class BasicAttachSession {
       core_->modules.push_back(std::move(info));
     }
     BasicHookManager<Mutex>* mgr = hooks_;
-    core_->deliver = [mgr](std::string_view layer, const at::Tensor& t, bool fwd, const Metadata& md) {
-      (void)mgr->execute_hooks(layer, t, fwd, md);
-    };
+    core_->deliver = [mgr](std::string_view layer, const at::Tensor& t, bool fwd, const Metadata& md,
+                           const TensorStats* stats) { (void)mgr->execute_hooks(layer, t, fwd, md, stats); };
     core_->report_gradient_norm = [mgr](double n) { mgr->set_gradient_norm(n); };
     core_->advance_step = [mgr] { mgr->set_step(mgr->step() + 1); };
     if (core_->options.backward()) {

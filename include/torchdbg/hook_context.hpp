@@ -31,13 +31,18 @@ struct TrainingState {
 /// hook of the call. Not thread-safe: each call has its own context.
 class HookContext {
  public:
+  /// `precomputed`, when given, is the caller's statistics of `tensor` (used instead of a
+  /// second pass over the data).
   HookContext(std::string_view layer_name, bool is_forward, TrainingState state,
-              const Metadata& metadata, const at::Tensor& tensor)
+              const Metadata& metadata, const at::Tensor& tensor,
+              const TensorStats* precomputed = nullptr)
       : layer_name_(layer_name),
         is_forward_(is_forward),
         state_(std::move(state)),
         metadata_(metadata),
-        tensor_(tensor) {}
+        tensor_(tensor) {
+    if (precomputed != nullptr) stats_ = *precomputed;
+  }
 
   [[nodiscard]] std::string_view layer_name() const noexcept { return layer_name_; }
   [[nodiscard]] bool is_forward() const noexcept { return is_forward_; }

@@ -349,8 +349,10 @@ class BasicHookManager {
 
   /// Runs the hooks that match `layer_name` on `tensor` (any device, dtype and strides).
   /// Never throws for anything a hook does or for bad data: see the class comment.
+  /// `precomputed`: statistics of `tensor` the caller already has (from compute_stats),
+  /// used instead of computing them again.
   Results execute_hooks(std::string_view layer_name, const at::Tensor& tensor, bool is_forward,
-                        const Metadata& metadata = {}) {
+                        const Metadata& metadata = {}, const TensorStats* precomputed = nullptr) {
     std::optional<std::string> input_error;
     if (!tensor.defined()) {
       input_error = "torchdbg: execute_hooks got an undefined tensor";
@@ -361,7 +363,7 @@ class BasicHookManager {
         input_error = e.what();
       }
     }
-    return run_all(layer_name, tensor, is_forward, metadata, input_error);
+    return run_all(layer_name, tensor, is_forward, metadata, input_error, precomputed);
   }
 
   /// Raw-data form: `size` elements of T at `data` laid out with `shape`. A size/shape
@@ -528,12 +530,13 @@ class BasicHookManager {
   }
 
   Results run_all(std::string_view layer, const at::Tensor& tensor, bool is_forward,
-                  const Metadata& metadata, const std::optional<std::string>& input_error) {
+                  const Metadata& metadata, const std::optional<std::string>& input_error,
+                  const TensorStats* precomputed = nullptr) {
     Results out;
     if (!enabled_.load(std::memory_order_relaxed)) return out;
     const std::shared_ptr<const HookList> hooks = snapshot();
     if (hooks->empty()) return out;
-    HookContext ctx(layer, is_forward, state(), metadata, tensor);
+    HookContext ctx(layer, is_forward, state(), metadata, tensor, input_error ? nullptr : precomputed);
     for (const auto& e : *hooks) {
       if (!e->enabled.load(std::memory_order_relaxed)) continue;
       bool match = false;

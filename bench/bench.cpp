@@ -1,0 +1,229 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+//
+// Overhead of torchdbg on a training step, measured with baseline and monitored steps
+// interleaved in rounds in one process (these machines are shared and noisy: compare ratios
+// from one run). Prints one line per model and mode and writes the same figures as JSON.
+//
+//   torchdbg_bench [--threads N] [--rounds R] [--steps S] [--rss-steps N] [--json FILE] [--models mlp,cnn]
+#include <torch/torch.h>
+#include <torchdbg/torchdbg.hpp>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Mlp : torch::nn::Module {
+  Mlp() {
+    layers.push_back(register_module("fc0", torch::nn::Linear(784, 512)));
+    for (int i = 1; i <= 6; ++i) layers.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(512, 512)));
+    out = register_module("out", torch::nn::Linear(512, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& l : layers) x = torch::relu(l(x));
+    return out(x);
+  }
+  std::vector<torch::nn::Linear> layers;
+  torch::nn::Linear out{nullptr};
+};
+
+struct Cnn : torch::nn::Module {
+  Cnn() {
+    const int64_t ch[] = {3, 32, 64, 128, 128};
+    for (int i = 0; i < 4; ++i) {
+      convs.push_back(register_module("conv" + std::to_string(i),
+                                      torch::nn::Conv2d(torch::nn::Conv2dOptions(ch[i], ch[i + 1], 3).padding(1))));
+      bns.push_back(register_module("bn" + std::to_string(i), torch::nn::BatchNorm2d(ch[i + 1])));
+    }
+    fc = register_module("fc", torch::nn::Linear(128, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (int i = 0; i < 4; ++i) {
+      x = torch::relu(bns[i](convs[i](x)));
+      if (i == 1 || i == 2) x = torch::max_pool2d(x, 2);
+    }
+    return fc(x.mean({2, 3}));
+  }
+  std::vector<torch::nn::Conv2d> convs;
+  std::vector<torch::nn::BatchNorm2d> bns;
+  torch::nn::Linear fc{nullptr};
+};
+
+struct Args {
+  int threads = 1;
+  int rounds = 5;
+  int steps = 20;
+  int rss_steps = 10000;
+  std::string json = "torchdbg_bench.json";
+  std::string models = "mlp,cnn";
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    auto next = [&](const char* name) {
+      if (i + 1 >= argc) throw std::runtime_error(std::string("missing value for ") + name);
+      return std::string(argv[++i]);
+    };
+    if (!std::strcmp(argv[i], "--threads")) a.threads = std::stoi(next("--threads"));
+    else if (!std::strcmp(argv[i], "--rounds")) a.rounds = std::stoi(next("--rounds"));
+    else if (!std::strcmp(argv[i], "--steps")) a.steps = std::stoi(next("--steps"));
+    else if (!std::strcmp(argv[i], "--rss-steps")) a.rss_steps = std::stoi(next("--rss-steps"));
+    else if (!std::strcmp(argv[i], "--json")) a.json = next("--json");
+    else if (!std::strcmp(argv[i], "--models")) a.models = next("--models");
+    else throw std::runtime_error(std::string("unknown argument ") + argv[i]);
+  }
+  return a;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+long rss_kib() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
+  return -1;
+}
+
+/// What a monitored run installs: forward statistics of every child and activation,
+/// gradient statistics of every parameter (every step, or every 10th).
+struct Monitor {
+  torchdbg::HookManager hooks{torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.0))};
+  Monitor(bool every10) {
+    auto trig_f = every10 ? torchdbg::HookTrigger::every_n_steps(10) : torchdbg::HookTrigger::every_forward();
+    auto trig_b = every10 ? torchdbg::HookTrigger::every_n_steps(10) : torchdbg::HookTrigger::every_backward();
+    hooks.register_hook(torchdbg::HookConfig().name("fwd").trigger(trig_f).actions({torchdbg::HookAction::inspect_tensor()}));
+    hooks.register_hook(torchdbg::HookConfig().name("bwd").trigger(trig_b).actions({torchdbg::HookAction::track_gradients()}));
+  }
+};
+
+template <typename Model>
+struct Trainer {
+  std::shared_ptr<Model> model = std::make_shared<Model>();
+  torch::optim::SGD opt{model->parameters(), torch::optim::SGDOptions(0.01)};
+  torch::Tensor x, y;
+  Trainer(std::vector<int64_t> shape, int64_t batch) {
+    shape.insert(shape.begin(), batch);
+    x = torch::randn(shape);
+    y = torch::randint(0, 10, {batch});
+  }
+  double step() {
+    const auto t0 = Clock::now();
+    opt.zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);
+    loss.backward();
+    opt.step();
+    return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+  }
+};
+
+template <typename Model>
+nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, int64_t batch, const Args& a) {
+  Trainer<Model> tr(shape, batch);
+  for (int i = 0; i < 3; ++i) tr.step();  // warm-up
+  nlohmann::json out;
+  for (const std::string mode : {"detached", "full", "every10"}) {
+    std::vector<double> base, mon;
+    for (int r = 0; r < a.rounds; ++r) {
+      for (int s = 0; s < a.steps; ++s) base.push_back(tr.step());
+      Monitor m(mode == "every10");
+      std::optional<torchdbg::AttachSession> session;
+      if (mode != "detached") session.emplace(torchdbg::attach(*tr.model, m.hooks));
+      for (int s = 0; s < a.steps; ++s) {
+        m.hooks.set_step(r * a.steps + s);
+        mon.push_back(tr.step());
+      }
+    }
+    const double b = median(base), m = median(mon);
+    double overhead = 100.0 * (m - b) / b;
+    if (mode == "every10") {
+      // Median hides the 1-in-10 steps; use means for the amortised cost.
+      double sb = 0, sm = 0;
+      for (double v : base) sb += v;
+      for (double v : mon) sm += v;
+      overhead = 100.0 * (sm / mon.size() - sb / base.size()) / (sb / base.size());
+    }
+    fmt::print("overhead {} {}: {:.1f}%\n", name, mode, overhead);
+    std::fflush(stdout);
+    out[mode] = {{"overhead_percent", overhead}, {"baseline_median_us", b}, {"monitored_median_us", m}};
+  }
+  return out;
+}
+
+nlohmann::json bench_kernel() {
+  const int64_t n = (64ll << 20) / 4;  // 64 MiB of float32
+  auto t = torch::randn({n});
+  auto dst = torch::empty_like(t);
+  std::vector<double> copy_s, stat_s;
+  for (int i = 0; i < 7; ++i) {
+    auto t0 = Clock::now();
+    dst.copy_(t);
+    copy_s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    t0 = Clock::now();
+    auto m = torchdbg::detail::compute_moments(t);
+    stat_s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    if (m.count != n) std::abort();
+  }
+  const double bytes = static_cast<double>(n) * 4.0;
+  // A copy reads and writes every byte: bandwidth counts both; the kernel only reads.
+  const double copy_gbs = 2.0 * bytes / median(copy_s) / 1e9;
+  const double stat_gbs = bytes / median(stat_s) / 1e9;
+  fmt::print("stats kernel float32 64MiB: {:.2f} GB/s ({:.0f}% of copy bandwidth)\n", stat_gbs, 100.0 * stat_gbs / copy_gbs);
+  return {{"stats_gbs", stat_gbs}, {"copy_gbs", copy_gbs}, {"percent_of_copy", 100.0 * stat_gbs / copy_gbs}};
+}
+
+nlohmann::json bench_rss(const Args& a) {
+  Trainer<Mlp> tr({784}, 128);
+  Monitor m(false);
+  auto session = torchdbg::attach(*tr.model, m.hooks);
+  const int warm = std::min(200, a.rss_steps / 10);
+  for (int s = 0; s < warm; ++s) {
+    m.hooks.set_step(s);
+    tr.step();
+  }
+  const long start = rss_kib();
+  for (int s = warm; s < warm + a.rss_steps; ++s) {
+    m.hooks.set_step(s);
+    tr.step();
+  }
+  const double growth = static_cast<double>(rss_kib() - start) / 1024.0;
+  fmt::print("rss growth mlp full {} steps: {:.1f} MiB\n", a.rss_steps, growth);
+  return {{"steps", a.rss_steps}, {"growth_mib", growth}};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Args a = parse(argc, argv);
+    torch::set_num_threads(a.threads);
+    torch::manual_seed(0);
+    nlohmann::json report{{"threads", a.threads}, {"rounds", a.rounds}, {"steps_per_round", a.steps}};
+    if (a.models.find("mlp") != std::string::npos) report["mlp"] = bench_model<Mlp>("mlp", {784}, 128, a);
+    if (a.models.find("cnn") != std::string::npos) report["cnn"] = bench_model<Cnn>("cnn", {3, 32, 32}, 32, a);
+    report["kernel"] = bench_kernel();
+    if (a.rss_steps > 0) report["rss"] = bench_rss(a);
+    std::ofstream(a.json) << report.dump(2) << "\n";
+    fmt::print("figures written to {}\n", a.json);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "torchdbg_bench: {}\n", e.what());
+    return 2;
+  }
+  return 0;
+}
