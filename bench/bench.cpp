@@ -12,6 +12,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -209,10 +211,18 @@ nlohmann::json bench_rss(const Args& a) {
 
 }  // namespace
 
+/// OpenBLAS keeps its own thread pool, which torch::set_num_threads does not size; its idle
+/// workers spin on sched_yield and, on a 2-core machine, disturb every timing.
+void set_blas_threads(int n) {
+  using Fn = void (*)(int);
+  if (auto f = reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(n);
+}
+
 int main(int argc, char** argv) {
   try {
     const Args a = parse(argc, argv);
     torch::set_num_threads(a.threads);
+    set_blas_threads(a.threads);
     torch::manual_seed(0);
     nlohmann::json report{{"threads", a.threads}, {"rounds", a.rounds}, {"steps_per_round", a.steps}};
     if (a.models.find("mlp") != std::string::npos) report["mlp"] = bench_model<Mlp>("mlp", {784}, 128, a);
