@@ -5,6 +5,8 @@
 set -euo pipefail
 
 pkgs=(cmake g++ ninja-build libfmt-dev catch2 nlohmann-json3-dev libopenblas0-pthread)
+# clang with its runtime: the libFuzzer target (ctest label "fuzz").
+pkgs+=(clang libclang-rt-dev)
 if [[ -z "${CMAKE_PREFIX_PATH:-}" ]]; then
   pkgs+=(libtorch-dev)
 fi

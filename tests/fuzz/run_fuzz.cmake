@@ -1,0 +1,34 @@
+# Builds tests/fuzz with clang and runs each fuzz target for SECONDS seconds over its seed
+# corpus. A crash input is left in WORK_DIR (crash-*) and fails the test; commit it to the
+# corpus as a regression input once fixed. -DSOURCE_DIR -DWORK_DIR -DTorch_DIR -DSECONDS -DPREFIX_PATH
+find_program(CLANGXX NAMES clang++ clang++-14 clang++-15 clang++-16)
+if(NOT CLANGXX)
+  message("SKIPPED: clang++ not found (./scripts/setup.sh installs clang and libclang-rt-14-dev)")
+  return()
+endif()
+file(MAKE_DIRECTORY "${WORK_DIR}")
+string(REPLACE ";" "\\;" _prefix_arg "${PREFIX_PATH}")
+execute_process(
+  COMMAND ${CMAKE_COMMAND} -S "${SOURCE_DIR}/tests/fuzz" -B "${WORK_DIR}/build" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+          -DCMAKE_CXX_COMPILER=${CLANGXX} "-DTorch_DIR=${Torch_DIR}" "-DCMAKE_PREFIX_PATH=${_prefix_arg}"
+          "-DTORCHDBG_INCLUDE_DIR=${SOURCE_DIR}/include"
+  RESULT_VARIABLE rc OUTPUT_QUIET)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "configuring the fuzz targets failed: ${rc}")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} --build "${WORK_DIR}/build" RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "building the fuzz targets failed: ${rc}")
+endif()
+file(MAKE_DIRECTORY "${WORK_DIR}/corpus_paths")
+file(GLOB _seeds "${SOURCE_DIR}/tests/fuzz/corpus_paths/*")
+file(COPY ${_seeds} DESTINATION "${WORK_DIR}/corpus_paths")
+execute_process(
+  COMMAND "${WORK_DIR}/build/fuzz_paths" -max_total_time=${SECONDS} -max_len=256 -timeout=10
+          -artifact_prefix=${WORK_DIR}/ "${WORK_DIR}/corpus_paths"
+  RESULT_VARIABLE rc ERROR_VARIABLE err)
+string(REGEX MATCH "Done [0-9]+ runs[^\n]*" _done "${err}")
+message("fuzz_paths: ${_done}")
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "fuzz_paths found a failing input (see ${WORK_DIR}/crash-*):\n${err}")
+endif()
