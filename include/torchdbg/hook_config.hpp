@@ -238,7 +238,9 @@ struct HookConfig {
   TORCH_ARG(std::optional<uint64_t>, max_executions);
   /// ECMAScript regexes searched anywhere in the layer name (unanchored, as `std::regex_search`:
   /// use `^...$` for whole names). Empty: every layer. An invalid pattern is rejected by
-  /// `register_hook`.
+  /// `register_hook`. Patterns run on std::regex, which backtracks: avoid quantified groups
+  /// such as `(a+)+`, exponential in the name's length. Each layer name is matched once per
+  /// hook and then cached.
   TORCH_ARG(std::vector<std::string>, layer_patterns);
 
  public:

@@ -20,15 +20,19 @@ execute_process(COMMAND ${CMAKE_COMMAND} --build "${WORK_DIR}/build" RESULT_VARI
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "building the fuzz targets failed: ${rc}")
 endif()
-file(MAKE_DIRECTORY "${WORK_DIR}/corpus_paths")
-file(GLOB _seeds "${SOURCE_DIR}/tests/fuzz/corpus_paths/*")
-file(COPY ${_seeds} DESTINATION "${WORK_DIR}/corpus_paths")
-execute_process(
-  COMMAND "${WORK_DIR}/build/fuzz_paths" -max_total_time=${SECONDS} -max_len=256 -timeout=10
-          -artifact_prefix=${WORK_DIR}/ "${WORK_DIR}/corpus_paths"
-  RESULT_VARIABLE rc ERROR_VARIABLE err)
-string(REGEX MATCH "Done [0-9]+ runs[^\n]*" _done "${err}")
-message("fuzz_paths: ${_done}")
-if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "fuzz_paths found a failing input (see ${WORK_DIR}/crash-*):\n${err}")
-endif()
+foreach(_target paths hooks)
+  file(MAKE_DIRECTORY "${WORK_DIR}/corpus_${_target}")
+  file(GLOB _seeds "${SOURCE_DIR}/tests/fuzz/corpus_${_target}/*")
+  file(COPY ${_seeds} DESTINATION "${WORK_DIR}/corpus_${_target}")
+  # ASan's leak check is off: LibTorch keeps process-lifetime allocations it never frees.
+  execute_process(
+    COMMAND ${CMAKE_COMMAND} -E env ASAN_OPTIONS=detect_leaks=0
+            "${WORK_DIR}/build/fuzz_${_target}" -max_total_time=${SECONDS} -max_len=256 -timeout=10
+            -artifact_prefix=${WORK_DIR}/ "${WORK_DIR}/corpus_${_target}"
+    RESULT_VARIABLE rc ERROR_VARIABLE err)
+  string(REGEX MATCH "Done [0-9]+ runs[^\n]*" _done "${err}")
+  message("fuzz_${_target}: ${_done}")
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "fuzz_${_target} found a failing input (see ${WORK_DIR}/crash-*):\n${err}")
+  endif()
+endforeach()

@@ -165,6 +165,16 @@ Moments accumulate(const T* p, int64_t n) {
   return m;
 }
 
+// ThreadSanitizer instruments the ifunc resolver behind target_clones, which runs during
+// relocation before TSan's runtime is up: no clones under TSan.
+#if defined(__SANITIZE_THREAD__)
+#define TORCHDBG_NO_TARGET_CLONES 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define TORCHDBG_NO_TARGET_CLONES 1
+#endif
+#endif
+
 #if (defined(__GNUC__) || defined(__clang__)) && !defined(TORCHDBG_NO_SIMD)
 #define TORCHDBG_HAVE_VECTOR_EXT 1
 #if defined(__x86_64__) && defined(__ELF__) && !defined(TORCHDBG_NO_TARGET_CLONES)
