@@ -3,6 +3,7 @@
 #include <torchdbg/attach.hpp>
 
 #include <map>
+#include <thread>
 
 #include "helpers.hpp"
 
@@ -423,4 +424,30 @@ TEST_CASE("MultiheadAttention's attention output arrives through its out_proj ch
   CHECK(rec.fwd[0].at("out_proj").size() == 1);
   CHECK(torch::allclose(rec.fwd[0].at("out_proj")[0], out.detach(), 1e-5, 1e-6));
   CHECK(rec.bwd[0].count("root.in_proj_weight") == 1);
+}
+
+TEST_CASE("detaching while a backward pass is pending or running is safe", "[attach]") {
+  torchdbg_test::SeededRng rng(14);
+  auto net = std::make_shared<Net>(4);
+  HookManager hooks;
+  std::atomic<int> grads{0};
+  hooks.register_callback("g", [&](const torchdbg::HookContext& c) {
+    if (!c.is_forward()) grads.fetch_add(1);
+  });
+  hooks.register_hook(HookConfig().trigger(HookTrigger::every_n_steps(1)).actions({HookAction::custom_callback("g")}));
+  {
+    auto session = torchdbg::attach(*net, hooks);
+    auto loss = net->forward(torch::randn({2, 1, 6, 6}), torch::randint(0, 20, {2})).sum();
+    session.detach();  // the graph is built, backward not run yet
+    loss.backward();
+    CHECK(grads.load() == 0);
+  }
+  for (int round = 0; round < 5; ++round) {  // detach racing a backward on another thread
+    auto session = torchdbg::attach(*net, hooks);
+    auto loss = net->forward(torch::randn({2, 1, 6, 6}), torch::randint(0, 20, {2})).sum();
+    std::thread t([&] { loss.backward(); });
+    session.detach();
+    t.join();
+  }
+  SUCCEED();
 }

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <thread>
 
 #include "helpers.hpp"
@@ -358,4 +359,56 @@ TEST_CASE("the single-thread manager offers the same behaviour", "[manager]") {
   hooks.create_tensor_inspection_hook({"fc"});
   CHECK(hooks.execute_hooks("fc1", torch::ones({2}), true)[0].second.ok());
   CHECK(hooks.inspector.latest("fc1")->stats.mean == 1.0);
+}
+
+TEST_CASE("every kind of bad tensor gives a documented result through every action; the loop goes on", "[manager]") {
+  HookManager hooks;
+  const auto dir = torchdbg_test::tmp_dir("bad_input_snaps");
+  hooks.register_hook(HookConfig().name("all").trigger(HookTrigger::every_n_steps(1)).actions(
+      {HookAction::inspect_tensor(), HookAction::track_gradients(), HookAction::record_activations(),
+       HookAction::save_snapshot(dir)}));
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  struct Row {
+    std::string name;
+    torch::Tensor t;
+    bool ok;                // success, or an error result whose message holds `error`
+    std::string error;
+  };
+  const std::vector<Row> table = {
+      {"empty", torch::empty({0, 3}), true, ""},
+      {"zero-d", torch::tensor(2.5), true, ""},
+      {"large", torch::randn({1 << 22}), true, ""},
+      {"transposed", torch::randn({5, 7}).t(), true, ""},
+      {"expanded", torch::randn({1, 3}).expand({1000, 3}), true, ""},
+      {"int", torch::arange(10, torch::kInt), true, ""},
+      {"bool", torch::tensor({true, false, true}), true, ""},
+      {"half", torch::randn({8}).to(torch::kHalf), true, ""},
+      {"bfloat16", torch::randn({8}).to(torch::kBFloat16), true, ""},
+      {"all-nan", torch::full({4}, nan), true, ""},
+      {"all-inf", torch::full({4}, -inf), true, ""},
+      {"complex", torch::randn({4}, torch::kComplexFloat), false, "ComplexFloat"},
+      {"undefined", torch::Tensor(), false, "undefined"},
+  };
+  for (const auto& row : table) {
+    INFO("input " << row.name);
+    std::vector<std::pair<torchdbg::HookId, torchdbg::HookResult>> r;
+    REQUIRE_NOTHROW(r = hooks.execute_hooks(row.name, row.t, true));
+    REQUIRE(r.size() == 1);
+    if (row.ok) {
+      CHECK(r[0].second.ok());
+      REQUIRE(hooks.inspector.latest(row.name));
+      CHECK(hooks.inspector.latest(row.name)->stats.numel == row.t.numel());
+      CHECK(torch::equal(torchdbg::load_snapshot(dir + "/" + torchdbg::snapshot_file_name(row.name, 0, true)).isnan(),
+                         row.t.isnan()));
+    } else {
+      CHECK(r[0].second.is_error());
+      CHECK(r[0].second.message().find(row.error) != std::string::npos);
+      CHECK_FALSE(hooks.inspector.latest(row.name));  // nothing half-recorded
+    }
+  }
+  std::vector<float> data = {1, 2, 3};
+  CHECK(hooks.execute_hooks("mismatch", data, {2, 2}, true)[0].second.message().find("3 elements") != std::string::npos);
+  CHECK(hooks.execute_hooks("negative", data, {-3}, true)[0].second.message().find("-3") != std::string::npos);
+  CHECK(hooks.get_all_stats()[0].second.errors == 4);
+  CHECK(hooks.execute_hooks("after", torch::ones({2}), true)[0].second.ok());  // still working
 }

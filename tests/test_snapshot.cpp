@@ -3,6 +3,8 @@
 #include <torchdbg/snapshot.hpp>
 
 #include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <csignal>
 #include <cstdlib>
@@ -109,4 +111,25 @@ TEST_CASE("Python's torch.load reads a snapshot", "[snapshot]") {
   const std::string cmd = python + " -c \"import torch,sys; t=torch.load('" + path +
                           "'); sys.exit(0 if t.shape==(2,3) and t.dtype==torch.float32 and float(t.sum())==7.5 else 1)\"";
   CHECK(std::system(cmd.c_str()) == 0);
+}
+
+TEST_CASE("a writer killed with SIGKILL leaves the old or the new complete snapshot", "[snapshot]") {
+  const auto dir = torchdbg_test::tmp_dir("snap_kill");
+  const auto path = dir + "/x.pt";
+  torchdbg::save_snapshot(torch::zeros({1 << 20}), path);  // the old complete file
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {  // child: rewrite the snapshot as fast as it can until killed
+      for (int i = 1;; ++i) torchdbg::save_snapshot(torch::full({1 << 20}, static_cast<float>(i)), path);
+    }
+    ::usleep(static_cast<useconds_t>(20000 + 15000 * attempt));
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    CHECK(WIFSIGNALED(status));
+    const auto t = torchdbg::load_snapshot(path);  // never a partial file
+    REQUIRE(t.numel() == (1 << 20));
+    CHECK(torch::equal(t, torch::full({1 << 20}, t[0].item<float>())));
+  }
 }
