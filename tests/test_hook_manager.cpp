@@ -66,6 +66,11 @@ TEST_CASE("an invalid regex is rejected at registration with the pattern named",
   HookManager hooks;
   CHECK_THROWS_WITH(hooks.register_hook(HookConfig().name("bad").layer_patterns({"fc(["})), Catch::Contains("fc(["));
   CHECK_THROWS_WITH(hooks.register_hook(HookConfig().max_executions(0)), Catch::Contains("max_executions 0"));
+  // Numbers std::regex would overflow on (undefined behaviour in libstdc++) are refused first.
+  CHECK_THROWS_WITH(hooks.register_hook(HookConfig().layer_patterns({"a\\11111111111111111111"})), Catch::Contains("number too large"));
+  CHECK_THROWS_WITH(hooks.register_hook(HookConfig().layer_patterns({"a{1,99999999999}"})), Catch::Contains("number too large"));
+  CHECK_NOTHROW(hooks.register_hook(HookConfig().layer_patterns({"fc\\.[0-9]{1,3}$"})));
+  hooks.clear_hooks();
   CHECK(hooks.hook_count() == 0);  // nothing half-registered
   hooks.register_hook(HookConfig().layer_patterns({"^fc1$"}).actions({HookAction::inspect_tensor()}));
   CHECK(hooks.execute_hooks("fc1", torch::ones({1}), true).size() == 1);

@@ -60,6 +60,7 @@
 #include <utility>
 #include <vector>
 
+#include "torchdbg/detail/pattern.hpp"
 #include "torchdbg/error.hpp"
 #include "torchdbg/hook_context.hpp"
 #include "torchdbg/hook_manager.hpp"
@@ -567,13 +568,7 @@ class BasicAttachSession {
       : hooks_(&hooks), core_(std::make_shared<detail::AttachCore>()) {
     core_->options = std::move(options);
     std::vector<std::regex> patterns;
-    for (const auto& p : core_->options.patterns()) {
-      try {
-        patterns.emplace_back(p, std::regex::ECMAScript);
-      } catch (const std::regex_error& e) {
-        throw Error("torchdbg: invalid attach pattern '" + p + "': " + e.what());
-      }
-    }
+    for (const auto& p : core_->options.patterns()) patterns.push_back(detail::compile_pattern(p, "attach pattern"));
     for (const auto& item : model.named_modules("", /*include_self=*/true)) {
       const std::string name = item.key().empty() ? "root" : item.key();
       torch::nn::Module& m = *item.value();

@@ -23,6 +23,7 @@
 
 #include "torchdbg/activation_visualizer.hpp"
 #include "torchdbg/detail/mutex.hpp"
+#include "torchdbg/detail/pattern.hpp"
 #include "torchdbg/detail/ring_buffer.hpp"
 #include "torchdbg/error.hpp"
 #include "torchdbg/hook_condition.hpp"
@@ -115,12 +116,8 @@ class BasicHookManager {
   HookId register_hook(HookConfig config) {
     auto e = std::make_shared<Entry>();
     for (const auto& p : config.layer_patterns()) {
-      try {
-        e->patterns.emplace_back(p, std::regex::ECMAScript | std::regex::optimize);
-      } catch (const std::regex_error& ex) {
-        throw Error("torchdbg: invalid layer pattern '" + p + "' in hook '" + config.name() +
-                    "': " + ex.what());
-      }
+      e->patterns.push_back(detail::compile_pattern(p, "layer pattern in hook '" + config.name() + "'",
+                                                    std::regex::ECMAScript | std::regex::optimize));
     }
     if (config.max_executions() && *config.max_executions() == 0) {
       throw Error("torchdbg: hook '" + config.name() + "' has max_executions 0 (it could never run)");

@@ -45,6 +45,7 @@
 #include <utility>
 #include <vector>
 
+#include "torchdbg/detail/pattern.hpp"
 #include "torchdbg/error.hpp"
 #include "torchdbg/paths.hpp"
 
@@ -675,11 +676,7 @@ struct MultiHookOptions {
 class MultiHookManager {
  public:
   explicit MultiHookManager(MultiHookOptions options = {}) : options_(std::move(options)) {
-    try {
-      regex_ = std::regex(options_.pattern(), std::regex::ECMAScript);
-    } catch (const std::regex_error& e) {
-      throw Error("torchdbg: invalid module pattern '" + options_.pattern() + "': " + e.what());
-    }
+    regex_ = detail::compile_pattern(options_.pattern(), "module pattern");
   }
 
   /// The dotted names of the modules that a hook would be registered on.

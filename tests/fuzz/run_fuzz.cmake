@@ -27,7 +27,7 @@ foreach(_target paths hooks)
   # ASan's leak check is off: LibTorch keeps process-lifetime allocations it never frees.
   execute_process(
     COMMAND ${CMAKE_COMMAND} -E env ASAN_OPTIONS=detect_leaks=0
-            "${WORK_DIR}/build/fuzz_${_target}" -max_total_time=${SECONDS} -max_len=256 -timeout=10
+            "${WORK_DIR}/build/fuzz_${_target}" -max_total_time=${SECONDS} -max_len=96 -timeout=10
             -artifact_prefix=${WORK_DIR}/ "${WORK_DIR}/corpus_${_target}"
     RESULT_VARIABLE rc ERROR_VARIABLE err)
   string(REGEX MATCH "Done [0-9]+ runs[^\n]*" _done "${err}")
