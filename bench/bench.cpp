@@ -9,6 +9,8 @@
 #include <torch/torch.h>
 #include <torchdbg/torchdbg.hpp>
 
+#include "bench_util.hpp"
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -93,14 +95,6 @@ Args parse(int argc, char** argv) {
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-long rss_kib() {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
-  return -1;
 }
 
 /// What a monitored run installs: forward statistics of every child and activation,
@@ -199,12 +193,12 @@ nlohmann::json bench_rss(const Args& a) {
     m.hooks.set_step(s);
     tr.step();
   }
-  const long start = rss_kib();
+  const long start = torchdbg_bench::rss_kib();
   for (int s = warm; s < warm + a.rss_steps; ++s) {
     m.hooks.set_step(s);
     tr.step();
   }
-  const double growth = static_cast<double>(rss_kib() - start) / 1024.0;
+  const double growth = static_cast<double>(torchdbg_bench::rss_kib() - start) / 1024.0;
   fmt::print("rss growth mlp full {} steps: {:.1f} MiB\n", a.rss_steps, growth);
   return {{"steps", a.rss_steps}, {"growth_mib", growth}};
 }

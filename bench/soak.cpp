@@ -11,21 +11,13 @@
 #include <torch/torch.h>
 #include <torchdbg/torchdbg.hpp>
 
+#include "bench_util.hpp"
+
 #include <fmt/format.h>
 
 #include <cstring>
 #include <fstream>
 #include <string>
-
-namespace {
-long rss_kib() {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
-  return -1;
-}
-}  // namespace
 
 int main(int argc, char** argv) {
   int64_t steps = 100000, every = 10000;
@@ -57,9 +49,9 @@ int main(int argc, char** argv) {
     hooks.set_loss(loss.item<double>());
     loss.backward();
     opt.step();
-    if (s == warm) base = rss_kib();
+    if (s == warm) base = torchdbg_bench::rss_kib();
     if (s % every == 0 || s == steps) {
-      const long now = rss_kib();
+      const long now = torchdbg_bench::rss_kib();
       growth = static_cast<double>(now - base) / 1024.0;
       fmt::print("step {:>7}: rss {:>8} KiB ({:+.2f} MiB since step {}), alerts {}\n", s, now,
                  static_cast<double>(now - base) / 1024.0, warm, hooks.alert_count());
