@@ -225,7 +225,10 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
 
 inline void AttachCore::on_grad(std::size_t m, const std::string& pname, const at::Tensor& g) {
   if (!active.load()) return;
-  if (!end_queued_.exchange(true)) {
+  // The end-of-backward callback is needed for norms (when hooks are due) and auto_step only:
+  // a step with nothing due costs this one check per gradient.
+  const bool due = backward_due.load();
+  if ((due || options.auto_step()) && !end_queued_.exchange(true)) {
     try {
       std::weak_ptr<AttachCore> self = weak_from_this();
       torch::autograd::Engine::get_default_engine().queue_callback([self] {
@@ -235,7 +238,7 @@ inline void AttachCore::on_grad(std::size_t m, const std::string& pname, const a
       end_queued_.store(false);  // not inside a backward pass (a manual hook call)
     }
   }
-  if (!backward_due.load() || !g.defined()) return;
+  if (!due || !g.defined()) return;
   std::optional<TensorStats> stats;
   if (options.gradient_norms()) {
     at::Tensor sq;
