@@ -176,34 +176,43 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
     end_queued_.store(false);
     if (active.load() && options.gradient_norms()) {
       std::vector<std::size_t> idx;
-      std::vector<at::Tensor> sq;
+      std::vector<double> sq;
+      std::vector<std::size_t> dev_idx;  // positions in idx/sq whose sum is on a device
+      std::vector<at::Tensor> dev;
       {
         std::lock_guard<std::mutex> lock(grad_mutex_);
         for (std::size_t i = 0; i < grad_sq_.size(); ++i) {
-          if (grad_sq_[i].defined()) {
-            idx.push_back(i);
-            sq.push_back(grad_sq_[i].to(at::kCPU, at::kDouble).reshape({1}));
-            grad_sq_[i] = at::Tensor();
+          GradSq& g = grad_sq_[i];
+          if (!g.seen) continue;
+          idx.push_back(i);
+          sq.push_back(g.host);
+          if (g.device.defined()) {
+            dev_idx.push_back(sq.size() - 1);
+            dev.push_back(g.device.reshape({1}));
           }
+          g = GradSq{};
         }
       }
-      if (!sq.empty()) {
-        try {
-          const at::Tensor all = at::cat(sq).contiguous();  // one host copy per backward
+      try {
+        if (!dev.empty()) {  // every module's device sum comes back in one copy
+          const at::Tensor all = at::cat(dev).to(at::kCPU, at::kDouble).contiguous();
           const double* v = all.data_ptr<double>();
+          for (std::size_t k = 0; k < dev_idx.size(); ++k) sq[dev_idx[k]] += v[k];
+        }
+        if (!idx.empty()) {
           std::vector<std::pair<std::string, double>> norms;
           double total = 0.0;
           for (std::size_t k = 0; k < idx.size(); ++k) {
-            norms.emplace_back(modules[idx[k]].name, std::sqrt(v[k]));
-            total += v[k];
+            norms.emplace_back(modules[idx[k]].name, std::sqrt(sq[k]));
+            total += sq[k];
           }
           {
             std::lock_guard<std::mutex> lock(grad_mutex_);
             last_norms_ = std::move(norms);
           }
           if (report_gradient_norm) report_gradient_norm(std::sqrt(total));
-        } catch (...) {
         }
+      } catch (...) {
       }
     }
     if (active.load() && options.auto_step() && advance_step) {
@@ -218,7 +227,14 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
   std::vector<std::size_t> order_;
   std::vector<char> seen_;
   mutable std::mutex grad_mutex_;
-  std::vector<at::Tensor> grad_sq_;
+  /// A module's squared gradient norm during one backward pass: a double for CPU gradients
+  /// (no allocation), a device tensor for the others (no host sync until the end).
+  struct GradSq {
+    bool seen = false;
+    double host = 0.0;
+    at::Tensor device;
+  };
+  std::vector<GradSq> grad_sq_;
   std::vector<std::pair<std::string, double>> last_norms_;
   std::atomic<bool> end_queued_{false};
 };
@@ -241,22 +257,24 @@ inline void AttachCore::on_grad(std::size_t m, const std::string& pname, const a
   if (!due || !g.defined()) return;
   std::optional<TensorStats> stats;
   if (options.gradient_norms()) {
-    at::Tensor sq;
+    double host_sq = 0.0;
+    at::Tensor device_sq;
     if (g.device().is_cpu()) {
       // One pass: the same statistics serve the norm and every hook of this delivery.
       try {
         stats = compute_stats(g);
-        sq = at::scalar_tensor(stats->l2_norm * stats->l2_norm, at::kDouble);
+        host_sq = stats->l2_norm * stats->l2_norm;
       } catch (...) {
       }
     } else {
-      sq = g.detach().to(at::kDouble).pow(2).sum();  // stays on the device: no host sync here
+      device_sq = g.detach().to(at::kDouble).pow(2).sum();  // stays on the device: no host sync here
     }
-    if (sq.defined()) {
-      std::lock_guard<std::mutex> lock(grad_mutex_);
-      if (grad_sq_.size() < modules.size()) grad_sq_.resize(modules.size());
-      grad_sq_[m] = grad_sq_[m].defined() ? grad_sq_[m] + sq : sq;
-    }
+    std::lock_guard<std::mutex> lock(grad_mutex_);
+    if (grad_sq_.size() < modules.size()) grad_sq_.resize(modules.size());
+    GradSq& acc = grad_sq_[m];
+    acc.seen = true;
+    acc.host += host_sq;
+    if (device_sq.defined()) acc.device = acc.device.defined() ? acc.device + device_sq : device_sq;
   }
   send(m, modules[m].name, g, false, Metadata{{"parameter", pname}}, stats ? &*stats : nullptr);
 }
