@@ -20,7 +20,12 @@
 //   next operator consumes it or another module starts (at the latest when backward begins).
 //   A parameter-free activation (relu, tanh, sigmoid, gelu, softmax, ... as a function or a
 //   module) that consumes a module's output is delivered as "<module>/<activation>", e.g.
-//   "fc1/relu". Operators inside backward are ignored.
+//   "fc1/relu" with metadata {"activation": "relu"}; an elementwise function that can make
+//   finite values non-finite (log, sqrt, rsqrt, reciprocal, exp, pow, ...) is delivered the
+//   same way with metadata {"op": "log"}, so a NaN born there is attributed to it. Module
+//   outputs carry {"module_type": "torch::nn::LinearImpl"}; the first module output after a
+//   step change also carries {"input_rms": "<RMS of its data input>"}. Operators inside
+//   backward are ignored.
 // * Cost: the observer is registered only while some hook could fire for a forward call at
 //   the current step (HookManager::may_fire, re-evaluated on every set_step and hook change)
 //   and removed otherwise, so a step with no hook due runs no torchdbg code in the forward.
@@ -49,6 +54,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -124,6 +130,9 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
   std::atomic<bool> active{true};
   std::atomic<bool> forward_due{false};
   std::atomic<bool> backward_due{false};
+  /// Set at each step change: the next module output also reports the RMS of its data input
+  /// (the model's input), so the first layer's gain is known too.
+  std::atomic<bool> input_due{true};
   std::atomic<uint64_t> forward_deliveries{0};
   std::atomic<uint64_t> backward_deliveries{0};
 
@@ -341,6 +350,7 @@ class ForwardObserver {
     std::shared_ptr<AttachCore> core;
     std::size_t module = 0;
     at::Tensor out;
+    double input_rms = -1.0;  // >= 0 when measured
   };
   struct Derived {
     const AttachCore* core = nullptr;
@@ -360,6 +370,8 @@ class ForwardObserver {
     std::shared_ptr<AttachCore> core;
     std::size_t module = 0;
     std::string act;
+    bool math = false;
+    double input_rms = -1.0;
   };
 
   static Tls& tls() {
@@ -376,7 +388,14 @@ class ForwardObserver {
     t.pending = {};
     if (!p.core || !p.out.defined()) return;
     t.delivering = true;
-    p.core->send(p.module, p.core->modules[p.module].name, p.out, true, Metadata{});
+    const auto& mod = p.core->modules[p.module];
+    Metadata md{{"module_type", mod.type_name}};
+    if (p.input_rms >= 0.0) {
+      char buf[40];
+      std::snprintf(buf, sizeof buf, "%.17g", p.input_rms);
+      md.emplace("input_rms", buf);
+    }
+    p.core->send(p.module, mod.name, p.out, true, md);
     t.delivering = false;
   }
 
@@ -413,19 +432,31 @@ class ForwardObserver {
     return first;
   }
 
-  /// "aten::relu_" -> "relu", "aten::_softmax" -> "softmax"; empty when not an activation.
-  static std::string activation_name(std::string_view op) {
+  /// "aten::relu_" -> "relu", "aten::_softmax" -> "softmax"; empty when the operator is
+  /// neither an activation nor (with `math`) an elementwise function that can turn finite
+  /// values into NaN/Inf, such as log or sqrt. `math` tells which of the two it is.
+  static std::string follow_up_name(std::string_view op, bool& math) {
     static const char* const kActs[] = {"relu",      "relu6",    "leaky_relu", "elu",    "selu",
                                         "celu",      "gelu",     "silu",       "mish",   "tanh",
                                         "sigmoid",   "softplus", "softmax",    "log_softmax",
                                         "hardtanh",  "hardsigmoid", "hardswish", "threshold",
                                         "softsign",  "tanhshrink", "logsigmoid"};
+    static const char* const kMath[] = {"log",   "log2",  "log10", "log1p",  "sqrt",   "rsqrt",
+                                        "reciprocal", "exp", "exp2", "expm1", "pow",   "acos",
+                                        "asin",  "atanh", "acosh", "lgamma", "digamma", "erfinv"};
+    math = false;
     if (op.substr(0, 6) != "aten::") return {};
     op.remove_prefix(6);
     if (!op.empty() && op.front() == '_') op.remove_prefix(1);
     if (!op.empty() && op.back() == '_') op.remove_suffix(1);
     for (const char* a : kActs)
       if (op == a) return std::string(op);
+    for (const char* a : kMath) {
+      if (op == a) {
+        math = true;
+        return std::string(op);
+      }
+    }
     return {};
   }
 
@@ -448,6 +479,7 @@ class ForwardObserver {
     std::shared_ptr<AttachCore> owner;
     std::size_t module = 0;
     bool has_data = false;
+    at::Tensor data_in;  // the first data input
     bool consumes_pending = false;
     const c10::TensorImpl* pending_impl =
         t.pending.core && t.pending.out.defined() ? t.pending.out.unsafeGetTensorImpl() : nullptr;
@@ -498,6 +530,7 @@ class ForwardObserver {
           updates_owned = true;  // an optimizer's arithmetic, not a forward
         }
         has_data = true;
+        if (!data_in.defined()) data_in = x;
         if (impl == pending_impl) consumes_pending = true;
       });
     }
@@ -510,6 +543,13 @@ class ForwardObserver {
         ctx->kind = OpCtx::Weights;  // e.g. weight.t(): remember its output as the module's
       } else {
         ctx->kind = OpCtx::Forward;
+        if (owner->input_due.exchange(false) && data_in.is_floating_point()) {
+          try {
+            const detail::Moments m = detail::compute_moments(data_in.detach());
+            if (m.finite > 0) ctx->input_rms = std::sqrt(m.sum_squares() / static_cast<double>(m.finite));
+          } catch (...) {
+          }
+        }
         if (t.pending.core && (t.pending.core != owner || t.pending.module != module)) flush_pending(t);
       }
       ++t.skip_depth;
@@ -520,13 +560,15 @@ class ForwardObserver {
       const std::size_t m = t.pending.module;
       flush_pending(t);
       if (core->options.activations()) {
-        std::string act = activation_name(fn.name());
+        bool math = false;
+        std::string act = follow_up_name(fn.name(), math);
         if (!act.empty()) {
           auto ctx = std::make_unique<OpCtx>();
           ctx->kind = OpCtx::Activation;
           ctx->core = std::move(core);
           ctx->module = m;
           ctx->act = std::move(act);
+          ctx->math = math;
           ++t.skip_depth;
           return ctx;
         }
@@ -553,12 +595,14 @@ class ForwardObserver {
         break;
       }
       case OpCtx::Forward:
-        t.pending = Pending{ctx->core, ctx->module, out};
+        if (t.pending.core == ctx->core && t.pending.module == ctx->module && ctx->input_rms < 0.0)
+          ctx->input_rms = t.pending.input_rms;  // a later op of the same module keeps it
+        t.pending = Pending{ctx->core, ctx->module, out, ctx->input_rms};
         break;
       case OpCtx::Activation: {
         t.delivering = true;
         ctx->core->send(ctx->module, ctx->core->modules[ctx->module].name + "/" + ctx->act, out,
-                        true, Metadata{{"activation", ctx->act}});
+                        true, Metadata{{ctx->math ? "op" : "activation", ctx->act}});
         t.delivering = false;
         break;
       }
@@ -639,9 +683,10 @@ class BasicAttachSession {
     listener_ = hooks_->add_listener([weak, mgr](typename BasicHookManager<Mutex>::Change change) {
       auto c = weak.lock();
       if (!c) return;
-      if (change == BasicHookManager<Mutex>::Change::Before) {
+      using Change = typename BasicHookManager<Mutex>::Change;
+      if (change == Change::Before) {
         detail::ForwardObserver::flush(c.get());  // an output pending under the old state
-      } else {
+      } else if (change == Change::After) {
         update(c, *mgr);
       }
     });
@@ -718,6 +763,7 @@ class BasicAttachSession {
     const bool bwd = c->options.backward() && mgr.may_fire(false, step);
     c->forward_due.store(fwd);
     c->backward_due.store(bwd);
+    c->input_due.store(true);
     detail::ForwardObserver::instance().set(c, fwd);
   }
 

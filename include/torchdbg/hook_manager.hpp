@@ -264,8 +264,10 @@ class BasicHookManager {
 
   // ---- observers of the manager (attached models) ----------------------------------------
 
-  /// When a listener is called: just before or just after a change.
-  enum class Change { Before, After };
+  /// When a listener is called: just before or just after a change of which hooks are due
+  /// (Before/After), or after `set_loss` (Loss) or `set_gradient_norm` (GradientNorm, which
+  /// attached models report at the end of each backward pass with hooks due).
+  enum class Change { Before, After, Loss, GradientNorm };
   using Listener = std::function<void(Change)>;
 
   /// Calls `listener` (without locks held) just before and just after every change that can
@@ -325,12 +327,19 @@ class BasicHookManager {
     notify(Change::After);
   }
   void set_loss(double loss) {
-    std::lock_guard<Mutex> lock(state_mutex_);
-    state_.loss = loss;
+    {
+      std::lock_guard<Mutex> lock(state_mutex_);
+      state_.loss = loss;
+      state_.loss_step = state_.step;
+    }
+    notify(Change::Loss);
   }
   void set_gradient_norm(double norm) {
-    std::lock_guard<Mutex> lock(state_mutex_);
-    state_.gradient_norm = norm;
+    {
+      std::lock_guard<Mutex> lock(state_mutex_);
+      state_.gradient_norm = norm;
+    }
+    notify(Change::GradientNorm);
   }
   void set_memory_mb(double mb) {
     std::lock_guard<Mutex> lock(state_mutex_);

@@ -5,7 +5,9 @@
 /// Umbrella header: everything torchdbg offers.
 #include "torchdbg/activation_visualizer.hpp"
 #include "torchdbg/attach.hpp"
+#include "torchdbg/diagnosis.hpp"
 #include "torchdbg/error.hpp"
+#include "torchdbg/health.hpp"
 #include "torchdbg/hook_condition.hpp"
 #include "torchdbg/hook_config.hpp"
 #include "torchdbg/hook_context.hpp"

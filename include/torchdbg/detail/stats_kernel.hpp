@@ -462,6 +462,85 @@ inline Moments compute_moments(const at::Tensor& t) {
   });
 }
 
+/// Elements of `t` below `lo` or above `hi` (NaN is neither): one pass, no allocation for
+/// CPU tensors; other devices count on the device and copy one number back.
+inline int64_t count_outside(const at::Tensor& t, double lo, double hi) {
+  if (!t.defined()) throw Error("torchdbg: cannot count values of an undefined tensor");
+  check_supported_dtype(t.scalar_type());
+  if (t.numel() == 0) return 0;
+  if (!t.device().is_cpu()) {
+    const at::Tensor x = t.to(at::kDouble);
+    return ((x < lo).logical_or(x > hi)).sum().to(at::kCPU).item<int64_t>();
+  }
+  const at::Tensor c = t.contiguous();
+  return dispatch_dtype(c.scalar_type(), [&](auto tag) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+    const T* p = static_cast<const T*>(c.data_ptr());
+    const int64_t n = c.numel();
+    int64_t count = 0;
+    if constexpr (std::is_same_v<T, float>) {
+      const float flo = static_cast<float>(lo), fhi = static_cast<float>(hi);
+      for (int64_t i = 0; i < n; ++i) count += (p[i] < flo) | (p[i] > fhi);
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        const double v = as_double(p[i]);
+        count += (v < lo) | (v > hi);
+      }
+    }
+    return count;
+  });
+}
+
+/// For each index along `dim` (a unit: a feature or channel), how many elements of `t` are
+/// above `threshold`; `per_unit` receives the number of elements each unit has (the samples).
+inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t dim, double threshold,
+                                                 int64_t& per_unit) {
+  if (!t.defined()) throw Error("torchdbg: cannot count values of an undefined tensor");
+  check_supported_dtype(t.scalar_type());
+  if (t.dim() == 0) throw Error("torchdbg: a 0-d tensor has no unit dimension");
+  const int64_t d = dim < 0 ? dim + t.dim() : dim;
+  if (d < 0 || d >= t.dim())
+    throw Error("torchdbg: unit dimension " + std::to_string(dim) + " out of range for a " +
+                std::to_string(t.dim()) + "-d tensor");
+  const int64_t units = t.size(d);
+  per_unit = units == 0 ? 0 : t.numel() / units;
+  std::vector<int64_t> out(static_cast<std::size_t>(units), 0);
+  if (t.numel() == 0) return out;
+  if (!t.device().is_cpu()) {
+    std::vector<int64_t> dims;
+    for (int64_t i = 0; i < t.dim(); ++i)
+      if (i != d) dims.push_back(i);
+    at::Tensor above = t.to(at::kDouble) > threshold;
+    at::Tensor counts = dims.empty() ? above.to(at::kLong) : above.sum(dims);
+    counts = counts.to(at::kCPU, at::kLong).contiguous();
+    std::copy(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + units, out.begin());
+    return out;
+  }
+  const at::Tensor c = t.contiguous();
+  int64_t outer = 1, inner = 1;
+  for (int64_t i = 0; i < d; ++i) outer *= c.size(i);
+  for (int64_t i = d + 1; i < c.dim(); ++i) inner *= c.size(i);
+  dispatch_dtype(c.scalar_type(), [&](auto tag) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+    const T* p = static_cast<const T*>(c.data_ptr());
+    for (int64_t o = 0; o < outer; ++o) {
+      for (int64_t u = 0; u < units; ++u) {
+        const T* q = p + (o * units + u) * inner;
+        int64_t k = 0;
+        if constexpr (std::is_same_v<T, float>) {
+          const float ft = static_cast<float>(threshold);
+          for (int64_t i = 0; i < inner; ++i) k += q[i] > ft;
+        } else {
+          for (int64_t i = 0; i < inner; ++i) k += as_double(q[i]) > threshold;
+        }
+        out[static_cast<std::size_t>(u)] += k;
+      }
+    }
+    return 0;
+  });
+  return out;
+}
+
 /// The finite values of a tensor as doubles, for the distribution primitives below.
 inline std::vector<double> finite_values(const at::Tensor& t) {
   const at::Tensor c = t.device().is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous();

@@ -1,0 +1,488 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+// A ranked root-cause diagnosis from a HealthReport.
+//
+// Every incident (the onset of a failure at a layer) is linked to the incident that explains
+// it, by temporal precedence (step, then forward -> loss -> backward within a step, then
+// forward order) and by what can cause what:
+//   exploding activation/gradient  -> non-finite values -> loss divergence
+//   dead units / saturation at or downstream of a layer -> vanishing gradient at that layer
+//   a large update (exploding gradient, loss spike) -> dead units, saturation later
+//   dead units upstream -> constant output downstream
+//   an exploding activation feeding a saturating activation is that layer's saturation.
+// Incidents that nothing explains are root causes; each becomes a hypothesis whose causal
+// chain lists what it explains. Hypotheses are ranked by severity, then onset, then
+// confidence. One sort and one sweep with ordered lookups: O(E log E) for E incidents.
+//
+// ```cpp
+// auto d = torchdbg::diagnose(health);
+// if (!d.healthy()) std::cout << d.summary() << "\n" << d.to_mermaid();
+// ```
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "torchdbg/health.hpp"
+
+namespace torchdbg {
+
+/// One link of a causal chain: an incident that a hypothesis explains (or the root itself).
+struct CausalLink {
+  FailureKind kind = FailureKind::NonFiniteOutput;
+  std::string layer;
+  int64_t step = 0;
+  Phase phase = Phase::Forward;
+  int rank = -1;
+};
+
+/// A ranked explanation of what went wrong.
+struct Hypothesis {
+  FailureKind kind = FailureKind::NonFiniteOutput;
+  std::string layer;     ///< the responsible module ("fc2"); "loss" for a loss-only finding
+  std::string observed;  ///< the observation that showed it ("fc2/tanh")
+  int64_t step = 0;      ///< onset
+  std::string description;
+  double confidence = 0.0;
+  std::vector<SemanticEvent> evidence;   ///< events behind the root and what it explains
+  std::vector<CausalLink> causal_chain;  ///< the root first, then its consequences in time order
+  int rank = -1;                          ///< the process where it started (distributed runs)
+
+  [[nodiscard]] int tier() const noexcept { return failure_tier(kind); }
+};
+
+inline nlohmann::json to_json(const CausalLink& c) {
+  nlohmann::json j = {{"kind", to_string(c.kind)}, {"layer", c.layer}, {"step", c.step}, {"phase", to_string(c.phase)}};
+  if (c.rank >= 0) j["rank"] = c.rank;
+  return j;
+}
+
+inline nlohmann::json to_json(const Hypothesis& h) {
+  nlohmann::json ev = nlohmann::json::array();
+  for (const auto& e : h.evidence) ev.push_back(to_json(e));
+  nlohmann::json chain = nlohmann::json::array();
+  for (const auto& c : h.causal_chain) chain.push_back(to_json(c));
+  nlohmann::json j = {{"kind", to_string(h.kind)}, {"layer", h.layer},       {"observed", h.observed},
+                      {"step", h.step},            {"description", h.description}, {"confidence", h.confidence},
+                      {"evidence", ev},            {"causal_chain", chain}};
+  if (h.rank >= 0) j["rank"] = h.rank;
+  return j;
+}
+
+/// The ranked hypotheses and the causal graph behind them.
+struct Diagnosis {
+  int64_t step = 0;  ///< the report's step
+  std::vector<Hypothesis> hypotheses;  ///< best first
+  /// The causal graph: every incident as a node, (cause, effect) edges between node indices.
+  std::vector<CausalLink> nodes;
+  std::vector<std::pair<std::size_t, std::size_t>> edges;
+  std::vector<std::size_t> roots;  ///< node index of each hypothesis, in hypothesis order
+  std::size_t layers_observed = 0;
+
+  /// No hypothesis of tier 1 or 2 (a plateau alone is not a failure).
+  [[nodiscard]] bool healthy() const noexcept {
+    for (const auto& h : hypotheses)
+      if (h.tier() > 0) return false;
+    return true;
+  }
+  [[nodiscard]] const Hypothesis* top() const noexcept { return hypotheses.empty() ? nullptr : &hypotheses.front(); }
+
+  /// A plain-English paragraph for terminals and reports.
+  [[nodiscard]] std::string summary() const {
+    if (healthy()) {
+      std::string s = "No failure detected up to step " + std::to_string(step) + " across " +
+                      std::to_string(layers_observed) + " observed layers.";
+      for (const auto& h : hypotheses) s += " Note: " + h.description;
+      return s;
+    }
+    std::string s = "Most likely cause: " + hypotheses.front().description;
+    const auto& chain = hypotheses.front().causal_chain;
+    if (chain.size() > 1) {
+      s += " It explains " + std::to_string(chain.size() - 1) + " later finding" + (chain.size() > 2 ? "s" : "") + ": ";
+      const std::size_t shown = std::min<std::size_t>(chain.size(), 6);
+      for (std::size_t i = 1; i < shown; ++i) {
+        s += (i > 1 ? ", " : "") + describe_link(chain[i]);
+      }
+      if (chain.size() > shown) s += " and " + std::to_string(chain.size() - shown) + " more";
+      s += ".";
+    }
+    if (hypotheses.size() > 1) {
+      s += " Other hypotheses:";
+      const std::size_t shown = std::min<std::size_t>(hypotheses.size(), 4);
+      for (std::size_t i = 1; i < shown; ++i) {
+        const auto& h = hypotheses[i];
+        s += " (" + std::to_string(i + 1) + ") " + std::string(to_string(h.kind)) + " at '" + h.layer + "' from step " +
+             std::to_string(h.step) + ", confidence " + pct(h.confidence) + ";";
+      }
+      s.back() = '.';
+    }
+    return s;
+  }
+
+  /// The causal graph as a Mermaid flowchart.
+  [[nodiscard]] std::string to_mermaid() const {
+    std::string s = "graph LR\n";
+    for (std::size_t i = 0; i < nodes.size(); ++i) {
+      std::string label = node_label(nodes[i]);
+      for (char& c : label)
+        if (c == '"') c = '\'';
+      s += "  n" + std::to_string(i) + "[\"" + label + "\"]\n";
+    }
+    for (const auto& [a, b] : edges) s += "  n" + std::to_string(a) + " --> n" + std::to_string(b) + "\n";
+    for (std::size_t r = 0; r < roots.size(); ++r) s += "  style n" + std::to_string(roots[r]) + (r == 0 ? " stroke-width:3px,stroke:#c00\n" : " stroke-width:2px\n");
+    return s;
+  }
+
+  /// The causal graph in Graphviz DOT.
+  [[nodiscard]] std::string to_dot() const {
+    std::string s = "digraph torchdbg_diagnosis {\n  rankdir=LR;\n  node [shape=box];\n";
+    for (std::size_t i = 0; i < nodes.size(); ++i) {
+      std::string label;
+      for (char c : node_label(nodes[i])) {
+        if (c == '"' || c == '\\') label += '\\';
+        label += c;
+      }
+      const bool root = std::find(roots.begin(), roots.end(), i) != roots.end();
+      s += "  n" + std::to_string(i) + " [label=\"" + label + "\"" + (root ? ", penwidth=2, color=red" : "") + "];\n";
+    }
+    for (const auto& [a, b] : edges) s += "  n" + std::to_string(a) + " -> n" + std::to_string(b) + ";\n";
+    return s + "}\n";
+  }
+
+  [[nodiscard]] nlohmann::json to_json() const {
+    nlohmann::json hs = nlohmann::json::array();
+    for (const auto& h : hypotheses) hs.push_back(torchdbg::to_json(h));
+    nlohmann::json ns = nlohmann::json::array();
+    for (const auto& n : nodes) ns.push_back(torchdbg::to_json(n));
+    nlohmann::json es = nlohmann::json::array();
+    for (const auto& [a, b] : edges) es.push_back({a, b});
+    return {{"step", step}, {"healthy", healthy()}, {"summary", summary()}, {"hypotheses", hs},
+            {"nodes", ns},  {"edges", es},          {"roots", roots}};
+  }
+
+  static std::string node_label(const CausalLink& c) {
+    std::string s = std::string(to_string(c.kind)) + " @ " + c.layer + " (step " + std::to_string(c.step) + ")";
+    if (c.rank >= 0) s += " rank " + std::to_string(c.rank);
+    return s;
+  }
+
+ private:
+  static std::string pct(double v) {
+    char b[16];
+    std::snprintf(b, sizeof b, "%.0f%%", v * 100.0);
+    return b;
+  }
+  static std::string describe_link(const CausalLink& c) {
+    std::string k = to_string(c.kind);
+    std::replace(k.begin(), k.end(), '_', ' ');
+    return k + " at '" + c.layer + "' (step " + std::to_string(c.step) + ")";
+  }
+};
+
+namespace detail {
+
+inline std::string num3(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.3g", v);
+  return b;
+}
+
+inline std::string describe_root(const Incident& i, std::size_t related) {
+  const std::string at = "'" + i.module + "'";
+  const std::string step = std::to_string(i.step);
+  auto pct = [](double v) { return num3(v * 100.0) + "%"; };
+  switch (i.kind) {
+    case FailureKind::NonFiniteOutput: {
+      std::string s = at + " produced the first non-finite output at step " + step + " (" + pct(i.value) +
+                      " NaN/Inf) while its input was finite";
+      if (i.layer != i.module) s += ": '" + i.layer.substr(i.module.size() + 1) + "' applied to its output";
+      return s + ".";
+    }
+    case FailureKind::NonFiniteGradient:
+      return "the first non-finite gradient in backward order appeared at " + at + " at step " + step +
+             " while the forward pass was finite.";
+    case FailureKind::ExplodingActivation:
+      return at + " amplifies its input " + num3(i.value) + "x at step " + step +
+             " (limit " + num3(i.threshold) + "x): its weights make activations, and then gradients, explode.";
+    case FailureKind::ExplodingGradient: {
+      std::string s = "the gradient norm of " + at + " reached " + num3(i.value) + " at step " + step + " (limit " +
+                      num3(i.threshold) + ")";
+      if (i.details.contains("amplification")) s += "; the layer upstream has " + num3(i.details["amplification"].get<double>()) + "x its norm";
+      return s + ".";
+    }
+    case FailureKind::VanishingGradient:
+      if (related > 1)
+        return "gradients vanish toward the input: " + std::to_string(related) + " layers fall below the limit at step " +
+               step + ", the smallest at " + at + " (norm " + num3(i.value) +
+               "), with no dead or saturated layer downstream to blame: depth and small activation derivatives shrink "
+               "the backward signal layer by layer.";
+      return "the gradient of " + at + " vanished at step " + step + " (norm " + num3(i.value) + ", limit " +
+             num3(i.threshold) + ").";
+    case FailureKind::DeadUnits:
+      return pct(i.value) + " of the units after " + at +
+             (i.details.contains("activation") ? " (" + i.details["activation"].get<std::string>() + ")" : std::string()) +
+             " are dead from step " + step + ": its pre-activation is negative for almost every sample (a large negative bias "
+             "or a destructive update), so no gradient flows through them.";
+    case FailureKind::Saturation:
+      return pct(i.value) + " of '" + i.layer + "' is saturated from step " + step + ": " + at +
+             " feeds it values so large that the activation's derivative vanishes (weights too large for " +
+             (i.details.contains("activation") ? i.details["activation"].get<std::string>() : std::string("the activation")) + ").";
+    case FailureKind::ConstantOutput:
+      return "'" + i.layer + "' outputs a (nearly) constant value from step " + step + ".";
+    case FailureKind::LossDivergence:
+      return "the loss became non-finite at step " + step + " before any layer showed a problem (check the loss inputs and labels).";
+    case FailureKind::LossSpike:
+      return "the loss spiked to " + num3(i.value) + " at step " + step + " (limit " + num3(i.threshold) + ").";
+    case FailureKind::LossPlateau:
+      return "the loss has plateaued by step " + step + " (relative improvement " + num3(i.value) + ").";
+  }
+  return {};
+}
+
+}  // namespace detail
+
+/// The ranked diagnosis of a report (see the header comment for the rules).
+inline Diagnosis diagnose(const HealthReport& report) {
+  using K = FailureKind;
+  Diagnosis d;
+  d.step = report.step;
+  d.layers_observed = report.layers.size();
+  const std::vector<Incident>& inc = report.incidents;
+  const std::size_t n = inc.size();
+  std::vector<std::size_t> order(n);
+  for (std::size_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    if (inc[a].step != inc[b].step) return inc[a].step < inc[b].step;
+    if (inc[a].phase != inc[b].phase) return inc[a].phase < inc[b].phase;
+    return inc[a].order < inc[b].order;
+  });
+  std::vector<std::optional<std::size_t>> cause(n);
+
+  // An exploding activation whose own activation saturates (same module, same or next step)
+  // is that saturation's evidence.
+  {
+    std::map<std::pair<std::string, int64_t>, std::size_t> saturation;
+    for (std::size_t i = 0; i < n; ++i)
+      if (inc[i].kind == K::Saturation) saturation.emplace(std::make_pair(inc[i].module, inc[i].step), i);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (inc[i].kind != K::ExplodingActivation) continue;
+      for (int64_t ds : {0, 1}) {
+        auto it = saturation.find({inc[i].module, inc[i].step + ds});
+        if (it != saturation.end()) {
+          cause[i] = it->second;
+          break;
+        }
+      }
+    }
+  }
+
+  // The sweep: what has been seen so far, by kind and by forward order.
+  std::optional<std::size_t> first_any, first_layer_failure;
+  std::map<K, std::size_t> first_of;
+  std::map<int64_t, std::size_t> blockers;  // dead/saturated incidents by forward order (first per order)
+  std::map<int64_t, std::size_t> vanishing_group;  // step -> root vanishing incident of that step
+  std::map<int64_t, std::size_t> exploding_group;  // step -> root exploding-gradient incident
+  auto earliest = [&](std::initializer_list<K> kinds, bool strictly_before, int64_t step) -> std::optional<std::size_t> {
+    std::optional<std::size_t> best;
+    for (K k : kinds) {
+      auto it = first_of.find(k);
+      if (it == first_of.end()) continue;
+      const Incident& c = inc[it->second];
+      if (strictly_before && c.step >= step) continue;
+      if (!best || c.step < inc[*best].step) best = it->second;
+    }
+    return best;
+  };
+  // Exploding-gradient origin per step: the largest amplification (where the backward signal
+  // jumps), else the most downstream exploding layer.
+  std::map<int64_t, std::size_t> explode_origin;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (inc[i].kind != K::ExplodingGradient) continue;
+    auto it = explode_origin.find(inc[i].step);
+    auto amp = [&](std::size_t k) {
+      return inc[k].details.contains("amplification") ? inc[k].details["amplification"].get<double>() : 0.0;
+    };
+    if (it == explode_origin.end()) {
+      explode_origin[inc[i].step] = i;
+    } else {
+      const std::size_t j = it->second;
+      const double ai = amp(i), aj = amp(j);
+      const double jump = 10.0;
+      if ((ai >= jump || aj >= jump) ? ai > aj : inc[i].order > inc[j].order) it->second = i;
+    }
+  }
+
+  for (std::size_t pos = 0; pos < n; ++pos) {
+    const std::size_t i = order[pos];
+    const Incident& x = inc[i];
+    if (!cause[i]) {
+      std::optional<std::size_t> c;
+      switch (x.kind) {
+        case K::NonFiniteOutput:
+          c = earliest({K::ExplodingActivation, K::ExplodingGradient, K::LossSpike, K::NonFiniteGradient,
+                        K::NonFiniteOutput},
+                       true, x.step);
+          break;
+        case K::NonFiniteGradient:
+          c = earliest({K::NonFiniteOutput, K::LossDivergence}, false, x.step + 1);
+          if (!c) c = earliest({K::ExplodingActivation, K::ExplodingGradient, K::NonFiniteGradient}, true, x.step);
+          if (!c) c = earliest({K::ExplodingActivation, K::ExplodingGradient}, false, x.step + 1);
+          break;
+        case K::ExplodingGradient: {
+          c = earliest({K::ExplodingActivation, K::LossSpike}, false, x.step + 1);
+          if (!c) {
+            auto it = explode_origin.find(x.step);
+            if (it != explode_origin.end() && it->second != i) c = it->second;
+          }
+          break;
+        }
+        case K::VanishingGradient: {
+          auto b = blockers.lower_bound(x.order);
+          if (b != blockers.end()) c = b->second;
+          if (!c) {
+            auto g = vanishing_group.find(x.step);
+            if (g != vanishing_group.end()) c = g->second;
+          }
+          break;
+        }
+        case K::DeadUnits:
+        case K::Saturation:
+          c = earliest({K::ExplodingActivation, K::ExplodingGradient, K::LossSpike}, true, x.step);
+          if (!c && x.kind == K::DeadUnits && !blockers.empty() && blockers.begin()->first < x.order &&
+              inc[blockers.begin()->second].kind == K::DeadUnits)
+            c = blockers.begin()->second;
+          break;
+        case K::ConstantOutput:
+          if (!blockers.empty() && blockers.begin()->first < x.order) c = blockers.begin()->second;
+          break;
+        case K::ExplodingActivation:
+          c = earliest({K::ExplodingGradient, K::LossSpike}, true, x.step);
+          break;
+        case K::LossDivergence:
+        case K::LossSpike:
+        case K::LossPlateau:
+          if (first_layer_failure && inc[*first_layer_failure].step <= x.step) c = first_layer_failure;
+          break;
+      }
+      cause[i] = c;
+    }
+    // Record i for later incidents.
+    if (!first_of.count(x.kind)) first_of[x.kind] = i;
+    if (!first_any) first_any = i;
+    if (x.module != "loss" && failure_tier(x.kind) == 2 && !first_layer_failure) first_layer_failure = i;
+    if ((x.kind == K::DeadUnits || x.kind == K::Saturation) && !blockers.count(x.order)) blockers[x.order] = i;
+    if (x.kind == K::VanishingGradient && !cause[i] && !vanishing_group.count(x.step)) vanishing_group[x.step] = i;
+    (void)exploding_group;
+  }
+
+  // Roots of chains (follow causes to the top; the graph is acyclic because causes precede).
+  auto root_of = [&](std::size_t i) {
+    std::size_t guard = 0;
+    while (cause[i] && guard++ < n) i = *cause[i];
+    return i;
+  };
+
+  // Vanishing by depth: the group's root is the input-most layer of the group.
+  std::map<std::size_t, std::vector<std::size_t>> members;  // root -> incidents it explains (incl. itself)
+  for (std::size_t i = 0; i < n; ++i) members[root_of(i)].push_back(i);
+
+  // Graph nodes and edges.
+  d.nodes.reserve(n);
+  for (std::size_t i = 0; i < n; ++i)
+    d.nodes.push_back({inc[i].kind, inc[i].layer, inc[i].step, inc[i].phase, inc[i].rank});
+  for (std::size_t i = 0; i < n; ++i)
+    if (cause[i]) d.edges.emplace_back(*cause[i], i);
+
+  std::unordered_map<uint64_t, const SemanticEvent*> event_by_id;
+  for (const auto& e : report.events) event_by_id[e.id] = &e;
+
+  struct Ranked {
+    Hypothesis h;
+    std::size_t node;
+    Phase phase;
+    int64_t order;
+  };
+  std::vector<Ranked> ranked;
+  std::map<std::pair<K, std::string>, std::size_t> seen;  // (kind, module) -> ranked index
+  for (auto& [root, group] : members) {
+    const Incident& r = inc[root];
+    std::size_t shown = root;
+    std::size_t related = 1;
+    if (r.kind == K::VanishingGradient) {
+      related = 0;
+      for (auto g : group) {
+        if (inc[g].kind != K::VanishingGradient) continue;
+        ++related;
+        if (inc[g].order < inc[shown].order) shown = g;
+      }
+    }
+    const Incident& s = inc[shown];
+    auto key = std::make_pair(r.kind, s.module);
+    std::vector<std::size_t> sorted = group;
+    std::sort(sorted.begin(), sorted.end(), [&](std::size_t a, std::size_t b) {
+      if (inc[a].step != inc[b].step) return inc[a].step < inc[b].step;
+      if (inc[a].phase != inc[b].phase) return inc[a].phase < inc[b].phase;
+      return inc[a].order < inc[b].order;
+    });
+    auto it = seen.find(key);
+    if (it != seen.end()) {  // a recurrence of a hypothesis already made: more evidence for it
+      Hypothesis& h = ranked[it->second].h;
+      for (auto g : sorted) h.causal_chain.push_back({inc[g].kind, inc[g].layer, inc[g].step, inc[g].phase, inc[g].rank});
+      h.confidence = 1.0 - (1.0 - h.confidence) * 0.9;
+      continue;
+    }
+    Hypothesis h;
+    h.kind = r.kind;
+    h.layer = s.module;
+    h.observed = s.layer;
+    h.step = r.step;
+    h.rank = r.rank;
+    h.description = detail::describe_root(s, related);
+    // Confidence: the root's own evidence, raised a little by every consequence it explains.
+    const double explained = static_cast<double>(group.size() - 1);
+    h.confidence = detail::clamp01(1.0 - (1.0 - std::max(r.confidence, s.confidence)) * std::pow(0.92, explained));
+    for (auto g : sorted) {
+      h.causal_chain.push_back({inc[g].kind, inc[g].layer, inc[g].step, inc[g].phase, inc[g].rank});
+      for (auto id : inc[g].events) {
+        auto e = event_by_id.find(id);
+        if (e != event_by_id.end() && h.evidence.size() < 64) h.evidence.push_back(*e->second);
+      }
+    }
+    // The root first in the chain.
+    auto rootpos = std::find_if(h.causal_chain.begin(), h.causal_chain.end(),
+                                [&](const CausalLink& c) { return c.layer == r.layer && c.kind == r.kind && c.step == r.step; });
+    if (rootpos != h.causal_chain.end()) std::rotate(h.causal_chain.begin(), rootpos, rootpos + 1);
+    seen[key] = ranked.size();
+    ranked.push_back({std::move(h), root, r.phase, r.order});
+  }
+  std::stable_sort(ranked.begin(), ranked.end(), [](const Ranked& a, const Ranked& b) {
+    if (a.h.tier() != b.h.tier()) return a.h.tier() > b.h.tier();
+    if (a.h.step != b.h.step) return a.h.step < b.h.step;
+    if (a.phase != b.phase) return a.phase < b.phase;
+    if (a.h.confidence != b.h.confidence) return a.h.confidence > b.h.confidence;
+    return a.order < b.order;
+  });
+  for (auto& r : ranked) {
+    d.roots.push_back(r.node);
+    d.hypotheses.push_back(std::move(r.h));
+  }
+  return d;
+}
+
+/// The diagnosis of a monitor's current state.
+template <typename Mutex>
+[[nodiscard]] Diagnosis diagnose(const BasicHealthMonitor<Mutex>& monitor) {
+  return diagnose(monitor.report());
+}
+
+}  // namespace torchdbg

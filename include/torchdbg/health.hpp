@@ -1,0 +1,1423 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+// Health states of layers and of the loss, and the semantic events their transitions make.
+//
+// A HealthMonitor turns what the observer delivers (forward outputs, activations, parameter
+// gradients and the loss) into per-layer states:
+// * activation: normal, saturated, dead, anomalous (near-constant output, or an output whose
+//   scale jumps far above its input's: an exploding activation), non-finite;
+// * gradient: healthy, vanishing, exploding, non-finite (absolute thresholds, a threshold
+//   relative to the step's largest layer gradient, and an adaptive per-layer baseline);
+// * loss: healthy, diverging (NaN/Inf), spike, plateau.
+// Each transition, and the first observation of a layer that starts unhealthy, is a
+// SemanticEvent; each onset of a failure is an Incident, the raw material of diagnose()
+// (diagnosis.hpp). Layers are ordered by forward execution order as observed.
+//
+// ```cpp
+// torchdbg::HookManager hooks;
+// torchdbg::HealthMonitor health(torchdbg::HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+// auto h = health.install(hooks);          // feeds on every delivery and on set_step/set_loss
+// auto session = torchdbg::attach(*model, hooks);
+// ```
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <torch/arg.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <regex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "torchdbg/detail/mutex.hpp"
+#include "torchdbg/detail/pattern.hpp"
+#include "torchdbg/detail/ring_buffer.hpp"
+#include "torchdbg/detail/stats_kernel.hpp"
+#include "torchdbg/error.hpp"
+#include "torchdbg/hook_manager.hpp"
+#include "torchdbg/tensor_stats.hpp"
+
+namespace torchdbg {
+
+enum class ActivationHealth { Normal, Saturated, Dead, Anomalous, NonFinite };
+enum class GradientHealth { Healthy, Vanishing, Exploding, NonFinite };
+enum class LossHealth { Healthy, Diverging, Spike, Plateau };
+
+inline const char* to_string(ActivationHealth h) noexcept {
+  switch (h) {
+    case ActivationHealth::Normal: return "normal";
+    case ActivationHealth::Saturated: return "saturated";
+    case ActivationHealth::Dead: return "dead";
+    case ActivationHealth::Anomalous: return "anomalous";
+    case ActivationHealth::NonFinite: return "non_finite";
+  }
+  return "?";
+}
+inline const char* to_string(GradientHealth h) noexcept {
+  switch (h) {
+    case GradientHealth::Healthy: return "healthy";
+    case GradientHealth::Vanishing: return "vanishing";
+    case GradientHealth::Exploding: return "exploding";
+    case GradientHealth::NonFinite: return "non_finite";
+  }
+  return "?";
+}
+inline const char* to_string(LossHealth h) noexcept {
+  switch (h) {
+    case LossHealth::Healthy: return "healthy";
+    case LossHealth::Diverging: return "diverging";
+    case LossHealth::Spike: return "spike";
+    case LossHealth::Plateau: return "plateau";
+  }
+  return "?";
+}
+
+/// What went wrong, for incidents and diagnosis hypotheses.
+enum class FailureKind {
+  NonFiniteOutput,      ///< a layer's output became NaN/Inf while its input was finite
+  NonFiniteGradient,    ///< the first NaN/Inf gradient in backward order
+  ExplodingActivation,  ///< a layer's output scale jumps far above its input's
+  ExplodingGradient,
+  VanishingGradient,
+  DeadUnits,
+  Saturation,
+  ConstantOutput,  ///< a layer's output is (nearly) the same value everywhere
+  LossDivergence,  ///< NaN/Inf loss
+  LossSpike,
+  LossPlateau,
+};
+
+inline const char* to_string(FailureKind k) noexcept {
+  switch (k) {
+    case FailureKind::NonFiniteOutput: return "non_finite_output";
+    case FailureKind::NonFiniteGradient: return "non_finite_gradient";
+    case FailureKind::ExplodingActivation: return "exploding_activation";
+    case FailureKind::ExplodingGradient: return "exploding_gradient";
+    case FailureKind::VanishingGradient: return "vanishing_gradient";
+    case FailureKind::DeadUnits: return "dead_units";
+    case FailureKind::Saturation: return "saturation";
+    case FailureKind::ConstantOutput: return "constant_output";
+    case FailureKind::LossDivergence: return "loss_divergence";
+    case FailureKind::LossSpike: return "loss_spike";
+    case FailureKind::LossPlateau: return "loss_plateau";
+  }
+  return "?";
+}
+
+/// How serious a failure kind is: 2 breaks training, 1 degrades it, 0 is informational.
+inline int failure_tier(FailureKind k) noexcept {
+  switch (k) {
+    case FailureKind::ConstantOutput:
+    case FailureKind::LossSpike: return 1;
+    case FailureKind::LossPlateau: return 0;
+    default: return 2;
+  }
+}
+
+/// Where in a step something was seen, in the order a training step runs: the forward pass,
+/// then the loss, then the backward pass.
+enum class Phase { Forward, Loss, Backward };
+
+inline const char* to_string(Phase p) noexcept {
+  switch (p) {
+    case Phase::Forward: return "forward";
+    case Phase::Loss: return "loss";
+    case Phase::Backward: return "backward";
+  }
+  return "?";
+}
+
+/// What is known about a forward output besides the tensor (attach fills it from metadata).
+struct ActivationInfo {
+  std::string_view activation;      ///< the function that produced it ("relu", "tanh"); empty for a module output
+  std::string_view op;              ///< an elementwise op that produced it ("log")
+  std::string_view module_type;     ///< the module's class ("torch::nn::BatchNorm2dImpl")
+  std::string_view pre_activation;  ///< the unobserved activation this output feeds ("tanh")
+  std::optional<double> input_rms;  ///< RMS of the layer's input when known
+};
+
+/// What the monitor does when a failure listed in `HealthOptions::pause_on` starts.
+enum class OnFailure { Record, Pause };
+
+/// (layer regex, activation) pairs: see HealthOptions::pre_activations.
+using PreActivations = std::vector<std::pair<std::string, std::string>>;
+
+/// Thresholds and capacities of the health monitor, with defaults in one place.
+///
+/// ```cpp
+/// HealthOptions().saturated_fraction(0.3).dead_window(4).on_failure(OnFailure::Pause)
+/// ```
+struct HealthOptions {
+  /// Evaluate every `interval` steps (the monitor's hook is every_n_steps(interval)).
+  TORCH_ARG(int64_t, interval) = 1;
+  /// Regexes (searched in layer names) of the layers to watch; empty: all.
+  TORCH_ARG(std::vector<std::string>, layers);
+
+  // ---- activations
+  /// The dimension that holds units (features/channels): 1 for [N, C, ...] and [N, F].
+  TORCH_ARG(int64_t, unit_dim) = 1;
+  /// tanh (and softsign) outputs with |y| above this are saturated.
+  TORCH_ARG(double, tanh_saturation) = 0.97;
+  /// sigmoid outputs below `sigmoid_low` or above `sigmoid_high` are saturated.
+  TORCH_ARG(double, sigmoid_low) = 0.01;
+  TORCH_ARG(double, sigmoid_high) = 0.99;
+  /// A layer is saturated when more than this fraction of its outputs are.
+  TORCH_ARG(double, saturated_fraction) = 0.25;
+  /// A ReLU-family unit is dead when active (> 0) in fewer than this fraction of the samples
+  /// of the window: the layer's most recent outputs covering at least `dead_window_samples`
+  /// samples per unit (at most `dead_window` outputs are kept).
+  TORCH_ARG(double, dead_activity) = 0.01;
+  /// A layer is dead when more than this fraction of its units are.
+  TORCH_ARG(double, dead_fraction) = 0.5;
+  TORCH_ARG(int64_t, dead_window_samples) = 64;
+  TORCH_ARG(int64_t, dead_window) = 16;
+  /// Output std below this fraction of its RMS (with >= 2 elements): near-constant.
+  TORCH_ARG(double, constant_ratio) = 1e-6;
+  /// Output std above this multiple of its input's RMS: an exploding activation
+  /// (normalization layers excepted).
+  TORCH_ARG(double, activation_gain) = 10.0;
+  /// Layers (regex, whole name) whose observed output is the pre-activation of an
+  /// unobserved activation ("tanh", "sigmoid" or "relu"): bounds are applied to the
+  /// pre-activation (|x| > atanh(tanh_saturation), ...). Metadata {"pre_activation": "tanh"}
+  /// on a delivery does the same.
+  TORCH_ARG(PreActivations, pre_activations);
+
+  // ---- gradients (per layer: the L2 norm over the layer's parameters)
+  /// Norm below this: vanishing.
+  TORCH_ARG(double, vanishing_norm) = 1e-7;
+  /// Norm below this fraction of the step's largest layer norm: vanishing.
+  TORCH_ARG(double, vanishing_ratio) = 1e-4;
+  /// Norm above this: exploding.
+  TORCH_ARG(double, exploding_norm) = 1e3;
+  /// Norm above `gradient_jump` times the layer's baseline: exploding; below baseline /
+  /// `gradient_collapse`: vanishing. Also the adjacent-layer ratio that marks where an
+  /// explosion starts.
+  TORCH_ARG(double, gradient_jump) = 100.0;
+  TORCH_ARG(double, gradient_collapse) = 1e4;
+  /// Healthy evaluations before a baseline (an EMA of log norm or of the gain) is used.
+  TORCH_ARG(int64_t, baseline_warmup) = 5;
+  TORCH_ARG(double, baseline_momentum) = 0.9;
+
+  // ---- loss
+  /// Loss above `loss_spike_factor` times the mean of the last `loss_window` losses: spike.
+  TORCH_ARG(double, loss_spike_factor) = 10.0;
+  TORCH_ARG(int64_t, loss_window) = 20;
+  /// Relative improvement between the halves of the last `plateau_window` losses below
+  /// `plateau_tolerance`: plateau.
+  TORCH_ARG(int64_t, plateau_window) = 200;
+  TORCH_ARG(double, plateau_tolerance) = 1e-3;
+
+  // ---- events, confidence, policy
+  /// Consecutive evaluations in a state after which persistence counts fully in confidence.
+  TORCH_ARG(int64_t, persistence_steps) = 3;
+  TORCH_ARG(std::size_t, event_capacity) = 10000;
+  TORCH_ARG(std::size_t, incident_capacity) = 4096;
+  /// Layers tracked at most (further names are counted in `ignored_layers`).
+  TORCH_ARG(std::size_t, max_layers) = 4096;
+  TORCH_ARG(OnFailure, on_failure) = OnFailure::Record;
+  TORCH_ARG(std::vector<FailureKind>, pause_on) = std::vector<FailureKind>{
+      FailureKind::NonFiniteOutput, FailureKind::NonFiniteGradient, FailureKind::ExplodingActivation,
+      FailureKind::ExplodingGradient, FailureKind::LossDivergence};
+};
+
+/// What a transition means.
+enum class EventType {
+  NonFiniteActivation,
+  Saturation,
+  DeadUnits,
+  ActivationAnomaly,  ///< near-constant output or exploding activation
+  ActivationRecovered,
+  NonFiniteGradient,
+  VanishingGradient,
+  ExplodingGradient,
+  GradientRecovered,
+  LossDiverged,
+  LossSpike,
+  LossPlateau,
+  LossRecovered,
+  TrainingPaused,
+};
+
+inline const char* to_string(EventType t) noexcept {
+  switch (t) {
+    case EventType::NonFiniteActivation: return "non_finite_activation";
+    case EventType::Saturation: return "saturation";
+    case EventType::DeadUnits: return "dead_units";
+    case EventType::ActivationAnomaly: return "activation_anomaly";
+    case EventType::ActivationRecovered: return "activation_recovered";
+    case EventType::NonFiniteGradient: return "non_finite_gradient";
+    case EventType::VanishingGradient: return "vanishing_gradient";
+    case EventType::ExplodingGradient: return "exploding_gradient";
+    case EventType::GradientRecovered: return "gradient_recovered";
+    case EventType::LossDiverged: return "loss_diverged";
+    case EventType::LossSpike: return "loss_spike";
+    case EventType::LossPlateau: return "loss_plateau";
+    case EventType::LossRecovered: return "loss_recovered";
+    case EventType::TrainingPaused: return "training_paused";
+  }
+  return "?";
+}
+
+/// A health transition of a layer (or of the loss, layer "loss").
+struct SemanticEvent {
+  uint64_t id = 0;  ///< 1, 2, ... in the order the monitor emitted them
+  EventType type = EventType::ActivationRecovered;
+  std::string layer;
+  int64_t step = 0;
+  std::string from;  ///< previous state; "unobserved" on a layer's first observation
+  std::string to;
+  double confidence = 0.0;  ///< from the margin past the threshold and the persistence
+  nlohmann::json metadata = nlohmann::json::object();  ///< the values behind the decision
+  int rank = -1;  ///< the process that saw it (distributed runs); -1 when not distributed
+
+  /// Warning or worse: a transition into an unhealthy state that is not merely informational.
+  [[nodiscard]] bool is_alarm() const noexcept {
+    return type != EventType::ActivationRecovered && type != EventType::GradientRecovered &&
+           type != EventType::LossRecovered && type != EventType::LossPlateau &&
+           type != EventType::TrainingPaused;
+  }
+};
+
+inline nlohmann::json to_json(const SemanticEvent& e) {
+  nlohmann::json j = {{"id", e.id},     {"type", to_string(e.type)}, {"layer", e.layer},
+                      {"step", e.step}, {"from", e.from},            {"to", e.to},
+                      {"confidence", e.confidence}, {"metadata", e.metadata}};
+  if (e.rank >= 0) j["rank"] = e.rank;
+  return j;
+}
+
+/// The onset of a failure at one layer, kept updated while it persists.
+struct Incident {
+  FailureKind kind = FailureKind::NonFiniteOutput;
+  std::string layer;   ///< the observed name ("fc2/tanh")
+  std::string module;  ///< the responsible module ("fc2"): the name before the first '/'
+  int64_t step = 0;       ///< onset
+  int64_t last_step = 0;  ///< last evaluation still in that state
+  Phase phase = Phase::Forward;
+  int64_t order = 0;      ///< forward execution order of `module` (smaller: upstream)
+  int64_t persisted = 1;  ///< consecutive evaluations in that state
+  double confidence = 0.0;
+  double margin = 0.0;     ///< how far past the threshold, 0..1 (the largest seen)
+  double value = 0.0;      ///< the measured quantity (fraction, norm, gain, loss)
+  double threshold = 0.0;  ///< what it was compared with
+  std::vector<uint64_t> events;  ///< ids of the events behind it (the first few)
+  nlohmann::json details = nlohmann::json::object();
+  int rank = -1;
+};
+
+inline nlohmann::json to_json(const Incident& i) {
+  nlohmann::json j = {{"kind", to_string(i.kind)}, {"layer", i.layer},
+                      {"module", i.module},        {"step", i.step},
+                      {"last_step", i.last_step},  {"phase", to_string(i.phase)},
+                      {"order", i.order},          {"persisted", i.persisted},
+                      {"confidence", i.confidence}, {"value", i.value},
+                      {"threshold", i.threshold},  {"events", i.events},
+                      {"details", i.details}};
+  if (i.rank >= 0) j["rank"] = i.rank;
+  return j;
+}
+
+/// The latest health of one observed layer.
+struct LayerHealth {
+  std::string name;
+  std::string module;
+  int64_t order = 0;  ///< position in forward execution order
+  bool has_activation = false;
+  bool has_gradient = false;
+  ActivationHealth activation = ActivationHealth::Normal;
+  GradientHealth gradient = GradientHealth::Healthy;
+  int64_t activation_since = 0;  ///< step the current activation state began
+  int64_t gradient_since = 0;
+  int64_t last_step = 0;
+  std::string activation_kind;  ///< "relu", "tanh", ... when known
+  double rms = detail::kNaN;    ///< of the last output (finite values)
+  double gain = detail::kNaN;   ///< output std / input RMS
+  double saturated_fraction = detail::kNaN;
+  double dead_fraction = detail::kNaN;
+  double non_finite_fraction = 0.0;
+  double gradient_norm = detail::kNaN;
+  double gradient_baseline = detail::kNaN;
+};
+
+inline nlohmann::json to_json(const LayerHealth& l) {
+  auto num = [](double v) -> nlohmann::json { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); };
+  nlohmann::json j = {{"name", l.name}, {"module", l.module}, {"order", l.order}, {"last_step", l.last_step}};
+  if (l.has_activation) {
+    j["activation"] = {{"state", to_string(l.activation)}, {"since", l.activation_since},
+                       {"kind", l.activation_kind},        {"rms", num(l.rms)},
+                       {"gain", num(l.gain)},              {"saturated_fraction", num(l.saturated_fraction)},
+                       {"dead_fraction", num(l.dead_fraction)}, {"non_finite_fraction", l.non_finite_fraction}};
+  }
+  if (l.has_gradient) {
+    j["gradient"] = {{"state", to_string(l.gradient)}, {"since", l.gradient_since},
+                     {"norm", num(l.gradient_norm)}, {"baseline", num(l.gradient_baseline)}};
+  }
+  return j;
+}
+
+/// Everything the diagnosis needs, copied out of a monitor at one moment.
+struct HealthReport {
+  int64_t step = 0;
+  std::vector<LayerHealth> layers;  ///< in forward execution order
+  std::vector<Incident> incidents;  ///< in onset order
+  std::vector<SemanticEvent> events;  ///< the ring's contents, oldest first
+  uint64_t events_total = 0;
+  LossHealth loss = LossHealth::Healthy;
+  std::optional<double> last_loss;
+  int rank = -1;
+};
+
+namespace detail {
+
+inline double clamp01(double v) noexcept { return v < 0.0 ? 0.0 : (v > 1.0 ? 1.0 : v); }
+
+/// Confidence from how far past its threshold a value is (`margin`, 0..1) and for how many
+/// consecutive evaluations it has held (`persisted` of `full`).
+inline double evidence_confidence(double margin, int64_t persisted, int64_t full) noexcept {
+  const double p = 1.0 - std::pow(0.5, static_cast<double>(persisted) / static_cast<double>(std::max<int64_t>(1, full)));
+  const double m = clamp01(margin);
+  return clamp01(1.0 - (1.0 - m) * (1.0 - p));
+}
+
+/// log10(a / b) mapped to 0..1 by x / (x + 0.5): 0 at the threshold, 0.67 one decade past.
+inline double decade_margin(double a, double b) noexcept {
+  if (!(a > 0.0) || !(b > 0.0)) return 1.0;
+  const double x = std::log10(a / b);
+  return x <= 0.0 ? 0.0 : x / (x + 0.5);
+}
+
+inline bool is_dead_capable(std::string_view act) noexcept {
+  return act == "relu" || act == "relu6" || act == "threshold";
+}
+inline bool is_saturating(std::string_view act) noexcept {
+  return act == "tanh" || act == "sigmoid" || act == "hardtanh" || act == "hardsigmoid" ||
+         act == "softsign";
+}
+
+}  // namespace detail
+
+template <typename Mutex>
+class BasicHealthMonitor;
+
+/// The link between a monitor and a HookManager made by `install`: a hook, its callback and
+/// a manager listener. Removes them when destroyed or on `remove()`. Movable.
+template <typename Mutex, typename ManagerMutex>
+class HealthInstallation {
+ public:
+  HealthInstallation() = default;
+  HealthInstallation(BasicHookManager<ManagerMutex>* mgr, HookId hook, std::string callback, uint64_t listener)
+      : mgr_(mgr), hook_(std::move(hook)), callback_(std::move(callback)), listener_(listener) {}
+  HealthInstallation(const HealthInstallation&) = delete;
+  HealthInstallation& operator=(const HealthInstallation&) = delete;
+  HealthInstallation(HealthInstallation&& o) noexcept { *this = std::move(o); }
+  HealthInstallation& operator=(HealthInstallation&& o) noexcept {
+    if (this != &o) {
+      remove();
+      mgr_ = o.mgr_;
+      hook_ = std::move(o.hook_);
+      callback_ = std::move(o.callback_);
+      listener_ = o.listener_;
+      o.mgr_ = nullptr;
+    }
+    return *this;
+  }
+  ~HealthInstallation() { remove(); }
+
+  /// The manager's hook that feeds the monitor.
+  [[nodiscard]] const HookId& hook_id() const noexcept { return hook_; }
+  [[nodiscard]] bool installed() const noexcept { return mgr_ != nullptr; }
+
+  void remove() noexcept {
+    if (mgr_ == nullptr) return;
+    try {
+      mgr_->remove_listener(listener_);
+      (void)mgr_->remove_hook(hook_);
+      (void)mgr_->remove_callback(callback_);
+    } catch (...) {
+    }
+    mgr_ = nullptr;
+  }
+
+ private:
+  BasicHookManager<ManagerMutex>* mgr_ = nullptr;
+  HookId hook_;
+  std::string callback_;
+  uint64_t listener_ = 0;
+};
+
+/// Per-layer health states, semantic events and failure incidents.
+///
+/// Feed it through `install(hooks)` (every forward output, activation and gradient the
+/// manager executes hooks for, the loss from `set_loss`, step ends from `set_step` and
+/// backward ends from `set_gradient_norm`), or directly with the observe_* calls.
+///
+/// Thread safety: every method may be called from any thread (autograd threads included);
+/// one internal lock guards the state (the NullMutex alias drops it). The pause callback runs
+/// without the lock held.
+template <typename Mutex = std::mutex>
+class BasicHealthMonitor {
+ public:
+  /// Called when `on_failure(Pause)` and a failure in `pause_on` starts: (step, layer, reason).
+  using PauseFn = std::function<void(int64_t, const std::string&, const std::string&)>;
+
+  explicit BasicHealthMonitor(HealthOptions options = {})
+      : options_(std::move(options)),
+        events_(options_.event_capacity() == 0 ? 1 : options_.event_capacity()) {
+    validate(options_);
+    for (const auto& p : options_.layers()) layer_patterns_.push_back(detail::compile_pattern(p, "health layer pattern"));
+    for (const auto& [pattern, act] : options_.pre_activations()) {
+      if (act != "tanh" && act != "sigmoid" && act != "relu")
+        throw Error("torchdbg: pre_activations supports tanh, sigmoid and relu, got '" + act + "' for '" + pattern + "'");
+      pre_acts_.emplace_back(detail::compile_pattern(pattern, "pre_activations pattern"), act);
+    }
+  }
+  BasicHealthMonitor(const BasicHealthMonitor&) = delete;
+  BasicHealthMonitor& operator=(const BasicHealthMonitor&) = delete;
+
+  [[nodiscard]] const HealthOptions& options() const noexcept { return options_; }
+
+  /// Connects the monitor to `hooks`; keep the result alive as long as it should watch.
+  template <typename M>
+  [[nodiscard]] HealthInstallation<Mutex, M> install(BasicHookManager<M>& hooks) {
+    const std::string cb = "torchdbg.health." + std::to_string(reinterpret_cast<std::uintptr_t>(this));
+    hooks.register_callback(cb, [this](const HookContext& ctx) { on_hook(ctx); });
+    HookConfig config = HookConfig()
+                            .name("torchdbg.health")
+                            .trigger(HookTrigger::every_n_steps(options_.interval()))
+                            .actions({HookAction::custom_callback(cb)})
+                            .layer_patterns(options_.layers());
+    BasicHookManager<M>* mgr = &hooks;
+    set_pause_callback([mgr](int64_t, const std::string&, const std::string& reason) { mgr->pause_training(reason); });
+    const uint64_t listener = hooks.add_listener([this, mgr](typename BasicHookManager<M>::Change change) {
+      using Change = typename BasicHookManager<M>::Change;
+      try {
+        if (change == Change::After) {
+          set_step(mgr->step());
+        } else if (change == Change::Loss) {
+          const TrainingState st = mgr->state();
+          if (st.loss) observe_loss(st.loss_step.value_or(st.step), *st.loss);
+        } else if (change == Change::GradientNorm) {
+          end_backward();
+        }
+      } catch (...) {
+        // a listener must not throw into set_step/set_loss
+      }
+    });
+    set_step(hooks.step());
+    HookId id;
+    try {
+      id = hooks.register_hook(std::move(config));
+    } catch (...) {
+      hooks.remove_listener(listener);
+      (void)hooks.remove_callback(cb);
+      throw;
+    }
+    return HealthInstallation<Mutex, M>(mgr, id, cb, listener);
+  }
+
+  /// Called on a failure in `pause_on` when `on_failure(Pause)`; `install` sets it to the
+  /// manager's pause_training.
+  void set_pause_callback(PauseFn fn) {
+    std::lock_guard<Mutex> lock(mutex_);
+    pause_fn_ = std::move(fn);
+  }
+
+  // ---- observations ---------------------------------------------------------------------
+
+  /// A forward output of `layer` at `step`; `stats`: its statistics if already computed.
+  void observe_activation(std::string_view layer, const at::Tensor& output, int64_t step,
+                          const ActivationInfo& info = {}, const TensorStats* stats = nullptr) {
+    if (!output.defined()) throw Error("torchdbg: observe_activation got an undefined tensor for '" + std::string(layer) + "'");
+    std::optional<TensorStats> own;
+    if (stats == nullptr) {
+      own = compute_stats(output);
+      stats = &*own;
+    }
+    Pauses pauses;
+    {
+      std::lock_guard<Mutex> lock(mutex_);
+      if (!watched(layer)) return;
+      advance_to(step, pauses);
+      Layer* L = layer_rec(layer);
+      if (L == nullptr) return;
+      on_activation(*L, output, *stats, step, info, pauses);
+    }
+    run_pauses(step, pauses);
+  }
+
+  /// A gradient of parameter `parameter` of module `layer` at `step`.
+  void observe_gradient(std::string_view layer, std::string_view parameter, const at::Tensor& grad,
+                        int64_t step, const TensorStats* stats = nullptr) {
+    if (!grad.defined()) throw Error("torchdbg: observe_gradient got an undefined tensor for '" + std::string(layer) + "'");
+    std::optional<TensorStats> own;
+    if (stats == nullptr) {
+      own = compute_stats(grad);
+      stats = &*own;
+    }
+    (void)parameter;
+    Pauses pauses;
+    {
+      std::lock_guard<Mutex> lock(mutex_);
+      if (!watched(layer)) return;
+      advance_to(step, pauses);
+      Layer* L = layer_rec(layer);
+      if (L == nullptr) return;
+      if (!L->g_touched) {
+        L->g_touched = true;
+        L->g_sq = 0.0;
+        L->g_nonfinite = 0;
+        L->g_count = 0;
+        L->bwd_arrival = bwd_arrivals_++;
+        touched_.push_back(index_of(*L));
+      }
+      L->g_sq += stats->l2_norm * stats->l2_norm;
+      L->g_nonfinite += stats->nan_count + stats->inf_count;
+      L->g_count += stats->numel;
+      grads_pending_ = true;
+    }
+    run_pauses(step, pauses);
+  }
+
+  /// The end of a backward pass: judges the gradients received since the last one.
+  void end_backward() {
+    Pauses pauses;
+    int64_t step = 0;
+    {
+      std::lock_guard<Mutex> lock(mutex_);
+      step = cur_step_;
+      evaluate_gradients(pauses);
+    }
+    run_pauses(step, pauses);
+  }
+
+  /// The loss of `step`.
+  void observe_loss(int64_t step, double loss) {
+    Pauses pauses;
+    {
+      std::lock_guard<Mutex> lock(mutex_);
+      advance_to(step, pauses);
+      on_loss(step, loss, pauses);
+    }
+    run_pauses(step, pauses);
+  }
+
+  /// Moves to `step`: what was pending for the previous step (gradients not yet judged) is
+  /// judged first.
+  void set_step(int64_t step) {
+    Pauses pauses;
+    {
+      std::lock_guard<Mutex> lock(mutex_);
+      advance_to(step, pauses);
+    }
+    run_pauses(step, pauses);
+  }
+
+  // ---- queries --------------------------------------------------------------------------
+
+  /// Every observed layer's latest health, in forward execution order.
+  [[nodiscard]] std::vector<LayerHealth> layers() const {
+    std::lock_guard<Mutex> lock(mutex_);
+    return layers_locked();
+  }
+  [[nodiscard]] std::optional<LayerHealth> layer(std::string_view name) const {
+    std::lock_guard<Mutex> lock(mutex_);
+    auto it = index_.find(std::string(name));
+    if (it == index_.end()) return std::nullopt;
+    return health_of(layers_[it->second]);
+  }
+  [[nodiscard]] LossHealth loss_health() const {
+    std::lock_guard<Mutex> lock(mutex_);
+    return loss_state_;
+  }
+  /// The event ring, oldest first.
+  [[nodiscard]] std::vector<SemanticEvent> events() const {
+    std::lock_guard<Mutex> lock(mutex_);
+    return events_.to_vector();
+  }
+  /// Events emitted so far (including those the ring dropped).
+  [[nodiscard]] uint64_t event_count() const {
+    std::lock_guard<Mutex> lock(mutex_);
+    return event_seq_;
+  }
+  /// Events that are alarms (SemanticEvent::is_alarm) emitted so far.
+  [[nodiscard]] uint64_t alarm_count() const {
+    std::lock_guard<Mutex> lock(mutex_);
+    return alarms_;
+  }
+  [[nodiscard]] std::vector<Incident> incidents() const {
+    std::lock_guard<Mutex> lock(mutex_);
+    return incidents_;
+  }
+  /// Layer names beyond `max_layers` that were ignored.
+  [[nodiscard]] uint64_t ignored_layers() const {
+    std::lock_guard<Mutex> lock(mutex_);
+    return ignored_;
+  }
+  /// A copy of everything diagnose() needs, taken now.
+  [[nodiscard]] HealthReport report() const {
+    std::lock_guard<Mutex> lock(mutex_);
+    return report_locked();
+  }
+  /// The report taken at the moment the first failure in `pause_on` was detected.
+  [[nodiscard]] std::optional<HealthReport> failure_report() const {
+    std::lock_guard<Mutex> lock(mutex_);
+    return failure_report_;
+  }
+  /// Forgets all state, events and incidents (options stay).
+  void reset() {
+    std::lock_guard<Mutex> lock(mutex_);
+    layers_.clear();
+    index_.clear();
+    incidents_.clear();
+    events_.clear();
+    event_seq_ = alarms_ = ignored_ = 0;
+    touched_.clear();
+    fwd_seq_ = 0;
+    grads_pending_ = false;
+    prev_rms_.reset();
+    fwd_nonfinite_ = false;
+    losses_.clear();
+    loss_state_ = LossHealth::Healthy;
+    loss_persist_ = 0;
+    loss_incident_.reset();
+    last_loss_.reset();
+    first_loss_.reset();
+    failure_report_.reset();
+    have_step_ = false;
+  }
+
+ private:
+  struct Layer {
+    std::string name, module;
+    std::string act_kind;  // activation that produced the output, or pre-activation kind
+    bool pre_activation = false;
+    bool gain_checked = true;  // false for activations, elementwise ops and normalization layers
+    int64_t order = 0;
+    bool order_from_forward = false;
+    int64_t last_step = 0;
+    // activation
+    bool seen_fwd = false;
+    ActivationHealth act = ActivationHealth::Normal;
+    int64_t act_since = 0, act_persist = 0;
+    std::optional<std::size_t> act_incident;
+    double rms = detail::kNaN, gain = detail::kNaN, sat_frac = detail::kNaN, dead_frac = detail::kNaN;
+    double nonfinite_frac = 0.0;
+    double gain_base = detail::kNaN;
+    int64_t gain_n = 0;
+    std::vector<std::vector<int64_t>> unit_ring;
+    std::vector<int64_t> sample_ring;
+    std::size_t unit_head = 0;
+    // gradient
+    bool seen_bwd = false;
+    GradientHealth grad = GradientHealth::Healthy;
+    int64_t grad_since = 0, grad_persist = 0;
+    std::optional<std::size_t> grad_incident;
+    bool g_touched = false;
+    double g_sq = 0.0;
+    int64_t g_nonfinite = 0, g_count = 0;
+    int64_t bwd_arrival = 0;
+    double g_norm = detail::kNaN;
+    double g_log_base = detail::kNaN;
+    int64_t g_base_n = 0;
+  };
+
+  using Pauses = std::vector<std::pair<std::string, std::string>>;
+
+  static void validate(const HealthOptions& o) {
+    auto positive = [](double v, const char* name) {
+      if (!(v > 0.0)) throw Error(std::string("torchdbg: HealthOptions::") + name + " must be > 0, got " + std::to_string(v));
+    };
+    auto fraction = [](double v, const char* name) {
+      if (!(v >= 0.0 && v <= 1.0))
+        throw Error(std::string("torchdbg: HealthOptions::") + name + " must be in [0, 1], got " + std::to_string(v));
+    };
+    if (o.interval() < 1) throw Error("torchdbg: HealthOptions::interval must be >= 1, got " + std::to_string(o.interval()));
+    if (o.dead_window_samples() < 1)
+      throw Error("torchdbg: HealthOptions::dead_window_samples must be >= 1, got " + std::to_string(o.dead_window_samples()));
+    if (o.dead_window() < 1) throw Error("torchdbg: HealthOptions::dead_window must be >= 1, got " + std::to_string(o.dead_window()));
+    if (o.loss_window() < 2) throw Error("torchdbg: HealthOptions::loss_window must be >= 2, got " + std::to_string(o.loss_window()));
+    if (o.plateau_window() < 4) throw Error("torchdbg: HealthOptions::plateau_window must be >= 4, got " + std::to_string(o.plateau_window()));
+    if (o.persistence_steps() < 1) throw Error("torchdbg: HealthOptions::persistence_steps must be >= 1, got " + std::to_string(o.persistence_steps()));
+    if (o.event_capacity() == 0) throw Error("torchdbg: HealthOptions::event_capacity must be >= 1, got 0");
+    if (o.max_layers() == 0) throw Error("torchdbg: HealthOptions::max_layers must be >= 1, got 0");
+    fraction(o.tanh_saturation(), "tanh_saturation");
+    fraction(o.sigmoid_low(), "sigmoid_low");
+    fraction(o.sigmoid_high(), "sigmoid_high");
+    fraction(o.saturated_fraction(), "saturated_fraction");
+    fraction(o.dead_activity(), "dead_activity");
+    fraction(o.dead_fraction(), "dead_fraction");
+    fraction(o.baseline_momentum(), "baseline_momentum");
+    positive(o.activation_gain(), "activation_gain");
+    positive(o.vanishing_ratio(), "vanishing_ratio");
+    positive(o.exploding_norm(), "exploding_norm");
+    positive(o.gradient_jump(), "gradient_jump");
+    positive(o.gradient_collapse(), "gradient_collapse");
+    positive(o.loss_spike_factor(), "loss_spike_factor");
+    positive(o.plateau_tolerance(), "plateau_tolerance");
+    if (o.sigmoid_low() >= o.sigmoid_high()) throw Error("torchdbg: HealthOptions::sigmoid_low must be below sigmoid_high");
+  }
+
+  void on_hook(const HookContext& ctx) {
+    if (ctx.is_forward()) {
+      auto md = [&](std::string_view k) { return ctx.metadata_value(k).value_or(std::string_view{}); };
+      ActivationInfo info{md("activation"), md("op"), md("module_type"), md("pre_activation"), std::nullopt};
+      if (auto r = ctx.metadata_value("input_rms")) {
+        try {
+          info.input_rms = std::stod(std::string(*r));
+        } catch (...) {
+        }
+      }
+      observe_activation(ctx.layer_name(), ctx.tensor(), ctx.step(), info, &ctx.stats());
+    } else {
+      observe_gradient(ctx.layer_name(), ctx.metadata_value("parameter").value_or(std::string_view{}), ctx.tensor(),
+                       ctx.step(), &ctx.stats());
+    }
+  }
+
+  bool watched(std::string_view layer) const {
+    if (layer_patterns_.empty()) return true;
+    const std::string s(layer);
+    for (const auto& re : layer_patterns_)
+      if (std::regex_search(s, re)) return true;
+    return false;
+  }
+
+  std::size_t index_of(const Layer& L) const { return static_cast<std::size_t>(&L - layers_.data()); }
+
+  Layer* layer_rec(std::string_view name) {
+    const std::string key(name);
+    auto it = index_.find(key);
+    if (it != index_.end()) return &layers_[it->second];
+    if (layers_.size() >= options_.max_layers()) {
+      ++ignored_;
+      return nullptr;
+    }
+    Layer L;
+    L.name = key;
+    L.module = key.substr(0, key.find('/'));
+    L.order = kUnordered + static_cast<int64_t>(layers_.size());
+    index_.emplace(key, layers_.size());
+    layers_.push_back(std::move(L));
+    return &layers_.back();
+  }
+
+  /// Finishes the previous step when `step` differs from it.
+  void advance_to(int64_t step, Pauses& pauses) {
+    if (have_step_ && step == cur_step_) return;
+    if (have_step_) evaluate_gradients(pauses);
+    have_step_ = true;
+    cur_step_ = step;
+    fwd_seq_ = 0;
+    prev_rms_.reset();
+    fwd_nonfinite_ = false;
+    bwd_arrivals_ = 0;
+    bwd_nonfinite_ = false;
+  }
+
+  // ---- activations ----------------------------------------------------------------------
+
+  void on_activation(Layer& L, const at::Tensor& y, const TensorStats& s, int64_t step, const ActivationInfo& info,
+                     Pauses& pauses) {
+    const std::string_view activation = info.activation, op = info.op, module_type = info.module_type,
+                           pre_activation = info.pre_activation;
+    L.last_step = step;
+    // Forward order: the position of the layer's output within the step (the module of an
+    // activation takes the position of its first output).
+    const int64_t pos = fwd_seq_++;
+    if (!L.order_from_forward || L.order != pos) {
+      L.order = pos;
+      L.order_from_forward = true;
+    }
+    if (!activation.empty()) {
+      L.act_kind = std::string(activation);
+      L.pre_activation = false;
+      L.gain_checked = false;
+    } else if (!op.empty()) {
+      L.act_kind = std::string(op);
+      L.gain_checked = false;
+    } else {
+      std::string pre(pre_activation);
+      if (pre.empty()) {
+        for (const auto& [re, act] : pre_acts_)
+          if (std::regex_match(L.name, re)) pre = act;
+      }
+      if (!pre.empty()) {
+        L.act_kind = pre;
+        L.pre_activation = true;
+      }
+      L.gain_checked = module_type.find("Norm") == std::string_view::npos;
+    }
+
+    const double numel = static_cast<double>(s.numel);
+    L.nonfinite_frac = numel > 0 ? static_cast<double>(s.nan_count + s.inf_count) / numel : 0.0;
+    L.rms = s.finite_count > 0 ? std::sqrt(s.mean * s.mean + s.std * s.std) : detail::kNaN;
+    std::optional<double> in_rms = prev_rms_;
+    if (!in_rms && info.input_rms && *info.input_rms > 0.0) in_rms = info.input_rms;
+    prev_rms_ = (s.has_non_finite() || !(L.rms > 0.0)) ? std::optional<double>() : std::optional<double>(L.rms);
+    // The gain compares the output's spread with the input's scale: a shifted bias moves the
+    // mean, not the spread, and is no explosion.
+    L.gain = (L.gain_checked && in_rms && std::isfinite(s.std)) ? s.std / *in_rms : detail::kNaN;
+
+    ActivationHealth state = ActivationHealth::Normal;
+    double margin = 0.0, value = 0.0, threshold = 0.0;
+    std::string reason;
+    nlohmann::json md = nlohmann::json::object();
+    md["rms"] = std::isfinite(L.rms) ? nlohmann::json(L.rms) : nlohmann::json();
+    std::optional<FailureKind> kind;
+    const bool origin = s.has_non_finite() && !fwd_nonfinite_;
+
+    // Dead units (ReLU family) are tracked on every delivery to fill the window.
+    if (detail::is_dead_capable(L.act_kind) && y.dim() > 0) {
+      const int64_t dim = y.dim() == 1 ? 0 : options_.unit_dim();
+      int64_t per_unit = 0;
+      try {
+        std::vector<int64_t> counts = detail::count_above_per_unit(y, dim, 0.0, per_unit);
+        push_units(L, std::move(counts), per_unit);
+      } catch (const Error&) {
+        // the unit dimension does not exist for this output: no dead-unit judgement
+      }
+      L.dead_frac = dead_fraction(L);
+    }
+
+    if (s.has_non_finite()) {
+      state = ActivationHealth::NonFinite;
+      value = L.nonfinite_frac;
+      margin = 0.9 + 0.1 * value;
+      md["nan"] = s.nan_count;
+      md["inf"] = s.inf_count;
+      md["origin"] = origin;
+      reason = origin ? "first non-finite output of the step (its input was finite)" : "non-finite input";
+      if (origin) kind = FailureKind::NonFiniteOutput;
+      fwd_nonfinite_ = true;
+    } else if (std::isfinite(L.dead_frac) && L.dead_frac > options_.dead_fraction()) {
+      state = ActivationHealth::Dead;
+      value = L.dead_frac;
+      threshold = options_.dead_fraction();
+      margin = (value - threshold) / std::max(1e-12, 1.0 - threshold);
+      md["dead_fraction"] = value;
+      reason = "units active in fewer than " + fmt_pct(options_.dead_activity()) + " of samples";
+      kind = FailureKind::DeadUnits;
+    } else if (saturating_kind(L)) {
+      L.sat_frac = saturated_fraction(L, y, s);
+      if (L.sat_frac > options_.saturated_fraction()) {
+        state = ActivationHealth::Saturated;
+        value = L.sat_frac;
+        threshold = options_.saturated_fraction();
+        margin = (value - threshold) / std::max(1e-12, 1.0 - threshold);
+        md["saturated_fraction"] = value;
+        reason = L.act_kind + (L.pre_activation ? " pre-activation beyond its saturation bound" : " output saturated");
+        kind = FailureKind::Saturation;
+      }
+    }
+    if (state == ActivationHealth::Normal) {
+      const bool base_ready = L.gain_n >= options_.baseline_warmup() && std::isfinite(L.gain_base);
+      const double g = L.gain;
+      if (std::isfinite(g) && (g > options_.activation_gain() ||
+                               (base_ready && g > 2.0 && g > options_.activation_gain() * L.gain_base))) {
+        state = ActivationHealth::Anomalous;
+        value = g;
+        threshold = g > options_.activation_gain() ? options_.activation_gain() : options_.activation_gain() * L.gain_base;
+        margin = detail::decade_margin(value, threshold);
+        md["gain"] = g;
+        if (base_ready) md["gain_baseline"] = L.gain_base;
+        reason = "output spread " + fmt_num(g) + "x its input's RMS";
+        kind = FailureKind::ExplodingActivation;
+      } else if (s.numel >= 2 && s.finite_count == s.numel && std::isfinite(L.rms) &&
+                 s.std <= options_.constant_ratio() * L.rms) {
+        state = ActivationHealth::Anomalous;
+        value = L.rms > 0.0 ? s.std / L.rms : 0.0;
+        threshold = options_.constant_ratio();
+        margin = value > 0.0 ? detail::decade_margin(threshold, value) : 1.0;
+        md["std"] = s.std;
+        reason = "near-constant output";
+        kind = FailureKind::ConstantOutput;
+      }
+    }
+    if (state == ActivationHealth::Normal && std::isfinite(L.gain)) {
+      const double m = options_.baseline_momentum();
+      L.gain_base = std::isfinite(L.gain_base) ? m * L.gain_base + (1.0 - m) * L.gain : L.gain;
+      ++L.gain_n;
+    }
+    if (std::isfinite(L.gain)) md["gain"] = L.gain;
+    if (!L.act_kind.empty()) md["activation"] = L.act_kind;
+    if (!reason.empty()) md["reason"] = reason;
+
+    const ActivationHealth before = L.act;
+    const bool first = !L.seen_fwd;
+    L.seen_fwd = true;
+    if (state == before && !first) {
+      if (state != ActivationHealth::Normal) {
+        ++L.act_persist;
+        if (L.act_incident) update_incident(*L.act_incident, step, margin, L.act_persist, value);
+      }
+      return;
+    }
+    L.act = state;
+    L.act_since = step;
+    L.act_persist = 1;
+    L.act_incident.reset();
+    if (state == ActivationHealth::Normal && first) return;  // a healthy start is no event
+    SemanticEvent e;
+    e.type = state == ActivationHealth::Normal      ? EventType::ActivationRecovered
+             : state == ActivationHealth::NonFinite ? EventType::NonFiniteActivation
+             : state == ActivationHealth::Dead      ? EventType::DeadUnits
+             : state == ActivationHealth::Saturated ? EventType::Saturation
+                                                    : EventType::ActivationAnomaly;
+    e.layer = L.name;
+    e.step = step;
+    e.from = first ? "unobserved" : to_string(before);
+    e.to = to_string(state);
+    e.confidence = state == ActivationHealth::Normal ? 1.0 : detail::evidence_confidence(margin, 1, options_.persistence_steps());
+    e.metadata = std::move(md);
+    const uint64_t id = emit(std::move(e));
+    if (kind && (state != ActivationHealth::NonFinite || origin)) {
+      L.act_incident = add_incident(*kind, L, step, Phase::Forward, margin, value, threshold, id, pauses);
+    }
+  }
+
+  bool saturating_kind(const Layer& L) const {
+    if (L.pre_activation) return L.act_kind == "tanh" || L.act_kind == "sigmoid";
+    return detail::is_saturating(L.act_kind);
+  }
+
+  double saturated_fraction(const Layer& L, const at::Tensor& y, const TensorStats& s) const {
+    if (s.numel == 0) return 0.0;
+    double lo = 0.0, hi = 0.0;
+    const std::string& k = L.act_kind;
+    if (L.pre_activation) {
+      const double t = k == "tanh" ? std::atanh(options_.tanh_saturation())
+                                   : std::log(options_.sigmoid_high() / (1.0 - options_.sigmoid_high()));
+      const double tl = k == "tanh" ? -t : std::log(options_.sigmoid_low() / (1.0 - options_.sigmoid_low()));
+      lo = tl;
+      hi = t;
+    } else if (k == "tanh" || k == "softsign") {
+      lo = -options_.tanh_saturation();
+      hi = options_.tanh_saturation();
+    } else if (k == "sigmoid") {
+      lo = options_.sigmoid_low();
+      hi = options_.sigmoid_high();
+    } else if (k == "hardtanh") {
+      lo = -1.0 + 1e-6;
+      hi = 1.0 - 1e-6;
+    } else {  // hardsigmoid
+      lo = 1e-6;
+      hi = 1.0 - 1e-6;
+    }
+    return static_cast<double>(detail::count_outside(y, lo, hi)) / static_cast<double>(s.numel);
+  }
+
+  void push_units(Layer& L, std::vector<int64_t> counts, int64_t per_unit) {
+    const std::size_t w = static_cast<std::size_t>(options_.dead_window());
+    if (!L.unit_ring.empty() && L.unit_ring.front().size() != counts.size()) {
+      L.unit_ring.clear();  // the layer's width changed: start over
+      L.sample_ring.clear();
+      L.unit_head = 0;
+    }
+    if (L.unit_ring.size() < w) {
+      L.unit_ring.push_back(std::move(counts));
+      L.sample_ring.push_back(per_unit);
+    } else {
+      L.unit_ring[L.unit_head] = std::move(counts);
+      L.sample_ring[L.unit_head] = per_unit;
+      L.unit_head = (L.unit_head + 1) % w;
+    }
+  }
+
+  double dead_fraction(const Layer& L) const {
+    const std::size_t held = L.unit_ring.size();
+    if (held == 0) return detail::kNaN;
+    const std::size_t units = L.unit_ring.front().size();
+    if (units == 0) return detail::kNaN;
+    // Newest first until the window has enough samples.
+    const std::size_t newest = (L.unit_head + held - 1) % held;
+    std::vector<int64_t> active(units, 0);
+    int64_t samples = 0;
+    for (std::size_t k = 0; k < held && samples < options_.dead_window_samples(); ++k) {
+      const std::size_t i = (newest + held - k) % held;
+      samples += L.sample_ring[i];
+      for (std::size_t u = 0; u < units; ++u) active[u] += L.unit_ring[i][u];
+    }
+    if (samples < options_.dead_window_samples()) return detail::kNaN;
+    std::size_t dead = 0;
+    for (std::size_t u = 0; u < units; ++u)
+      if (static_cast<double>(active[u]) < options_.dead_activity() * static_cast<double>(samples)) ++dead;
+    return static_cast<double>(dead) / static_cast<double>(units);
+  }
+
+  // ---- gradients ------------------------------------------------------------------------
+
+  void evaluate_gradients(Pauses& pauses) {
+    if (!grads_pending_) return;
+    grads_pending_ = false;
+    const int64_t step = cur_step_;
+    std::vector<std::size_t> mods = std::move(touched_);
+    touched_.clear();
+    double max_norm = 0.0;
+    for (auto i : mods) {
+      Layer& L = layers_[i];
+      L.g_norm = std::sqrt(L.g_sq);
+      if (!L.order_from_forward) L.order = kUnordered - L.bwd_arrival;  // backward runs output -> input
+      if (L.g_nonfinite == 0 && std::isfinite(L.g_norm)) max_norm = std::max(max_norm, L.g_norm);
+    }
+    std::sort(mods.begin(), mods.end(), [&](std::size_t a, std::size_t b) { return layers_[a].order < layers_[b].order; });
+    // The first non-finite gradient in backward order (arrival order) is the backward origin.
+    std::optional<std::size_t> nf_origin;
+    for (auto i : mods) {
+      const Layer& L = layers_[i];
+      if (L.g_nonfinite > 0 && (!nf_origin || L.bwd_arrival < layers_[*nf_origin].bwd_arrival)) nf_origin = i;
+    }
+    for (std::size_t k = 0; k < mods.size(); ++k) {
+      Layer& L = layers_[mods[k]];
+      L.g_touched = false;
+      L.last_step = std::max(L.last_step, step);
+      // Adjacent ratio: upstream neighbour's norm over this layer's. Large where this layer
+      // amplifies the backward signal (an explosion starts here).
+      double amplification = detail::kNaN;
+      if (k > 0 && L.g_norm > 0.0 && std::isfinite(layers_[mods[k - 1]].g_norm))
+        amplification = layers_[mods[k - 1]].g_norm / L.g_norm;
+      const bool base_ready = L.g_base_n >= options_.baseline_warmup() && std::isfinite(L.g_log_base);
+      const double base = base_ready ? std::pow(10.0, L.g_log_base) : detail::kNaN;
+      GradientHealth state = GradientHealth::Healthy;
+      double margin = 0.0, value = L.g_norm, threshold = 0.0;
+      nlohmann::json md = {{"norm", std::isfinite(L.g_norm) ? nlohmann::json(L.g_norm) : nlohmann::json()}};
+      if (std::isfinite(amplification)) md["amplification"] = amplification;
+      if (base_ready) md["baseline"] = base;
+      if (max_norm > 0.0) md["relative_to_max"] = L.g_norm / max_norm;
+      std::optional<FailureKind> kind;
+      if (L.g_nonfinite > 0 || !std::isfinite(L.g_norm)) {
+        state = GradientHealth::NonFinite;
+        value = L.g_count > 0 ? static_cast<double>(L.g_nonfinite) / static_cast<double>(L.g_count) : 1.0;
+        margin = 0.9 + 0.1 * value;
+        md["non_finite"] = L.g_nonfinite;
+        md["origin"] = nf_origin && *nf_origin == mods[k];
+        if (nf_origin && *nf_origin == mods[k]) kind = FailureKind::NonFiniteGradient;
+      } else if (L.g_norm > options_.exploding_norm() || (base_ready && L.g_norm > options_.gradient_jump() * base)) {
+        state = GradientHealth::Exploding;
+        threshold = L.g_norm > options_.exploding_norm() ? options_.exploding_norm() : options_.gradient_jump() * base;
+        margin = detail::decade_margin(L.g_norm, threshold);
+        kind = FailureKind::ExplodingGradient;
+      } else if (L.g_norm < options_.vanishing_norm() || L.g_norm < options_.vanishing_ratio() * max_norm ||
+                 (base_ready && L.g_norm < base / options_.gradient_collapse())) {
+        state = GradientHealth::Vanishing;
+        threshold = std::max({options_.vanishing_norm(), options_.vanishing_ratio() * max_norm,
+                              base_ready ? base / options_.gradient_collapse() : 0.0});
+        margin = L.g_norm > 0.0 ? detail::decade_margin(threshold, L.g_norm) : 1.0;
+        kind = FailureKind::VanishingGradient;
+      }
+      if (state == GradientHealth::Healthy && std::isfinite(L.g_norm) && L.g_norm > 0.0) {
+        const double lg = std::log10(L.g_norm);
+        const double m = options_.baseline_momentum();
+        L.g_log_base = std::isfinite(L.g_log_base) ? m * L.g_log_base + (1.0 - m) * lg : lg;
+        ++L.g_base_n;
+      }
+      const GradientHealth before = L.grad;
+      const bool first = !L.seen_bwd;
+      L.seen_bwd = true;
+      if (state == before && !first) {
+        if (state != GradientHealth::Healthy) {
+          ++L.grad_persist;
+          if (L.grad_incident) update_incident(*L.grad_incident, step, margin, L.grad_persist, value);
+        }
+        continue;
+      }
+      L.grad = state;
+      L.grad_since = step;
+      L.grad_persist = 1;
+      L.grad_incident.reset();
+      if (state == GradientHealth::Healthy && first) continue;
+      SemanticEvent e;
+      e.type = state == GradientHealth::Healthy     ? EventType::GradientRecovered
+               : state == GradientHealth::NonFinite ? EventType::NonFiniteGradient
+               : state == GradientHealth::Exploding ? EventType::ExplodingGradient
+                                                    : EventType::VanishingGradient;
+      e.layer = L.name;
+      e.step = step;
+      e.from = first ? "unobserved" : to_string(before);
+      e.to = to_string(state);
+      e.confidence = state == GradientHealth::Healthy ? 1.0 : detail::evidence_confidence(margin, 1, options_.persistence_steps());
+      e.metadata = std::move(md);
+      const uint64_t id = emit(std::move(e));
+      if (kind) {
+        L.grad_incident = add_incident(*kind, L, step, Phase::Backward, margin, value, threshold, id, pauses);
+        if (std::isfinite(amplification)) incidents_[*L.grad_incident].details["amplification"] = amplification;
+      }
+    }
+  }
+
+  // ---- loss -----------------------------------------------------------------------------
+
+  void on_loss(int64_t step, double loss, Pauses& pauses) {
+    last_loss_ = loss;
+    LossHealth state = LossHealth::Healthy;
+    double margin = 0.0, value = loss, threshold = 0.0;
+    nlohmann::json md = {{"loss", std::isfinite(loss) ? nlohmann::json(loss) : nlohmann::json(std::to_string(loss))}};
+    std::optional<FailureKind> kind;
+    const std::size_t window = static_cast<std::size_t>(options_.loss_window());
+    if (!std::isfinite(loss)) {
+      state = LossHealth::Diverging;
+      margin = 1.0;
+      kind = FailureKind::LossDivergence;
+    } else {
+      if (!first_loss_) first_loss_ = std::fabs(loss);
+      const std::size_t n = losses_.size();
+      if (n >= 5) {
+        double mean = 0.0;
+        const std::size_t from = n > window ? n - window : 0;
+        for (std::size_t i = from; i < n; ++i) mean += losses_[i];
+        mean /= static_cast<double>(n - from);
+        // the floor keeps a loss near zero from calling noise a spike
+        const double ref = std::max(mean, 1e-2 * *first_loss_);
+        if (loss > options_.loss_spike_factor() * ref) {
+          state = LossHealth::Spike;
+          threshold = options_.loss_spike_factor() * ref;
+          margin = detail::decade_margin(loss, threshold);
+          md["recent_mean"] = mean;
+          kind = FailureKind::LossSpike;
+        }
+      }
+      const std::size_t pw = static_cast<std::size_t>(options_.plateau_window());
+      if (state == LossHealth::Healthy && n + 1 >= pw) {
+        double a = 0.0, b = 0.0;
+        const std::size_t from = n + 1 - pw, half = pw / 2;
+        for (std::size_t i = 0; i < pw; ++i) {
+          const double v = from + i < n ? losses_[from + i] : loss;
+          (i < half ? a : b) += v;
+        }
+        a /= static_cast<double>(half);
+        b /= static_cast<double>(pw - half);
+        const double rel = (a - b) / std::max(std::fabs(a), 1e-12);
+        md["relative_improvement"] = rel;
+        if (rel < options_.plateau_tolerance() && std::fabs(rel) < options_.plateau_tolerance()) {
+          state = LossHealth::Plateau;
+          threshold = options_.plateau_tolerance();
+          value = rel;
+          margin = 1.0 - std::fabs(rel) / threshold;
+          kind = FailureKind::LossPlateau;
+        }
+      }
+      losses_.push_back(loss);
+      const std::size_t keep = std::max(window, pw);
+      if (losses_.size() > 2 * keep) losses_.erase(losses_.begin(), losses_.end() - static_cast<std::ptrdiff_t>(keep));
+    }
+    const LossHealth before = loss_state_;
+    if (state == before) {
+      if (state != LossHealth::Healthy) {
+        ++loss_persist_;
+        if (loss_incident_) update_incident(*loss_incident_, step, margin, loss_persist_, value);
+      }
+      return;
+    }
+    loss_state_ = state;
+    loss_persist_ = 1;
+    loss_incident_.reset();
+    SemanticEvent e;
+    e.type = state == LossHealth::Healthy     ? EventType::LossRecovered
+             : state == LossHealth::Diverging ? EventType::LossDiverged
+             : state == LossHealth::Spike     ? EventType::LossSpike
+                                              : EventType::LossPlateau;
+    e.layer = "loss";
+    e.step = step;
+    e.from = to_string(before);
+    e.to = to_string(state);
+    e.confidence = state == LossHealth::Healthy ? 1.0 : detail::evidence_confidence(margin, 1, options_.persistence_steps());
+    e.metadata = std::move(md);
+    const uint64_t id = emit(std::move(e));
+    if (kind) {
+      Layer pseudo;
+      pseudo.name = pseudo.module = "loss";
+      pseudo.order = kUnordered * 2;
+      loss_incident_ = add_incident(*kind, pseudo, step, Phase::Loss, margin, value, threshold, id, pauses);
+    }
+  }
+
+  // ---- events and incidents -------------------------------------------------------------
+
+  uint64_t emit(SemanticEvent e) {
+    e.id = ++event_seq_;
+    if (e.is_alarm()) ++alarms_;
+    const uint64_t id = e.id;
+    events_.push(std::move(e));
+    return id;
+  }
+
+  std::size_t add_incident(FailureKind kind, const Layer& L, int64_t step, Phase phase, double margin, double value,
+                           double threshold, uint64_t event, Pauses& pauses) {
+    if (incidents_.size() >= options_.incident_capacity()) {
+      ++dropped_incidents_;
+      return incidents_.size() - 1;  // the capacity keeps the earliest onsets, which matter most
+    }
+    Incident inc;
+    inc.kind = kind;
+    inc.layer = L.name;
+    inc.module = L.module;
+    inc.step = inc.last_step = step;
+    inc.phase = phase;
+    inc.order = L.order;
+    inc.confidence = detail::evidence_confidence(margin, 1, options_.persistence_steps());
+    inc.margin = margin;
+    inc.value = value;
+    inc.threshold = threshold;
+    inc.events.push_back(event);
+    if (!L.act_kind.empty()) inc.details["activation"] = L.act_kind;
+    incidents_.push_back(std::move(inc));
+    const std::size_t idx = incidents_.size() - 1;
+    if (options_.on_failure() == OnFailure::Pause &&
+        std::find(options_.pause_on().begin(), options_.pause_on().end(), kind) != options_.pause_on().end()) {
+      const std::string reason = std::string("torchdbg health: ") + to_string(kind) + " at '" + L.name + "' (step " +
+                                 std::to_string(step) + ")";
+      if (!failure_report_) failure_report_ = report_locked();
+      SemanticEvent e;
+      e.type = EventType::TrainingPaused;
+      e.layer = L.name;
+      e.step = step;
+      e.from = "running";
+      e.to = "paused";
+      e.confidence = incidents_[idx].confidence;
+      e.metadata = {{"reason", reason}, {"kind", to_string(kind)}};
+      emit(std::move(e));
+      pauses.emplace_back(L.name, reason);
+    }
+    return idx;
+  }
+
+  void update_incident(std::size_t i, int64_t step, double margin, int64_t persisted, double value) {
+    if (i >= incidents_.size()) return;
+    Incident& inc = incidents_[i];
+    inc.last_step = step;
+    inc.persisted = persisted;
+    inc.margin = std::max(inc.margin, margin);
+    inc.value = value;
+    inc.confidence = detail::evidence_confidence(inc.margin, persisted, options_.persistence_steps());
+  }
+
+  void run_pauses(int64_t step, const Pauses& pauses) {
+    if (pauses.empty()) return;
+    PauseFn fn;
+    {
+      std::lock_guard<Mutex> lock(mutex_);
+      fn = pause_fn_;
+    }
+    if (!fn) return;
+    for (const auto& [layer, reason] : pauses) {
+      try {
+        fn(step, layer, reason);
+      } catch (...) {
+      }
+    }
+  }
+
+  // ---- snapshots ------------------------------------------------------------------------
+
+  LayerHealth health_of(const Layer& L) const {
+    LayerHealth h;
+    h.name = L.name;
+    h.module = L.module;
+    h.order = L.order;
+    h.has_activation = L.seen_fwd;
+    h.has_gradient = L.seen_bwd;
+    h.activation = L.act;
+    h.gradient = L.grad;
+    h.activation_since = L.act_since;
+    h.gradient_since = L.grad_since;
+    h.last_step = L.last_step;
+    h.activation_kind = L.act_kind;
+    h.rms = L.rms;
+    h.gain = L.gain;
+    h.saturated_fraction = L.sat_frac;
+    h.dead_fraction = L.dead_frac;
+    h.non_finite_fraction = L.nonfinite_frac;
+    h.gradient_norm = L.g_norm;
+    h.gradient_baseline = L.g_base_n > 0 ? std::pow(10.0, L.g_log_base) : detail::kNaN;
+    return h;
+  }
+
+  std::vector<LayerHealth> layers_locked() const {
+    std::vector<LayerHealth> out;
+    out.reserve(layers_.size());
+    for (const auto& L : layers_) out.push_back(health_of(L));
+    std::stable_sort(out.begin(), out.end(), [](const LayerHealth& a, const LayerHealth& b) { return a.order < b.order; });
+    return out;
+  }
+
+  HealthReport report_locked() const {
+    HealthReport r;
+    r.step = cur_step_;
+    r.layers = layers_locked();
+    r.incidents = incidents_;
+    // A module's order is the forward position of its first output (activations follow it).
+    std::unordered_map<std::string, int64_t> module_order;
+    for (const auto& L : layers_) {
+      auto it = module_order.find(L.module);
+      if (it == module_order.end() || L.order < it->second) module_order[L.module] = L.order;
+    }
+    for (auto& inc : r.incidents) {
+      auto it = module_order.find(inc.module);
+      if (it != module_order.end() && inc.module != "loss") inc.order = it->second;
+    }
+    r.events = events_.to_vector();
+    r.events_total = event_seq_;
+    r.loss = loss_state_;
+    r.last_loss = last_loss_;
+    return r;
+  }
+
+  static std::string fmt_num(double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.3g", v);
+    return buf;
+  }
+  static std::string fmt_pct(double v) { return fmt_num(v * 100.0) + "%"; }
+
+  static constexpr int64_t kUnordered = int64_t{1} << 40;
+
+  HealthOptions options_;
+  std::vector<std::regex> layer_patterns_;
+  std::vector<std::pair<std::regex, std::string>> pre_acts_;
+
+  mutable Mutex mutex_;
+  std::vector<Layer> layers_;
+  std::unordered_map<std::string, std::size_t> index_;
+  std::vector<Incident> incidents_;
+  uint64_t dropped_incidents_ = 0;
+  detail::RingBuffer<SemanticEvent> events_;
+  uint64_t event_seq_ = 0, alarms_ = 0, ignored_ = 0;
+
+  bool have_step_ = false;
+  int64_t cur_step_ = 0;
+  int64_t fwd_seq_ = 0;
+  std::optional<double> prev_rms_;
+  bool fwd_nonfinite_ = false;
+  int64_t bwd_arrivals_ = 0;
+  bool bwd_nonfinite_ = false;
+  bool grads_pending_ = false;
+  std::vector<std::size_t> touched_;
+
+  std::vector<double> losses_;
+  std::optional<double> first_loss_, last_loss_;
+  LossHealth loss_state_ = LossHealth::Healthy;
+  int64_t loss_persist_ = 0;
+  std::optional<std::size_t> loss_incident_;
+
+  PauseFn pause_fn_;
+  std::optional<HealthReport> failure_report_;
+};
+
+/// Thread-safe health monitor (the default).
+using HealthMonitor = BasicHealthMonitor<std::mutex>;
+/// Single-thread health monitor: no locking.
+using HealthMonitorSt = BasicHealthMonitor<detail::NullMutex>;
+
+}  // namespace torchdbg

@@ -1,0 +1,391 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+// Failure scenarios: small models trained until a failure appears; the top hypothesis must
+// name the right kind and the right originating layer within a few steps of onset. Seeds and
+// widths vary so that the logic is not tuned to one case.
+#include <torchdbg/attach.hpp>
+#include <torchdbg/diagnosis.hpp>
+
+#include <functional>
+#include <sstream>
+
+#include "helpers.hpp"
+
+using torchdbg::FailureKind;
+
+namespace {
+
+enum class Act { Relu, Tanh, Sigmoid };
+
+/// An MLP of Linear layers "fc0".."fc{n-1}" with an activation after every hidden layer;
+/// `tweak` may change the output of a given layer (the failure being induced).
+struct ScenarioNet : torch::nn::Module {
+  ScenarioNet(int64_t in, int64_t width, int64_t depth, int64_t out, Act act) : act_(act) {
+    for (int64_t i = 0; i < depth; ++i) {
+      const int64_t a = i == 0 ? in : width;
+      const int64_t b = i == depth - 1 ? out : width;
+      fcs.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(a, b)));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (std::size_t i = 0; i < fcs.size(); ++i) {
+      x = fcs[i](x);
+      if (log_layer == static_cast<int64_t>(i) && log_on) x = torch::log(x);  // NaN where x < 0
+      if (i + 1 < fcs.size()) {
+        switch (act_) {
+          case Act::Relu: x = torch::relu(x); break;
+          case Act::Tanh: x = torch::tanh(x); break;
+          case Act::Sigmoid: x = torch::sigmoid(x); break;
+        }
+      }
+    }
+    return x;
+  }
+  Act act_;
+  std::vector<torch::nn::Linear> fcs;
+  int64_t log_layer = -1;
+  bool log_on = false;
+};
+
+struct Scenario {
+  int64_t width = 32, depth = 4, steps = 40;
+  Act act = Act::Relu;
+  double lr = 0.05;
+  uint64_t seed = 1;
+  int64_t onset = 0;  // the step at which `induce` runs
+  std::function<void(ScenarioNet&)> induce;
+  torchdbg::HealthOptions options;
+};
+
+struct Outcome {
+  torchdbg::Diagnosis diagnosis;
+  uint64_t alarms = 0;
+  std::vector<torchdbg::SemanticEvent> events;
+  std::optional<torchdbg::PauseInfo> pause;
+  std::optional<torchdbg::Diagnosis> at_failure;  // diagnose(failure_report()) when one was taken
+  int64_t steps_run = 0;
+};
+
+/// Trains a classifier on fixed random data with attach + HealthMonitor until `steps` or the
+/// pause flag; returns the diagnosis at the end.
+Outcome run(const Scenario& sc, bool stop_on_pause = false) {
+  torch::manual_seed(sc.seed);
+  const int64_t in = 16, classes = 4, batch = 64;
+  auto net = std::make_shared<ScenarioNet>(in, sc.width, sc.depth, classes, sc.act);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(sc.lr));
+  auto x = torch::randn({batch, in});
+  auto y = torch::randint(0, classes, {batch});
+  torchdbg::HookManager hooks;
+  torchdbg::HealthMonitor health(sc.options);
+  auto installed = health.install(hooks);
+  auto session = torchdbg::attach(*net, hooks);
+  Outcome o;
+  for (int64_t step = 0; step < sc.steps; ++step) {
+    if (step == sc.onset && sc.induce) {
+      torch::NoGradGuard g;
+      sc.induce(*net);
+    }
+    hooks.set_step(step);
+    opt.zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);
+    hooks.set_loss(loss.item<double>());
+    loss.backward();
+    opt.step();
+    o.steps_run = step + 1;
+    if (stop_on_pause && hooks.is_paused()) break;
+  }
+  hooks.set_step(o.steps_run);  // judge what the last step left pending
+  o.diagnosis = torchdbg::diagnose(health);
+  o.alarms = health.alarm_count();
+  o.events = health.events();
+  o.pause = hooks.pause_info();
+  if (auto r = health.failure_report()) o.at_failure = torchdbg::diagnose(*r);
+  return o;
+}
+
+std::string explain(const Outcome& o) {
+  std::ostringstream s;
+  s << o.diagnosis.summary() << "\nhypotheses:";
+  for (const auto& h : o.diagnosis.hypotheses)
+    s << "\n  " << torchdbg::to_string(h.kind) << " @ " << h.layer << " (" << h.observed << ") step " << h.step
+      << " conf " << h.confidence;
+  s << "\nevents:";
+  std::size_t k = 0;
+  for (const auto& e : o.events) {
+    if (++k > 40) break;
+    s << "\n  " << e.step << " " << e.layer << " " << torchdbg::to_string(e.type) << " " << e.from << "->" << e.to
+      << " " << e.metadata.dump();
+  }
+  return s.str();
+}
+
+void check_top(const Outcome& o, FailureKind kind, const std::string& layer, int64_t onset, int64_t within = 3) {
+  INFO(explain(o));
+  REQUIRE(o.diagnosis.top() != nullptr);
+  const auto& top = *o.diagnosis.top();
+  CHECK(top.kind == kind);
+  CHECK(top.layer == layer);
+  CHECK(top.step >= onset);
+  CHECK(top.step <= onset + within);
+  CHECK(top.confidence > 0.0);
+  CHECK(top.confidence <= 1.0);
+  CHECK_FALSE(top.causal_chain.empty());
+  CHECK_FALSE(top.evidence.empty());
+}
+
+}  // namespace
+
+TEST_CASE("a healthy run raises no alarm and diagnoses healthy", "[diagnosis]") {
+  for (uint64_t seed : {1, 2, 3}) {
+    for (Act act : {Act::Relu, Act::Tanh}) {
+      Scenario sc;
+      sc.seed = seed;
+      sc.act = act;
+      sc.width = seed == 2 ? 64 : 32;
+      sc.depth = 3 + static_cast<int64_t>(seed % 2);
+      sc.steps = 60;
+      const Outcome o = run(sc);
+      INFO("seed " << seed << " act " << static_cast<int>(act) << "\n" << explain(o));
+      CHECK(o.alarms == 0);
+      CHECK(o.diagnosis.healthy());
+      CHECK_FALSE(o.pause.has_value());
+    }
+  }
+}
+
+TEST_CASE("a deep sigmoid MLP is diagnosed with vanishing gradients at the input layer", "[diagnosis]") {
+  for (uint64_t seed : {1, 7}) {
+    for (int64_t width : {32, 64}) {
+      Scenario sc;
+      sc.seed = seed;
+      sc.width = width;
+      sc.depth = 10 + static_cast<int64_t>(seed % 3);
+      sc.act = Act::Sigmoid;
+      sc.lr = 0.1;
+      sc.steps = 10;
+      INFO("seed " << seed << " width " << width);
+      const Outcome o = run(sc);
+      check_top(o, FailureKind::VanishingGradient, "fc0", 0);
+    }
+  }
+}
+
+TEST_CASE("a Linear with a large negative bias is diagnosed as dead ReLU units at that layer", "[diagnosis]") {
+  for (uint64_t seed : {1, 5}) {
+    for (int64_t layer : {1, 2}) {
+      Scenario sc;
+      sc.seed = seed;
+      sc.width = seed == 1 ? 32 : 48;
+      sc.depth = 4;
+      sc.onset = 6;
+      sc.steps = 14;
+      sc.induce = [layer](ScenarioNet& n) { n.fcs[static_cast<std::size_t>(layer)]->bias.fill_(-20.0); };
+      INFO("seed " << seed << " layer " << layer);
+      const Outcome o = run(sc);
+      check_top(o, FailureKind::DeadUnits, "fc" + std::to_string(layer), sc.onset);
+    }
+  }
+}
+
+TEST_CASE("a Linear with scaled-up weights before a tanh is diagnosed as saturation at that layer", "[diagnosis]") {
+  for (uint64_t seed : {2, 3}) {
+    for (int64_t layer : {0, 2}) {
+      Scenario sc;
+      sc.seed = seed;
+      sc.width = seed == 2 ? 32 : 64;
+      sc.depth = 4;
+      sc.act = Act::Tanh;
+      sc.onset = 5;
+      sc.steps = 12;
+      sc.induce = [layer](ScenarioNet& n) { n.fcs[static_cast<std::size_t>(layer)]->weight.mul_(25.0); };
+      INFO("seed " << seed << " layer " << layer);
+      const Outcome o = run(sc);
+      check_top(o, FailureKind::Saturation, "fc" + std::to_string(layer), sc.onset);
+    }
+  }
+}
+
+TEST_CASE("a Linear with huge weights is diagnosed as the origin of the explosion", "[diagnosis]") {
+  for (uint64_t seed : {1, 4}) {
+    for (int64_t layer : {1, 3}) {
+      Scenario sc;
+      sc.seed = seed;
+      sc.width = seed == 1 ? 32 : 40;
+      sc.depth = 5;
+      sc.onset = 8;
+      sc.steps = 14;
+      sc.lr = 0.01;
+      sc.induce = [layer](ScenarioNet& n) { n.fcs[static_cast<std::size_t>(layer)]->weight.mul_(300.0); };
+      INFO("seed " << seed << " layer " << layer);
+      const Outcome o = run(sc);
+      const auto* top = o.diagnosis.top();
+      REQUIRE(top != nullptr);
+      INFO(explain(o));
+      CHECK((top->kind == FailureKind::ExplodingActivation || top->kind == FailureKind::ExplodingGradient));
+      CHECK(top->layer == "fc" + std::to_string(layer));
+      CHECK(top->step >= sc.onset);
+      CHECK(top->step <= sc.onset + 3);
+    }
+  }
+}
+
+TEST_CASE("a layer computing the log of negative values is the NaN origin", "[diagnosis]") {
+  for (uint64_t seed : {1, 9}) {
+    for (int64_t layer : {1, 2}) {
+      Scenario sc;
+      sc.seed = seed;
+      sc.width = seed == 1 ? 32 : 24;
+      sc.depth = 4;
+      sc.onset = 7;
+      sc.steps = 12;
+      sc.induce = [layer](ScenarioNet& n) {
+        n.log_layer = layer;
+        n.log_on = true;
+      };
+      INFO("seed " << seed << " layer " << layer);
+      const Outcome o = run(sc);
+      check_top(o, FailureKind::NonFiniteOutput, "fc" + std::to_string(layer), sc.onset, 0);
+      CHECK(o.diagnosis.top()->observed == "fc" + std::to_string(layer) + "/log");
+      // The loss divergence that followed is explained by it.
+      bool loss_in_chain = false;
+      for (const auto& c : o.diagnosis.top()->causal_chain) loss_in_chain = loss_in_chain || c.kind == FailureKind::LossDivergence;
+      CHECK(loss_in_chain);
+    }
+  }
+}
+
+TEST_CASE("on_failure pause stops training at the step the failure is first detected", "[diagnosis]") {
+  Scenario sc;
+  sc.seed = 3;
+  sc.onset = 9;
+  sc.steps = 30;
+  sc.options = torchdbg::HealthOptions().on_failure(torchdbg::OnFailure::Pause);
+  sc.induce = [](ScenarioNet& n) {
+    n.log_layer = 1;
+    n.log_on = true;
+  };
+  const Outcome o = run(sc, /*stop_on_pause=*/true);
+  INFO(explain(o));
+  REQUIRE(o.pause.has_value());
+  CHECK(o.pause->step == sc.onset);
+  CHECK(o.steps_run == sc.onset + 1);
+  CHECK(o.pause->reason.find("fc1/log") != std::string::npos);
+  REQUIRE(o.diagnosis.top() != nullptr);
+  CHECK(o.diagnosis.top()->layer == "fc1");
+  // The diagnosis as it stood at the moment of the failure.
+  REQUIRE(o.at_failure.has_value());
+  REQUIRE(o.at_failure->top() != nullptr);
+  CHECK(o.at_failure->top()->kind == FailureKind::NonFiniteOutput);
+  CHECK(o.at_failure->top()->layer == "fc1");
+  CHECK(o.at_failure->step == sc.onset);
+}
+
+namespace {
+
+torchdbg::Incident incident(FailureKind k, const std::string& layer, int64_t step, torchdbg::Phase phase, int64_t order,
+                            double confidence = 0.6) {
+  torchdbg::Incident i;
+  i.kind = k;
+  i.layer = layer;
+  i.module = layer.substr(0, layer.find('/'));
+  i.step = i.last_step = step;
+  i.phase = phase;
+  i.order = order;
+  i.confidence = confidence;
+  i.value = 0.5;
+  i.threshold = 0.25;
+  return i;
+}
+
+}  // namespace
+
+TEST_CASE("causal rules: a dead layer explains vanishing upstream and the plateau after it", "[diagnosis]") {
+  using P = torchdbg::Phase;
+  torchdbg::HealthReport r;
+  r.step = 50;
+  r.incidents = {incident(FailureKind::VanishingGradient, "fc0", 3, P::Backward, 0),
+                 incident(FailureKind::VanishingGradient, "fc1", 3, P::Backward, 2),
+                 incident(FailureKind::DeadUnits, "fc2/relu", 3, P::Forward, 4),
+                 incident(FailureKind::VanishingGradient, "fc3", 3, P::Backward, 6),  // downstream: not explained
+                 incident(FailureKind::LossPlateau, "loss", 40, P::Loss, 1 << 30)};
+  const auto d = torchdbg::diagnose(r);
+  REQUIRE(d.hypotheses.size() == 2);
+  CHECK(d.hypotheses[0].kind == FailureKind::DeadUnits);
+  CHECK(d.hypotheses[0].layer == "fc2");
+  CHECK(d.hypotheses[0].observed == "fc2/relu");
+  REQUIRE(d.hypotheses[0].causal_chain.size() == 4);  // itself, fc0, fc1, the plateau
+  CHECK(d.hypotheses[0].causal_chain[0].layer == "fc2/relu");
+  CHECK(d.hypotheses[1].kind == FailureKind::VanishingGradient);
+  CHECK(d.hypotheses[1].layer == "fc3");
+  CHECK(d.edges.size() == 3);
+  // Explaining consequences raises confidence above the root's own.
+  CHECK(d.hypotheses[0].confidence > 0.6);
+  CHECK_FALSE(d.healthy());
+}
+
+TEST_CASE("causal rules: an explosion explains the NaN, the NaN gradients and the divergence after it", "[diagnosis]") {
+  using P = torchdbg::Phase;
+  torchdbg::HealthReport r;
+  r.incidents = {incident(FailureKind::ExplodingActivation, "fc1", 5, P::Forward, 2),
+                 incident(FailureKind::NonFiniteOutput, "fc3", 6, P::Forward, 6),
+                 incident(FailureKind::LossDivergence, "loss", 6, P::Loss, 1 << 30),
+                 incident(FailureKind::NonFiniteGradient, "fc3", 6, P::Backward, 6),
+                 incident(FailureKind::ConstantOutput, "fc9", 2, P::Forward, 20)};
+  const auto d = torchdbg::diagnose(r);
+  REQUIRE(d.hypotheses.size() == 2);
+  CHECK(d.hypotheses[0].kind == FailureKind::ExplodingActivation);  // tier 2 before an earlier tier-1 finding
+  CHECK(d.hypotheses[0].layer == "fc1");
+  CHECK(d.hypotheses[0].causal_chain.size() == 4);
+  CHECK(d.hypotheses[1].kind == FailureKind::ConstantOutput);
+  // An exploding activation that feeds a saturated tanh is that saturation.
+  torchdbg::HealthReport s;
+  s.incidents = {incident(FailureKind::ExplodingActivation, "fc2", 4, P::Forward, 4),
+                 incident(FailureKind::Saturation, "fc2/tanh", 4, P::Forward, 4)};
+  const auto ds = torchdbg::diagnose(s);
+  REQUIRE(ds.hypotheses.size() == 1);
+  CHECK(ds.hypotheses[0].kind == FailureKind::Saturation);
+  CHECK(ds.hypotheses[0].layer == "fc2");
+  // Vanishing in many layers with nothing to blame: one depth hypothesis at the input layer.
+  torchdbg::HealthReport v;
+  for (int k = 0; k < 4; ++k) v.incidents.push_back(incident(FailureKind::VanishingGradient, "l" + std::to_string(k), 0, P::Backward, 2 * k));
+  const auto dv = torchdbg::diagnose(v);
+  REQUIRE(dv.hypotheses.size() == 1);
+  CHECK(dv.hypotheses[0].layer == "l0");
+  CHECK(dv.hypotheses[0].description.find("4 layers") != std::string::npos);
+  // Nothing at all: healthy, and the summary says so.
+  torchdbg::HealthReport none;
+  none.step = 7;
+  const auto dn = torchdbg::diagnose(none);
+  CHECK(dn.healthy());
+  CHECK(dn.top() == nullptr);
+  CHECK(dn.summary().find("No failure detected up to step 7") != std::string::npos);
+}
+
+TEST_CASE("the causal graph exports as Mermaid, DOT and JSON", "[diagnosis]") {
+  using P = torchdbg::Phase;
+  torchdbg::HealthReport r;
+  r.step = 9;
+  r.incidents = {incident(FailureKind::Saturation, "enc.\"fc\"/tanh", 1, P::Forward, 0),
+                 incident(FailureKind::VanishingGradient, "enc", 1, P::Backward, 0)};
+  torchdbg::SemanticEvent e;
+  e.id = 1;
+  e.type = torchdbg::EventType::Saturation;
+  e.layer = r.incidents[0].layer;
+  r.incidents[0].events = {1};
+  r.events = {e};
+  const auto d = torchdbg::diagnose(r);
+  const std::string mm = d.to_mermaid();
+  CHECK(mm.rfind("graph LR\n", 0) == 0);
+  CHECK(mm.find("n0 --> n1") != std::string::npos);
+  CHECK(mm.find("saturation @ enc.'fc'/tanh (step 1)") != std::string::npos);  // quotes cannot break a label
+  const std::string dot = d.to_dot();
+  CHECK(dot.rfind("digraph torchdbg_diagnosis {", 0) == 0);
+  CHECK(dot.find("n0 -> n1;") != std::string::npos);
+  CHECK(dot.find("enc.\\\"fc\\\"/tanh") != std::string::npos);  // escaped for DOT
+  const auto j = nlohmann::json::parse(d.to_json().dump());
+  CHECK(j["hypotheses"].size() == 1);
+  CHECK(j["hypotheses"][0]["kind"] == "saturation");
+  CHECK(j["hypotheses"][0]["evidence"].size() == 1);
+  CHECK(j["edges"][0] == nlohmann::json::array({0, 1}));
+  CHECK(j["summary"].get<std::string>().find("saturated") != std::string::npos);
+}

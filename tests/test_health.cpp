@@ -1,0 +1,342 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#include <torchdbg/health.hpp>
+
+#include <thread>
+
+#include "helpers.hpp"
+
+using torchdbg::ActivationHealth;
+using torchdbg::ActivationInfo;
+using torchdbg::EventType;
+using torchdbg::FailureKind;
+using torchdbg::GradientHealth;
+using torchdbg::HealthMonitor;
+using torchdbg::HealthOptions;
+using torchdbg::LossHealth;
+
+namespace {
+
+ActivationInfo act(std::string_view a) {
+  ActivationInfo i;
+  i.activation = a;
+  return i;
+}
+
+std::vector<torchdbg::SemanticEvent> of_type(const HealthMonitor& m, EventType t) {
+  std::vector<torchdbg::SemanticEvent> out;
+  for (const auto& e : m.events())
+    if (e.type == t) out.push_back(e);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("threshold counts match torch on every dtype, layout and with NaN", "[health]") {
+  torchdbg_test::SeededRng rng(3);
+  auto base = torch::randn({6, 5, 4}) * 2;
+  base.index_put_({0, 0, 0}, std::nan(""));
+  base.index_put_({1, 2, 3}, std::numeric_limits<float>::infinity());
+  for (auto dtype : {torch::kFloat, torch::kDouble, torch::kHalf, torch::kBFloat16}) {
+    for (bool strided : {false, true}) {
+      auto t = base.to(dtype);
+      if (strided) t = t.transpose(0, 2);
+      INFO("dtype " << dtype << " strided " << strided);
+      const auto d = t.to(torch::kDouble);
+      const int64_t ref = ((d < -1.5) | (d > 0.5)).sum().item<int64_t>();
+      CHECK(torchdbg::detail::count_outside(t, -1.5, 0.5) == ref);
+      for (int64_t dim : {0, 1, 2, -1}) {
+        int64_t per_unit = 0;
+        auto counts = torchdbg::detail::count_above_per_unit(t, dim, 0.25, per_unit);
+        std::vector<int64_t> dims;
+        const int64_t dd = dim < 0 ? dim + t.dim() : dim;
+        for (int64_t k = 0; k < t.dim(); ++k)
+          if (k != dd) dims.push_back(k);
+        auto r = (d > 0.25).sum(dims).to(torch::kLong);
+        REQUIRE(counts.size() == static_cast<std::size_t>(t.size(dd)));
+        CHECK(per_unit == t.numel() / t.size(dd));
+        for (std::size_t u = 0; u < counts.size(); ++u) CHECK(counts[u] == r[static_cast<int64_t>(u)].item<int64_t>());
+      }
+    }
+  }
+  auto ints = torch::arange(-5, 5, torch::kInt);
+  CHECK(torchdbg::detail::count_outside(ints, -2, 2) == 5);  // -5..-3 and 3, 4
+  int64_t per_unit = 0;
+  CHECK(torchdbg::detail::count_above_per_unit(torch::empty({0, 3}), 1, 0.0, per_unit) == std::vector<int64_t>{0, 0, 0});
+  CHECK(torchdbg::detail::count_outside(torch::empty({0}), 0, 1) == 0);
+  CHECK_THROWS_WITH(torchdbg::detail::count_above_per_unit(torch::ones({2, 3}), 2, 0.0, per_unit),
+                    Catch::Contains("unit dimension 2 out of range"));
+  CHECK_THROWS_WITH(torchdbg::detail::count_outside(torch::ones({2}, torch::kComplexFloat), 0, 1),
+                    Catch::Contains("unsupported dtype"));
+}
+
+TEST_CASE("a saturated tanh layer is flagged on its first observation with the measured fraction", "[health]") {
+  HealthMonitor m;
+  auto y = torch::tanh(torch::randn({64, 32}) * 10);  // mostly beyond 0.97
+  const double ref = (y.abs() > 0.97).to(torch::kDouble).mean().item<double>();
+  m.observe_activation("fc1/tanh", y, 0, act("tanh"));
+  auto l = m.layer("fc1/tanh");
+  REQUIRE(l.has_value());
+  CHECK(l->activation == ActivationHealth::Saturated);
+  CHECK_CLOSE(l->saturated_fraction, ref, 1e-12);
+  auto ev = of_type(m, EventType::Saturation);
+  REQUIRE(ev.size() == 1);
+  CHECK(ev[0].from == "unobserved");  // starts unhealthy: still an event
+  CHECK(ev[0].to == "saturated");
+  CHECK(ev[0].layer == "fc1/tanh");
+  CHECK(m.incidents().at(0).module == "fc1");
+
+  // A mildly scaled tanh is normal; sigmoid uses its own bounds.
+  HealthMonitor m2;
+  m2.observe_activation("a/tanh", torch::tanh(torch::randn({64, 32}) * 0.5), 0, act("tanh"));
+  CHECK(m2.layer("a/tanh")->activation == ActivationHealth::Normal);
+  CHECK(m2.events().empty());
+  auto s = torch::sigmoid(torch::randn({64, 32}) * 12);
+  m2.observe_activation("b/sigmoid", s, 0, act("sigmoid"));
+  const double sref = ((s < 0.01) | (s > 0.99)).to(torch::kDouble).mean().item<double>();
+  CHECK_CLOSE(m2.layer("b/sigmoid")->saturated_fraction, sref, 1e-12);
+  CHECK(m2.layer("b/sigmoid")->activation == ActivationHealth::Saturated);
+}
+
+TEST_CASE("pre-activation bounds apply to layers whose activation is not observed", "[health]") {
+  HealthMonitor m(HealthOptions().pre_activations({{"enc\\.fc[0-9]", "tanh"}}));
+  auto x = torch::randn({32, 16}) * 6;
+  m.observe_activation("enc.fc1", x, 0);
+  const double ref = (x.abs() > std::atanh(0.97)).to(torch::kDouble).mean().item<double>();
+  CHECK_CLOSE(m.layer("enc.fc1")->saturated_fraction, ref, 1e-12);
+  CHECK(m.layer("enc.fc1")->activation == ActivationHealth::Saturated);
+  ActivationInfo info;
+  info.pre_activation = "sigmoid";
+  m.observe_activation("other", torch::randn({32, 16}) * 0.1, 0, info);
+  CHECK(m.layer("other")->activation == ActivationHealth::Normal);
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().pre_activations({{"x", "gelu"}})), Catch::Contains("'gelu'"));
+}
+
+TEST_CASE("dead units are counted per channel over a window of samples", "[health]") {
+  HealthMonitor m(HealthOptions().dead_window_samples(300));
+  // [N, C, H, W]: channels 0..5 never active, 6..7 active; a unit's samples are N*H*W = 36.
+  auto y = torch::zeros({4, 8, 3, 3});
+  y.index_put_({torch::indexing::Slice(), torch::indexing::Slice(6, 8)}, 1.0);
+  for (int s = 0; s < 8; ++s) m.observe_activation("conv/relu", y, s, act("relu"));
+  CHECK(std::isnan(m.layer("conv/relu")->dead_fraction));  // 288 samples < 300: not judged yet
+  m.observe_activation("conv/relu", y, 8, act("relu"));
+  auto l = m.layer("conv/relu");
+  CHECK(l->dead_fraction == Approx(6.0 / 8.0));
+  CHECK(l->activation == ActivationHealth::Dead);
+  CHECK(l->activation_since == 8);
+  // Units revive: the window (newest first, 576 samples) moves on and the layer recovers.
+  auto alive = torch::rand({64, 8, 3, 3}) + 0.1;
+  m.observe_activation("conv/relu", alive, 9, act("relu"));
+  CHECK(m.layer("conv/relu")->dead_fraction == 0.0);
+  CHECK(m.layer("conv/relu")->activation == ActivationHealth::Normal);
+  CHECK(of_type(m, EventType::ActivationRecovered).size() == 1);
+  // One active sample in 100 per unit is below 1%? 1/100 is not < 1%: alive.
+  HealthMonitor edge(HealthOptions().dead_window_samples(100));
+  auto z = torch::zeros({100, 4});
+  z.index_put_({0}, 1.0);
+  edge.observe_activation("fc/relu", z, 0, act("relu"));
+  CHECK(edge.layer("fc/relu")->dead_fraction == 0.0);
+  z.index_put_({0}, 0.0);
+  edge.observe_activation("fc/relu", z, 1, act("relu"));
+  CHECK(edge.layer("fc/relu")->dead_fraction == 1.0);
+}
+
+TEST_CASE("the first non-finite output of a step is the origin; later ones are consequences", "[health]") {
+  HealthMonitor m;
+  auto ok = torch::randn({8, 4});
+  auto bad = ok.clone();
+  bad.index_put_({0, 0}, std::nan(""));
+  m.observe_activation("a", ok, 0);
+  m.observe_activation("b", bad, 0);
+  m.observe_activation("c", bad, 0);
+  auto inc = m.incidents();
+  REQUIRE(inc.size() == 1);
+  CHECK(inc[0].kind == FailureKind::NonFiniteOutput);
+  CHECK(inc[0].layer == "b");
+  CHECK(inc[0].value == Approx(1.0 / 32.0));
+  auto ev = of_type(m, EventType::NonFiniteActivation);
+  REQUIRE(ev.size() == 2);
+  CHECK(ev[0].metadata["origin"] == true);
+  CHECK(ev[1].metadata["origin"] == false);
+  // Forward order is the order of the step's outputs.
+  auto layers = m.layers();
+  REQUIRE(layers.size() == 3);
+  CHECK(layers[0].name == "a");
+  CHECK(layers[2].name == "c");
+}
+
+TEST_CASE("an output far larger than its input is an exploding activation; normalization layers are exempt", "[health]") {
+  HealthMonitor m;
+  auto x = torch::randn({32, 16});
+  m.observe_activation("fc0", x, 0);
+  m.observe_activation("fc1", x * 50, 0);
+  auto l = m.layer("fc1");
+  CHECK(l->activation == ActivationHealth::Anomalous);
+  const double ref = (x * 50).std(/*unbiased=*/false).item<double>() /
+                     std::sqrt(x.to(torch::kDouble).pow(2).mean().item<double>());
+  CHECK_CLOSE(l->gain, ref, 1e-6);
+  REQUIRE(m.incidents().size() == 1);
+  CHECK(m.incidents()[0].kind == FailureKind::ExplodingActivation);
+
+  HealthMonitor bn;
+  ActivationInfo info;
+  info.module_type = "torch::nn::BatchNorm2dImpl";
+  bn.observe_activation("conv", x * 0.01, 0);
+  bn.observe_activation("bn", x, 0, info);
+  CHECK(bn.layer("bn")->activation == ActivationHealth::Normal);
+  // The model's input RMS, when given, judges the first layer.
+  HealthMonitor first;
+  ActivationInfo in;
+  in.input_rms = 0.5;
+  first.observe_activation("fc0", x * 40, 0, in);
+  CHECK(first.layer("fc0")->activation == ActivationHealth::Anomalous);
+  // A bias shift moves the mean, not the spread: no explosion.
+  HealthMonitor shift;
+  shift.observe_activation("fc0", x, 0);
+  shift.observe_activation("fc1", x - 100.0, 0);
+  CHECK(shift.layer("fc1")->activation == ActivationHealth::Normal);
+}
+
+TEST_CASE("gradient norms per module: vanishing, exploding, non-finite, baseline jumps", "[health]") {
+  HealthMonitor m(HealthOptions().baseline_warmup(3));
+  torchdbg_test::SeededRng rng(5);
+  auto w = torch::randn({16, 8}), b = torch::randn({16});
+  // Module norm = sqrt(|w|^2 + |b|^2), judged at end_backward.
+  m.observe_gradient("fc0", "weight", w * 1e-6, 0);
+  m.observe_gradient("fc0", "bias", b * 1e-6, 0);
+  m.observe_gradient("fc1", "weight", w, 0);
+  m.observe_gradient("fc2", "weight", w * 2000, 0);
+  m.end_backward();
+  const double ref = std::sqrt(w.pow(2).sum().item<double>() + b.pow(2).sum().item<double>()) * 1e-6;
+  CHECK_CLOSE(m.layer("fc0")->gradient_norm, ref, 1e-6);
+  CHECK(m.layer("fc0")->gradient == GradientHealth::Vanishing);  // < 1e-4 of the largest
+  CHECK(m.layer("fc1")->gradient == GradientHealth::Healthy);
+  CHECK(m.layer("fc2")->gradient == GradientHealth::Exploding);  // > 1e3
+  // Baseline: steady norms, then a 500x jump without crossing the absolute limit.
+  HealthMonitor j(HealthOptions().baseline_warmup(3));
+  for (int s = 0; s < 5; ++s) {
+    j.observe_gradient("fc", "weight", w * 0.001, s);
+    j.end_backward();
+  }
+  CHECK(j.layer("fc")->gradient == GradientHealth::Healthy);
+  CHECK_CLOSE(j.layer("fc")->gradient_baseline, w.norm().item<double>() * 0.001, 1e-6);
+  j.observe_gradient("fc", "weight", w * 0.5, 5);
+  j.end_backward();
+  CHECK(j.layer("fc")->gradient == GradientHealth::Exploding);
+  // Non-finite: the first in arrival (backward) order is the origin.
+  HealthMonitor nf;
+  auto g = w.clone();
+  g.index_put_({0, 0}, std::numeric_limits<float>::infinity());
+  nf.observe_gradient("fc2", "weight", g, 0);
+  nf.observe_gradient("fc1", "weight", g, 0);
+  nf.set_step(1);  // the step change judges what was pending
+  auto inc = nf.incidents();
+  REQUIRE(inc.size() == 1);
+  CHECK(inc[0].kind == FailureKind::NonFiniteGradient);
+  CHECK(inc[0].layer == "fc2");
+  CHECK(nf.layer("fc1")->gradient == GradientHealth::NonFinite);
+}
+
+TEST_CASE("loss health: divergence, spike, plateau and recovery", "[health]") {
+  HealthMonitor m(HealthOptions().plateau_window(10).plateau_tolerance(1e-3));
+  for (int s = 0; s < 6; ++s) m.observe_loss(s, 2.0 - 0.1 * s);
+  CHECK(m.loss_health() == LossHealth::Healthy);
+  m.observe_loss(6, 100.0);
+  CHECK(m.loss_health() == LossHealth::Spike);
+  m.observe_loss(7, 1.3);
+  CHECK(m.loss_health() == LossHealth::Healthy);
+  m.observe_loss(8, std::nan(""));
+  CHECK(m.loss_health() == LossHealth::Diverging);
+  for (int s = 9; s < 30; ++s) m.observe_loss(s, 0.5);
+  CHECK(m.loss_health() == LossHealth::Plateau);
+  std::vector<std::string> types;
+  for (const auto& e : m.events()) types.emplace_back(torchdbg::to_string(e.type));
+  CHECK(types == std::vector<std::string>{"loss_spike", "loss_recovered", "loss_diverged", "loss_recovered",
+                                          "loss_plateau"});
+  CHECK(m.alarm_count() == 2);  // spike and divergence; a plateau is informational
+}
+
+TEST_CASE("confidence grows with the margin past the threshold and with persistence", "[health]") {
+  HealthMonitor m;
+  m.observe_activation("a/tanh", torch::tanh(torch::randn({64, 32}) * 3), 0, act("tanh"));    // just past
+  m.observe_activation("b/tanh", torch::tanh(torch::randn({64, 32}) * 100), 0, act("tanh"));  // far past
+  auto inc = m.incidents();
+  REQUIRE(inc.size() == 2);
+  CHECK(inc[0].confidence < inc[1].confidence);
+  const double before = inc[0].confidence;
+  for (int s = 1; s < 5; ++s) m.observe_activation("a/tanh", torch::tanh(torch::randn({64, 32}) * 3), s, act("tanh"));
+  inc = m.incidents();
+  CHECK(inc[0].persisted == 5);
+  CHECK(inc[0].last_step == 4);
+  CHECK(inc[0].confidence > before);
+  CHECK(inc[0].confidence < 1.0);
+}
+
+TEST_CASE("events live in a bounded ring; bad input and bad options are rejected by name", "[health]") {
+  HealthMonitor m(HealthOptions().event_capacity(4).max_layers(3));
+  for (int s = 0; s < 10; ++s) m.observe_loss(s, s % 2 ? std::nan("") : 1.0);
+  CHECK(m.events().size() == 4);
+  CHECK(m.event_count() == 9);  // every change after the first healthy loss
+  CHECK(m.events().back().step == 9);
+  for (int i = 0; i < 5; ++i) m.observe_activation("l" + std::to_string(i), torch::randn({4, 4}), 0);
+  CHECK(m.layers().size() == 3);
+  CHECK(m.ignored_layers() == 2);
+  CHECK_THROWS_WITH(m.observe_activation("fc9", torch::Tensor(), 0), Catch::Contains("'fc9'"));
+  CHECK_THROWS_WITH(m.observe_gradient("fc9", "weight", torch::Tensor(), 0), Catch::Contains("'fc9'"));
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().saturated_fraction(1.5)), Catch::Contains("saturated_fraction"));
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().interval(0)), Catch::Contains("interval"));
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().layers({"("})), Catch::Contains("health layer pattern"));
+  // Odd tensors are observed, not rejected: 0-d, empty, integer, half, complex stays an error.
+  HealthMonitor o;
+  CHECK_NOTHROW(o.observe_activation("s", torch::tensor(3.0), 0, act("relu")));
+  CHECK_NOTHROW(o.observe_activation("e", torch::empty({0, 4}), 0, act("relu")));
+  CHECK_NOTHROW(o.observe_activation("i", torch::arange(12, torch::kInt).reshape({3, 4}), 0, act("relu")));
+  CHECK_NOTHROW(o.observe_activation("h", torch::tanh(torch::randn({3, 4})).to(torch::kHalf), 0, act("tanh")));
+  CHECK_NOTHROW(o.observe_activation("t", torch::sigmoid(torch::randn({4, 3})).t(), 0, act("sigmoid")));
+  CHECK_THROWS_WITH(o.observe_activation("c", torch::ones({2}, torch::kComplexFloat), 0), Catch::Contains("unsupported dtype"));
+  CHECK(o.alarm_count() == 0);
+}
+
+TEST_CASE("install feeds the monitor from the manager and removal stops it", "[health]") {
+  torchdbg::HookManager hooks;
+  HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+  {
+    auto inst = m.install(hooks);
+    CHECK(hooks.get_hook_stats(inst.hook_id()).has_value());
+    hooks.set_step(3);
+    hooks.execute_hooks("fc0", torch::randn({8, 4}), true);
+    hooks.execute_hooks("fc0", torch::randn({4, 4}), false, {{"parameter", "weight"}});
+    hooks.set_gradient_norm(1.0);  // end of backward
+    CHECK(m.layer("fc0")->has_gradient);
+    hooks.set_loss(std::nan(""));
+    CHECK(m.loss_health() == LossHealth::Diverging);
+    REQUIRE(hooks.is_paused());
+    CHECK(hooks.pause_info()->step == 3);
+    CHECK(hooks.pause_info()->reason.find("loss_divergence") != std::string::npos);
+    REQUIRE(m.failure_report().has_value());
+    CHECK(m.failure_report()->step == 3);
+  }
+  hooks.resume_training();
+  const auto before = m.event_count();
+  hooks.set_step(4);
+  hooks.execute_hooks("fc0", torch::full({8, 4}, std::nan("")), true);
+  CHECK(m.event_count() == before);
+  CHECK(hooks.hook_count() == 0);
+}
+
+TEST_CASE("the monitor takes observations from several threads at once", "[health]") {
+  HealthMonitor m;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&m, t] {
+      for (int s = 0; s < 200; ++s) {
+        m.observe_activation("l" + std::to_string(t) + "/relu", torch::rand({8, 4}), s, act("relu"));
+        m.observe_gradient("l" + std::to_string(t), "weight", torch::rand({4, 4}), s);
+        if (s % 10 == 0) m.end_backward();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK(m.layers().size() == 8);
+  CHECK(m.alarm_count() == 0);
+}
