@@ -10,8 +10,12 @@ pkgs+=(clang libclang-rt-dev)
 if [[ -z "${CMAKE_PREFIX_PATH:-}" ]]; then
   pkgs+=(libtorch-dev)
 fi
-# Debian's python3-torch: the test suite checks that snapshots load with Python's torch.load.
-pkgs+=(python3-torch)
+# Debian's python3-torch: the test suite checks that snapshots load with Python's torch.load;
+# python3-pandas: that the JSONL stream reads with pandas.read_json(lines=True).
+pkgs+=(python3-torch python3-pandas)
+# Headless Chromium: the HTML report is loaded in a real browser (ctest label "browser").
+# Optional: when it cannot be installed the browser test says SKIPPED and why.
+optional=(chromium)
 
 missing=()
 for p in "${pkgs[@]}"; do
@@ -33,6 +37,18 @@ if ((${#missing[@]})); then
   $SUDO apt-get update -q
   $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
+
+for p in "${optional[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    echo "torchdbg setup: installing $p (optional)"
+    SUDO=""
+    if [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null; then SUDO="sudo"; fi
+    if ! { DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "$p" ||
+           { $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "$p"; }; }; then
+      echo "torchdbg setup: warning: could not install $p; the tests that need it will be skipped" >&2
+    fi
+  fi
+done
 
 # Without OpenBLAS, Debian's LibTorch falls back to reference BLAS (~27x slower steps).
 if ! ldconfig -p | grep -q "libopenblas"; then

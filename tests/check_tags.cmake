@@ -2,6 +2,7 @@ cmake_minimum_required(VERSION 3.16)
 # Fails when a test case carries a tag that tests/CMakeLists.txt does not run, so no test
 # can silently fall out of ctest. -DEXE=... -DTAGS="a;b;c" -DEXTRA="cuda"
 string(REPLACE "," ";" TAGS "${TAGS}")
+string(REPLACE "," ";" EXTRA "${EXTRA}")
 execute_process(COMMAND "${EXE}" --list-tags OUTPUT_VARIABLE out RESULT_VARIABLE rc)
 string(REGEX MATCHALL "\\[[^]]+\\]" found "${out}")
 set(bad "")

@@ -380,6 +380,16 @@ struct HealthReport {
   int rank = -1;
 };
 
+/// What the monitor hands its step sinks when a step ends: the layers it observed in that step
+/// (their state after the step), the events the step produced and the step's loss.
+struct HealthStep {
+  int64_t step = 0;
+  std::optional<double> loss;
+  std::vector<LayerHealth> layers;  ///< in forward execution order
+  std::vector<SemanticEvent> events;
+  LossHealth loss_health = LossHealth::Healthy;
+};
+
 namespace detail {
 
 inline double clamp01(double v) noexcept { return v < 0.0 ? 0.0 : (v > 1.0 ? 1.0 : v); }
@@ -535,6 +545,38 @@ class BasicHealthMonitor {
     pause_fn_ = std::move(fn);
   }
 
+  using StepSink = std::function<void(const HealthStep&)>;
+
+  /// Calls `sink` (without the lock) with every finished step, in step order; returns an id
+  /// for `remove_step_sink`. Exporters (report.hpp) are fed this way.
+  uint64_t add_step_sink(StepSink sink) {
+    std::lock_guard<Mutex> lock(mutex_);
+    sinks_.emplace_back(++sink_seq_, std::move(sink));
+    return sink_seq_;
+  }
+  void remove_step_sink(uint64_t id) {
+    std::lock_guard<Mutex> lock(mutex_);
+    sinks_.erase(std::remove_if(sinks_.begin(), sinks_.end(), [&](const auto& s) { return s.first == id; }), sinks_.end());
+  }
+
+  /// Finishes the current step now (judges pending gradients, hands it to the step sinks);
+  /// call at the end of training. Observations of the same step afterwards start it again.
+  void flush() {
+    Pauses pauses;
+    std::vector<HealthStep> done;
+    int64_t step = 0;
+    {
+      std::lock_guard<Mutex> lock(mutex_);
+      step = cur_step_;
+      if (!have_step_) return;
+      evaluate_gradients(pauses);
+      finish_step(done);
+      have_step_ = false;
+    }
+    run_pauses(step, pauses);
+    deliver(done);
+  }
+
   // ---- observations ---------------------------------------------------------------------
 
   /// A forward output of `layer` at `step`; `stats`: its statistics if already computed.
@@ -547,15 +589,16 @@ class BasicHealthMonitor {
       stats = &*own;
     }
     Pauses pauses;
+    std::vector<HealthStep> done;
     {
       std::lock_guard<Mutex> lock(mutex_);
       if (!watched(layer)) return;
-      advance_to(step, pauses);
+      advance_to(step, pauses, done);
       Layer* L = layer_rec(layer);
-      if (L == nullptr) return;
-      on_activation(*L, output, *stats, step, info, pauses);
+      if (L != nullptr) on_activation(*L, output, *stats, step, info, pauses);
     }
     run_pauses(step, pauses);
+    deliver(done);
   }
 
   /// A gradient of parameter `parameter` of module `layer` at `step`.
@@ -569,26 +612,29 @@ class BasicHealthMonitor {
     }
     (void)parameter;
     Pauses pauses;
+    std::vector<HealthStep> done;
     {
       std::lock_guard<Mutex> lock(mutex_);
       if (!watched(layer)) return;
-      advance_to(step, pauses);
+      advance_to(step, pauses, done);
       Layer* L = layer_rec(layer);
-      if (L == nullptr) return;
-      if (!L->g_touched) {
-        L->g_touched = true;
-        L->g_sq = 0.0;
-        L->g_nonfinite = 0;
-        L->g_count = 0;
-        L->bwd_arrival = bwd_arrivals_++;
-        touched_.push_back(index_of(*L));
+      if (L != nullptr) {
+        if (!L->g_touched) {
+          L->g_touched = true;
+          L->g_sq = 0.0;
+          L->g_nonfinite = 0;
+          L->g_count = 0;
+          L->bwd_arrival = bwd_arrivals_++;
+          touched_.push_back(index_of(*L));
+        }
+        L->g_sq += stats->l2_norm * stats->l2_norm;
+        L->g_nonfinite += stats->nan_count + stats->inf_count;
+        L->g_count += stats->numel;
+        grads_pending_ = true;
       }
-      L->g_sq += stats->l2_norm * stats->l2_norm;
-      L->g_nonfinite += stats->nan_count + stats->inf_count;
-      L->g_count += stats->numel;
-      grads_pending_ = true;
     }
     run_pauses(step, pauses);
+    deliver(done);
   }
 
   /// The end of a backward pass: judges the gradients received since the last one.
@@ -606,23 +652,27 @@ class BasicHealthMonitor {
   /// The loss of `step`.
   void observe_loss(int64_t step, double loss) {
     Pauses pauses;
+    std::vector<HealthStep> done;
     {
       std::lock_guard<Mutex> lock(mutex_);
-      advance_to(step, pauses);
+      advance_to(step, pauses, done);
       on_loss(step, loss, pauses);
     }
     run_pauses(step, pauses);
+    deliver(done);
   }
 
   /// Moves to `step`: what was pending for the previous step (gradients not yet judged) is
-  /// judged first.
+  /// judged first and the previous step goes to the step sinks.
   void set_step(int64_t step) {
     Pauses pauses;
+    std::vector<HealthStep> done;
     {
       std::lock_guard<Mutex> lock(mutex_);
-      advance_to(step, pauses);
+      advance_to(step, pauses, done);
     }
     run_pauses(step, pauses);
+    deliver(done);
   }
 
   // ---- queries --------------------------------------------------------------------------
@@ -815,16 +865,56 @@ class BasicHealthMonitor {
   }
 
   /// Finishes the previous step when `step` differs from it.
-  void advance_to(int64_t step, Pauses& pauses) {
+  void advance_to(int64_t step, Pauses& pauses, std::vector<HealthStep>& done) {
     if (have_step_ && step == cur_step_) return;
-    if (have_step_) evaluate_gradients(pauses);
+    if (have_step_) {
+      evaluate_gradients(pauses);
+      finish_step(done);
+    }
     have_step_ = true;
+    step_events_from_ = event_seq_;
+    step_loss_.reset();
     cur_step_ = step;
     fwd_seq_ = 0;
     prev_rms_.reset();
     fwd_nonfinite_ = false;
     bwd_arrivals_ = 0;
     bwd_nonfinite_ = false;
+  }
+
+  /// Packs the step that just ended for the sinks (only when someone listens).
+  void finish_step(std::vector<HealthStep>& done) {
+    if (sinks_.empty()) return;
+    HealthStep h;
+    h.step = cur_step_;
+    h.loss = step_loss_;
+    h.loss_health = loss_state_;
+    for (const auto& L : layers_)
+      if (L.last_step == cur_step_ && (L.seen_fwd || L.seen_bwd)) h.layers.push_back(health_of(L));
+    std::stable_sort(h.layers.begin(), h.layers.end(), [](const LayerHealth& a, const LayerHealth& b) { return a.order < b.order; });
+    const uint64_t fresh = event_seq_ - step_events_from_;
+    const std::size_t held = events_.size();
+    const std::size_t n = static_cast<std::size_t>(std::min<uint64_t>(fresh, held));
+    for (std::size_t i = held - n; i < held; ++i) h.events.push_back(events_.at(i));
+    step_events_from_ = event_seq_;
+    done.push_back(std::move(h));
+  }
+
+  void deliver(const std::vector<HealthStep>& done) {
+    if (done.empty()) return;
+    std::vector<std::pair<uint64_t, StepSink>> sinks;
+    {
+      std::lock_guard<Mutex> lock(mutex_);
+      sinks = sinks_;
+    }
+    for (const auto& h : done)
+      for (const auto& [id, fn] : sinks) {
+        try {
+          fn(h);
+        } catch (...) {
+          // a sink's failure (a full disk) must not reach the training loop
+        }
+      }
   }
 
   // ---- activations ----------------------------------------------------------------------
@@ -1161,6 +1251,7 @@ class BasicHealthMonitor {
 
   void on_loss(int64_t step, double loss, Pauses& pauses) {
     last_loss_ = loss;
+    step_loss_ = loss;
     LossHealth state = LossHealth::Healthy;
     double margin = 0.0, value = loss, threshold = 0.0;
     nlohmann::json md = {{"loss", std::isfinite(loss) ? nlohmann::json(loss) : nlohmann::json(std::to_string(loss))}};
@@ -1413,6 +1504,10 @@ class BasicHealthMonitor {
 
   PauseFn pause_fn_;
   std::optional<HealthReport> failure_report_;
+  std::vector<std::pair<uint64_t, StepSink>> sinks_;
+  uint64_t sink_seq_ = 0;
+  uint64_t step_events_from_ = 0;
+  std::optional<double> step_loss_;
 };
 
 /// Thread-safe health monitor (the default).

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <utility>
 
 #include "torchdbg/error.hpp"
 
@@ -52,6 +53,61 @@ inline void atomic_write_file(const std::string& path, const char* data, std::si
   if (::close(fd) != 0) fail("close", errno);
   if (std::rename(tmp.c_str(), path.c_str()) != 0) fail("rename", errno);
 }
+
+/// An append-only file written with O_APPEND: each `append` issues write() calls for the whole
+/// buffer, so after a crash the file holds every earlier append complete. Throws
+/// torchdbg::Error naming the path and the reason.
+class AppendFile {
+ public:
+  AppendFile() = default;
+  AppendFile(const std::string& path, bool truncate) : path_(path) {
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | (truncate ? O_TRUNC : 0), 0644);
+    if (fd_ < 0) {
+      const int err = errno;
+      throw Error("torchdbg: cannot open '" + path + "' for writing: " + std::strerror(err));
+    }
+  }
+  AppendFile(const AppendFile&) = delete;
+  AppendFile& operator=(const AppendFile&) = delete;
+  AppendFile(AppendFile&& o) noexcept : path_(std::move(o.path_)), fd_(o.fd_) { o.fd_ = -1; }
+  AppendFile& operator=(AppendFile&& o) noexcept {
+    if (this != &o) {
+      close();
+      path_ = std::move(o.path_);
+      fd_ = o.fd_;
+      o.fd_ = -1;
+    }
+    return *this;
+  }
+  ~AppendFile() { close(); }
+
+  /// Writes all of `data`; on failure throws and reports how much was written in `written`.
+  void append(const std::string& data, std::size_t& written, bool sync = false) {
+    written = 0;
+    while (written < data.size()) {
+      const ssize_t n = ::write(fd_, data.data() + written, data.size() - written);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        const int err = errno;
+        throw Error("torchdbg: cannot write '" + path_ + "': " + std::strerror(err));
+      }
+      written += static_cast<std::size_t>(n);
+    }
+    if (sync && ::fsync(fd_) != 0) {
+      const int err = errno;
+      throw Error("torchdbg: cannot fsync '" + path_ + "': " + std::strerror(err));
+    }
+  }
+  [[nodiscard]] const std::string& path() const noexcept { return path_; }
+  void close() noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
 
 /// Creates `dir` (and parents) if missing; throws torchdbg::Error naming it otherwise.
 inline void ensure_directory(const std::string& dir) {

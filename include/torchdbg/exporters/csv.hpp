@@ -1,0 +1,82 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+#include <cstdio>
+#include <string>
+
+#include "torchdbg/exporters/jsonl.hpp"
+
+namespace torchdbg {
+
+/// CSV (RFC 4180) of the per-step, per-layer table: one row per delivery with its statistics,
+/// the layer's health after the step and the step's loss. Empty cells for unknown values.
+template <typename Mutex = std::mutex>
+class BasicCsvExporter : public BaseExporter<Mutex> {
+ public:
+  static constexpr const char* kHeader =
+      "step,layer,direction,parameter,numel,mean,std,min,max,l2_norm,nan_count,inf_count,zero_count,"
+      "health,loss";
+
+  explicit BasicCsvExporter(const std::string& path, StreamOptions options = {}) : stream_(path, options) {
+    if (options.truncate()) stream_.add(kHeader);
+  }
+  ~BasicCsvExporter() override {
+    try {
+      stream_.flush();
+    } catch (...) {
+    }
+  }
+  [[nodiscard]] std::string path() const { return stream_.path(); }
+  [[nodiscard]] uint64_t failures() const {
+    std::lock_guard<Mutex> lock(this->mutex_);
+    return stream_.failures();
+  }
+
+  /// A field quoted when it holds a comma, quote or line break.
+  static std::string field(const std::string& s) {
+    if (s.find_first_of(",\"\r\n") == std::string::npos) return s;
+    std::string out = "\"";
+    for (char c : s) {
+      if (c == '"') out += '"';
+      out += c;
+    }
+    return out + "\"";
+  }
+  static std::string number(double v) {
+    if (!std::isfinite(v)) return {};
+    char b[32];
+    std::snprintf(b, sizeof b, "%.9g", v);
+    return b;
+  }
+
+ protected:
+  void write_step_(const StepRecord& r) override {
+    const std::string loss = r.loss ? number(*r.loss) : std::string();
+    for (const auto& l : r.layers) {
+      std::string health;
+      const std::string module = l.layer.substr(0, l.layer.find('/'));
+      for (const auto& h : r.health) {
+        if (l.forward && h.name == l.layer && h.has_activation) health = to_string(h.activation);
+        if (!l.forward && h.name == module && h.has_gradient) health = to_string(h.gradient);
+      }
+      const TensorStats& s = l.stats;
+      std::string row = std::to_string(r.step) + "," + field(l.layer) + "," + (l.forward ? "forward" : "backward") +
+                        "," + field(l.parameter) + "," + std::to_string(s.numel) + "," + number(s.mean) + "," +
+                        number(s.std) + "," + number(s.min) + "," + number(s.max) + "," + number(s.l2_norm) + "," +
+                        std::to_string(s.nan_count) + "," + std::to_string(s.inf_count) + "," +
+                        std::to_string(s.zero_count) + "," + health + "," + loss;
+      stream_.add(row);
+    }
+    stream_.step_done();
+  }
+  void flush_() override { stream_.flush(); }
+  void write_summary_(const RunSummary&) override { stream_.flush(); }
+
+ private:
+  detail::LineStream stream_;
+};
+
+using CsvExporter = BasicCsvExporter<std::mutex>;
+
+}  // namespace torchdbg

@@ -1,0 +1,168 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+#include <torch/arg.h>
+
+#include <chrono>
+#include <string>
+
+#include "torchdbg/detail/atomic_file.hpp"
+#include "torchdbg/exporters/exporter.hpp"
+
+namespace torchdbg {
+
+/// When a streaming exporter (JSONL, CSV) hands its buffer to the file: every
+/// `flush_every_steps` steps or `flush_every_seconds` seconds, whichever comes first. A crash
+/// loses at most that interval; every complete line written before stays parseable.
+struct StreamOptions {
+  TORCH_ARG(int64_t, flush_every_steps) = 10;
+  TORCH_ARG(double, flush_every_seconds) = 5.0;
+  /// Start a new file (true) or append to an existing one.
+  TORCH_ARG(bool, truncate) = true;
+  /// fsync after each flush (survives a power cut, not only a process crash).
+  TORCH_ARG(bool, fsync) = false;
+  /// Bytes kept while the file cannot be written (disk full); older lines are dropped beyond.
+  TORCH_ARG(std::size_t, max_buffer_bytes) = 64u << 20;
+};
+
+namespace detail {
+
+/// The buffering and failure policy shared by the line-oriented exporters.
+class LineStream {
+ public:
+  LineStream(const std::string& path, StreamOptions o) : options_(std::move(o)), file_(path, options_.truncate()) {
+    if (options_.flush_every_steps() < 1)
+      throw Error("torchdbg: StreamOptions::flush_every_steps must be >= 1, got " + std::to_string(options_.flush_every_steps()));
+    last_flush_ = std::chrono::steady_clock::now();
+  }
+  void add(const std::string& line) {
+    buffer_ += line;
+    buffer_ += '\n';
+    ++pending_lines_;
+  }
+  /// Counts a step and flushes when the interval is reached.
+  void step_done() {
+    ++steps_;
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - last_flush_).count();
+    if (steps_ >= options_.flush_every_steps() || secs >= options_.flush_every_seconds()) flush();
+  }
+  /// Writes the buffer. On failure the unwritten part is kept for the next flush (bounded by
+  /// max_buffer_bytes: whole oldest lines are dropped and counted) and the error is recorded.
+  void flush() {
+    steps_ = 0;
+    last_flush_ = std::chrono::steady_clock::now();
+    if (buffer_.empty()) return;
+    std::size_t written = 0;
+    try {
+      file_.append(buffer_, written, options_.fsync());
+      buffer_.clear();
+      pending_lines_ = 0;
+    } catch (const Error& e) {
+      ++failures_;
+      last_error_ = e.what();
+      // Keep whole lines only: a partial line already on disk is completed by the rest.
+      buffer_.erase(0, written);
+      while (buffer_.size() > options_.max_buffer_bytes()) {
+        const auto nl = buffer_.find('\n');
+        if (nl == std::string::npos) break;
+        buffer_.erase(0, nl + 1);
+        ++dropped_lines_;
+      }
+    }
+  }
+  [[nodiscard]] uint64_t failures() const noexcept { return failures_; }
+  [[nodiscard]] uint64_t dropped_lines() const noexcept { return dropped_lines_; }
+  [[nodiscard]] const std::string& last_error() const noexcept { return last_error_; }
+  [[nodiscard]] const std::string& path() const noexcept { return file_.path(); }
+
+ private:
+  StreamOptions options_;
+  AppendFile file_;
+  std::string buffer_;
+  uint64_t pending_lines_ = 0, failures_ = 0, dropped_lines_ = 0;
+  int64_t steps_ = 0;
+  std::string last_error_;
+  std::chrono::steady_clock::time_point last_flush_;
+};
+
+inline nlohmann::json stats_fields(const TensorStats& s) {
+  return {{"numel", s.numel},         {"mean", json_number(s.mean)},     {"std", json_number(s.std)},
+          {"min", json_number(s.min)}, {"max", json_number(s.max)},       {"l2_norm", json_number(s.l2_norm)},
+          {"nan", s.nan_count},        {"inf", s.inf_count},              {"zeros", s.zero_count},
+          {"sparsity", json_number(s.sparsity)}};
+}
+
+}  // namespace detail
+
+/// JSON Lines: one object per line with a "type" of "step", "layer", "health", "event" or
+/// "summary"; pandas.read_json(path, lines=True) reads the whole file into one table.
+///
+/// ```cpp
+/// reporter.add_exporter(std::make_shared<torchdbg::JsonlExporter>("run.jsonl"));
+/// ```
+template <typename Mutex = std::mutex>
+class BasicJsonlExporter : public BaseExporter<Mutex> {
+ public:
+  explicit BasicJsonlExporter(const std::string& path, StreamOptions options = {}) : stream_(path, std::move(options)) {}
+  ~BasicJsonlExporter() override {
+    try {
+      stream_.flush();
+    } catch (...) {
+    }
+  }
+  [[nodiscard]] std::string path() const { return stream_.path(); }
+  /// Flushes that failed (disk full, ...), and the last reason.
+  [[nodiscard]] uint64_t failures() const {
+    std::lock_guard<Mutex> lock(this->mutex_);
+    return stream_.failures();
+  }
+  [[nodiscard]] std::string last_error() const {
+    std::lock_guard<Mutex> lock(this->mutex_);
+    return stream_.last_error();
+  }
+
+ protected:
+  void write_step_(const StepRecord& r) override {
+    nlohmann::json step = {{"type", "step"}, {"step", r.step}, {"loss", r.loss ? json_number(*r.loss) : nlohmann::json()},
+                           {"gradient_norm", r.gradient_norm ? json_number(*r.gradient_norm) : nlohmann::json()},
+                           {"loss_health", to_string(r.loss_health)}};
+    stream_.add(step.dump());
+    for (const auto& l : r.layers) {
+      nlohmann::json j = detail::stats_fields(l.stats);
+      j["type"] = "layer";
+      j["step"] = r.step;
+      j["layer"] = l.layer;
+      j["direction"] = l.forward ? "forward" : "backward";
+      if (!l.forward) j["parameter"] = l.parameter;
+      stream_.add(j.dump());
+    }
+    for (const auto& h : r.health) {
+      nlohmann::json j = to_json(h);
+      j["type"] = "health";
+      j["step"] = r.step;
+      stream_.add(j.dump());
+    }
+    for (const auto& e : r.events) {
+      nlohmann::json j = to_json(e);
+      j["type"] = "event";
+      stream_.add(j.dump());
+    }
+    stream_.step_done();
+  }
+  void write_summary_(const RunSummary& s) override {
+    nlohmann::json j = {{"type", "summary"}, {"steps", s.steps}, {"last_step", s.last_step},
+                        {"alerts_total", s.alerts_total}, {"events_total", s.events_total}};
+    if (s.diagnosis) j["diagnosis"] = s.diagnosis->to_json();
+    stream_.add(j.dump());
+    stream_.flush();
+  }
+  void flush_() override { stream_.flush(); }
+
+ private:
+  detail::LineStream stream_;
+};
+
+using JsonlExporter = BasicJsonlExporter<std::mutex>;
+
+}  // namespace torchdbg

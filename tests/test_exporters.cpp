@@ -1,0 +1,251 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#include <torchdbg/exporters/csv.hpp>
+#include <torchdbg/exporters/html.hpp>
+#include <torchdbg/exporters/jsonl.hpp>
+#include <torchdbg/exporters/summary_json.hpp>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "helpers.hpp"
+
+using torchdbg::LayerRecord;
+using torchdbg::StepRecord;
+
+namespace {
+
+std::vector<std::string> read_lines(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<std::string> out;
+  std::string line;
+  while (std::getline(in, line)) out.push_back(line);
+  return out;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+/// A synthetic step with `layers` layers: forward stats, gradient stats and health.
+StepRecord make_step(int64_t step, int layers, bool bad = false) {
+  StepRecord r;
+  r.step = step;
+  r.loss = bad ? std::nan("") : 2.0 / static_cast<double>(step + 1);
+  for (int l = 0; l < layers; ++l) {
+    const std::string name = "block" + std::to_string(l) + ".fc";
+    LayerRecord f;
+    f.layer = name;
+    f.stats = torchdbg::compute_stats(torch::full({4}, static_cast<double>(l)));
+    r.layers.push_back(f);
+    LayerRecord g;
+    g.layer = name;
+    g.forward = false;
+    g.parameter = "weight";
+    g.stats = torchdbg::compute_stats(torch::full({4}, std::pow(10.0, -l % 6)));
+    r.layers.push_back(g);
+    torchdbg::LayerHealth h;
+    h.name = name;
+    h.module = name;
+    h.order = l;
+    h.has_activation = h.has_gradient = true;
+    h.activation = (bad && l == 3) ? torchdbg::ActivationHealth::NonFinite : torchdbg::ActivationHealth::Normal;
+    h.gradient = l % 7 == 6 ? torchdbg::GradientHealth::Vanishing : torchdbg::GradientHealth::Healthy;
+    r.health.push_back(h);
+  }
+  if (bad) {
+    torchdbg::SemanticEvent e;
+    e.id = static_cast<uint64_t>(step);
+    e.type = torchdbg::EventType::NonFiniteActivation;
+    e.layer = "block3.fc";
+    e.step = step;
+    e.from = "normal";
+    e.to = "non_finite";
+    e.confidence = 0.95;
+    r.events.push_back(e);
+  }
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("JSONL: one parseable object per line, NaN as null, flushed at the interval", "[exporters]") {
+  const std::string dir = torchdbg_test::tmp_dir("jsonl");
+  const std::string path = dir + "/run.jsonl";
+  {
+    torchdbg::JsonlExporter x(path, torchdbg::StreamOptions().flush_every_steps(3).flush_every_seconds(1e9));
+    x.write_step(make_step(0, 2));
+    x.write_step(make_step(1, 2, /*bad=*/true));
+    CHECK(read_lines(path).empty());  // not yet: the interval is 3 steps
+    x.write_step(make_step(2, 2));
+    const auto lines = read_lines(path);
+    // per step: 1 step line + 2 layers x 2 records + 2 health lines (+1 event on step 1)
+    CHECK(lines.size() == 3 * 7 + 1);
+    int events = 0;
+    for (const auto& l : lines) {
+      const auto j = nlohmann::json::parse(l);  // throws on a malformed line
+      CHECK(j.contains("type"));
+      if (j["type"] == "step" && j["step"] == 1) CHECK(j["loss"].is_null());
+      if (j["type"] == "event") {
+        ++events;
+        CHECK(j["layer"] == "block3.fc");
+        CHECK(j["to"] == "non_finite");
+      }
+      if (j["type"] == "layer" && j["direction"] == "backward") CHECK(j["parameter"] == "weight");
+    }
+    CHECK(events == 1);
+    x.write_step(make_step(3, 1));
+  }  // the destructor flushes the rest
+  CHECK(read_lines(path).size() == 3 * 7 + 1 + 4);
+  // pandas reads the whole stream as one table.
+  if (std::system("/usr/bin/python3 -c 'import pandas' 2>/dev/null") == 0) {
+    const std::string cmd = "/usr/bin/python3 -c \"import pandas as pd; df = pd.read_json('" + path +
+                            "', lines=True); assert len(df) == 26, len(df); assert set(df['type']) == {'step','layer','health','event'}; "
+                            "print('pandas ok', df.shape)\"";
+    CHECK(std::system(cmd.c_str()) == 0);
+  } else {
+    WARN("python3-pandas not installed: pandas.read_json not checked");
+  }
+}
+
+TEST_CASE("JSONL: a process killed mid-stream leaves only complete, parseable lines", "[exporters]") {
+  const std::string path = torchdbg_test::tmp_dir("jsonl_kill") + "/run.jsonl";
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    torchdbg::JsonlExporter x(path, torchdbg::StreamOptions().flush_every_steps(1));
+    for (int64_t s = 0;; ++s) x.write_step(make_step(s, 40));
+  }
+  // Wait until the file has grown, then kill -9.
+  for (int i = 0; i < 200; ++i) {
+    usleep(10000);
+    std::ifstream f(path, std::ios::ate);
+    if (f && f.tellg() > 400000) break;
+  }
+  kill(pid, SIGKILL);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  const std::string text = slurp(path);
+  REQUIRE(text.size() > 0);
+  std::size_t complete = 0, pos = 0;
+  while (true) {
+    const auto nl = text.find('\n', pos);
+    if (nl == std::string::npos) break;
+    CHECK_NOTHROW(nlohmann::json::parse(text.substr(pos, nl - pos)));
+    ++complete;
+    pos = nl + 1;
+  }
+  CHECK(complete > 100);
+  // What follows the last newline (if anything) is the one line being written at the kill.
+  CHECK(text.size() - pos < 4096);
+}
+
+TEST_CASE("streams: a full disk is counted and reported, not thrown, and nothing is lost once it clears", "[exporters]") {
+  if (access("/dev/full", W_OK) == 0) {
+    torchdbg::JsonlExporter x("/dev/full", torchdbg::StreamOptions().flush_every_steps(1).truncate(false));
+    CHECK_NOTHROW(x.write_step(make_step(0, 2)));
+    CHECK_NOTHROW(x.write_step(make_step(1, 2)));
+    CHECK(x.failures() == 2);
+    CHECK(x.last_error().find("/dev/full") != std::string::npos);
+  }
+  CHECK_THROWS_WITH(torchdbg::JsonlExporter("/nonexistent-dir/x.jsonl"), Catch::Contains("/nonexistent-dir/x.jsonl"));
+  CHECK_THROWS_WITH(torchdbg::CsvExporter("/nonexistent-dir/x.csv"), Catch::Contains("/nonexistent-dir/x.csv"));
+  CHECK_THROWS_WITH(torchdbg::JsonlExporter(torchdbg_test::tmp_dir("bad_opt") + "/x", torchdbg::StreamOptions().flush_every_steps(0)),
+                    Catch::Contains("flush_every_steps"));
+}
+
+TEST_CASE("CSV: the per-layer table with quoted names, empty cells for unknown values", "[exporters]") {
+  const std::string path = torchdbg_test::tmp_dir("csv") + "/run.csv";
+  {
+    torchdbg::CsvExporter x(path);
+    auto r = make_step(5, 2, /*bad=*/true);
+    r.layers[0].layer = "enc,\"odd\"";
+    x.write_step(r);
+  }
+  const auto lines = read_lines(path);
+  REQUIRE(lines.size() == 5);
+  CHECK(lines[0] == torchdbg::CsvExporter::kHeader);
+  CHECK(lines[1].rfind("5,\"enc,\"\"odd\"\"\",forward,,4,0,0,0,0,0,0,0,4,,", 0) == 0);
+  CHECK(lines[2].rfind("5,block0.fc,backward,weight,4,1,0,1,1,2,0,0,0,healthy,", 0) == 0);
+  CHECK(lines[3].find("block1.fc,forward") != std::string::npos);
+  CHECK(lines[1].back() == ',');  // the loss was NaN: an empty cell
+}
+
+TEST_CASE("summary JSON is rewritten atomically with the loss range and the diagnosis", "[exporters]") {
+  const std::string path = torchdbg_test::tmp_dir("summary") + "/summary.json";
+  torchdbg::SummaryJsonExporter x(path);
+  for (int s = 0; s < 5; ++s) x.write_step(make_step(s, 3, s == 4));
+  torchdbg::RunSummary sum;
+  sum.steps = 5;
+  sum.last_step = 4;
+  torchdbg::HealthReport report;
+  torchdbg::Incident inc;
+  inc.kind = torchdbg::FailureKind::NonFiniteOutput;
+  inc.layer = inc.module = "block3.fc";
+  inc.step = 4;
+  report.incidents.push_back(inc);
+  sum.diagnosis = torchdbg::diagnose(report);
+  x.write_summary(sum);
+  const auto j = nlohmann::json::parse(slurp(path));
+  CHECK(j["steps"] == 5);
+  CHECK(j["loss"]["first"] == 2.0);
+  CHECK(j["loss"]["min"] == Approx(0.5));
+  CHECK(j["loss"]["non_finite"] == 1);
+  CHECK(j["alarms"] == 1);
+  CHECK(j["diagnosis"]["hypotheses"][0]["layer"] == "block3.fc");
+  // No temporary files left beside it.
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(std::filesystem::path(path).parent_path())) {
+    (void)e;
+    ++files;
+  }
+  CHECK(files == 1);
+}
+
+TEST_CASE("HTML: every section renders, and 120 layers x 10000 steps stay bounded", "[exporters]") {
+  torchdbg::HtmlExporter small(torchdbg_test::tmp_dir("html_small") + "/r.html");
+  CHECK_NOTHROW(small.flush());  // an empty report is still a complete page
+  const std::string empty = small.render();
+  for (const char* id : {"summary", "diagnosis", "loss", "gradient-flow", "health-heatmap", "histograms", "events", "alerts"})
+    CHECK(empty.find(std::string("id=\"") + id + "\"") != std::string::npos);
+
+  torchdbg::HtmlExporter big(torchdbg_test::tmp_dir("html_big") + "/r.html");
+  for (int64_t s = 0; s < 10000; ++s) {
+    auto r = make_step(s, 120, s == 9000);
+    if (s % 500 == 0) {
+      for (auto& l : r.layers)
+        if (l.forward) l.stats = torchdbg::compute_stats(torch::randn({256}), torchdbg::StatsOptions().distribution(true).histogram_bins(20));
+    }
+    big.write_step(r);
+  }
+  big.flush();
+  const std::string html = slurp(big.path());
+  CHECK(html.size() < 4u << 20);  // bounded: no point per step
+  CHECK(html.find("step 9999") != std::string::npos);
+  CHECK(html.find("(64 steps per column)") != std::string::npos);  // 10000 steps into <= 200 columns
+  CHECK(html.find("Showing 64 of 120 layers.") != std::string::npos);
+  std::size_t lines = 0;
+  for (std::size_t p = html.find("class=\"flow-line\""); p != std::string::npos; p = html.find("class=\"flow-line\"", p + 1)) ++lines;
+  CHECK(lines >= 5);
+  CHECK(lines <= 11);
+  CHECK(html.find("non-finite") != std::string::npos);  // the bad step shows in the heatmap
+  CHECK(html.find("<script src") == std::string::npos);  // nothing fetched from the network
+  CHECK(html.find("http://") == std::string::npos);
+  CHECK(html.find("https://") == std::string::npos);
+}
+
+TEST_CASE("the decimated series keeps at most its capacity over any length", "[exporters]") {
+  torchdbg::detail::Decimated<int> d(10);
+  for (int i = 0; i < 100000; ++i) d.add(i);
+  CHECK(d.items().size() <= 10);
+  CHECK(d.items().size() >= 5);
+  CHECK(d.items().front() == 0);
+  for (std::size_t i = 1; i < d.items().size(); ++i) CHECK(d.items()[i] > d.items()[i - 1]);
+}
