@@ -1,16 +1,21 @@
 // torchdbg — module hooks and a training debugger for LibTorch.
 // SPDX-License-Identifier: MIT
 //
-// The demo: an MLP trained on synthetic data with torchdbg watching every layer. Midway the
-// learning rate is raised until the loss explodes; an alert hook pauses training, the loop
-// sees the pause flag between steps, prints what the debugger recorded, restores the last
-// good checkpoint with a sane learning rate and resumes.
+// The demo: an MLP trained on synthetic data with torchdbg attached to every layer (no change
+// to the model), a health monitor and a reporter. Midway the learning rate is raised until
+// training breaks; torchdbg pauses it, the loop sees the pause flag between steps, prints the
+// diagnosis and the layers' health, restores the last good checkpoint with a sane learning
+// rate and resumes. At the end it writes an HTML report, a JSONL stream, a CSV table and a
+// JSON summary, and prints their paths.
+//
+//   training_loop [output directory]      (default: ./torchdbg-demo)
 #include <torch/torch.h>
 #include <torchdbg/torchdbg.hpp>
 
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <sstream>
 
 namespace {
@@ -20,6 +25,11 @@ struct Mlp : torch::nn::Module {
       : fc1(register_module("fc1", torch::nn::Linear(in, hidden))),
         fc2(register_module("fc2", torch::nn::Linear(hidden, hidden))),
         fc3(register_module("fc3", torch::nn::Linear(hidden, classes))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(fc1(x));
+    x = torch::relu(fc2(x));
+    return fc3(x);
+  }
   torch::nn::Linear fc1, fc2, fc3;
 };
 
@@ -40,10 +50,12 @@ void restore(torch::nn::Module& m, const std::string& bytes) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   torch::manual_seed(42);
   torch::set_num_threads(1);
   constexpr int64_t kSteps = 400, kBoostStep = 200, kBatch = 128, kIn = 64, kClasses = 10;
+  const std::filesystem::path out = std::filesystem::absolute(argc > 1 ? argv[1] : "torchdbg-demo");
+  std::filesystem::create_directories(out);
 
   // Synthetic, learnable data: the class is the argmax of a fixed random projection.
   const auto projection = torch::randn({kIn, kClasses});
@@ -58,20 +70,26 @@ int main() {
     for (auto& g : opt.param_groups()) static_cast<torch::optim::SGDOptions&>(g.options()).lr(lr);
   };
 
-  // The debugger: statistics of every layer's output and gradient, and a guard on the loss.
-  torchdbg::HookManager hooks(
-      torchdbg::HookManagerOptions()
-          .inspector(torchdbg::InspectorOptions().sample_rate(0.1).exploding_gradient_norm(50.0))
-          .visualizer(torchdbg::VisualizerOptions().histogram_bins(12)));
-  hooks.create_tensor_inspection_hook({"^fc"});
-  hooks.create_gradient_tracking_hook({"^fc"});
+  // The debugger: a loss guard hook, a health monitor that pauses on failures, a reporter
+  // with four outputs, and the model attached as it is.
+  torchdbg::HookManager hooks(torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.1)));
   hooks.register_hook(torchdbg::HookConfig()
                           .name("loss guard")
-                          .trigger(torchdbg::HookTrigger::conditional(
-                              torchdbg::HookCondition::loss_above(10.0) ||
-                              torchdbg::HookCondition::loss_non_finite()))
+                          .trigger(torchdbg::HookTrigger::conditional(torchdbg::HookCondition::loss_above(10.0) ||
+                                                                      torchdbg::HookCondition::loss_non_finite()))
                           .actions({torchdbg::HookAction::alert("loss exploded", torchdbg::AlertSeverity::Critical),
                                     torchdbg::HookAction::pause_training("loss above 10 or not finite")}));
+  torchdbg::HealthMonitor health(torchdbg::HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+  auto health_fed = health.install(hooks);
+  torchdbg::Reporter reporter(torchdbg::ReporterOptions().histogram_interval(25));
+  const std::string html = (out / "report.html").string(), jsonl = (out / "run.jsonl").string(),
+                    csv = (out / "layers.csv").string(), summary = (out / "summary.json").string();
+  reporter.add_exporter(std::make_shared<torchdbg::HtmlExporter>(html, torchdbg::HtmlOptions().title("torchdbg demo: a learning-rate blow-up")));
+  reporter.add_exporter(std::make_shared<torchdbg::JsonlExporter>(jsonl));
+  reporter.add_exporter(std::make_shared<torchdbg::CsvExporter>(csv));
+  reporter.add_exporter(std::make_shared<torchdbg::SummaryJsonExporter>(summary));
+  auto report_fed = reporter.install(hooks, &health);
+  auto session = torchdbg::attach(*model, hooks);
   auto pause = hooks.pause_flag();
 
   std::string checkpoint = serialize(*model);
@@ -81,46 +99,24 @@ int main() {
       fmt::print("step {:>3}: raising the learning rate to 8.0 (a bad schedule)\n", step);
       set_lr(8.0);
     }
+    hooks.set_step(step);
     auto [x, target] = make_batch();
     opt.zero_grad();
-    auto h1 = torch::relu(model->fc1(x));
-    auto h2 = torch::relu(model->fc2(h1));
-    auto logits = model->fc3(h2);
-    auto loss = torch::cross_entropy_loss(logits, target);
+    auto loss = torch::cross_entropy_loss(model->forward(x), target);
+    const double loss_value = loss.item<double>();
+    hooks.set_loss(loss_value);
     loss.backward();
 
-    hooks.set_step(step);
-    hooks.set_loss(loss.item<double>());
-    hooks.execute_hooks("fc1/relu", h1, true);
-    hooks.execute_hooks("fc2/relu", h2, true);
-    hooks.execute_hooks("fc3", logits, true);
-    for (const auto& [name, layer] : {std::pair<const char*, torch::nn::Linear&>{"fc1", model->fc1},
-                                      {"fc2", model->fc2}, {"fc3", model->fc3}}) {
-      hooks.execute_hooks(name, layer->weight.grad(), false, {{"parameter", "weight"}});
-    }
-
-    // Between steps the loop polls the flag; the manager never blocks.
+    // Between steps the loop polls the flag; torchdbg never blocks.
     if (pause->load()) {
       const auto info = hooks.pause_info();
-      fmt::print("\nstep {:>3}: training PAUSED: {} (loss {:.4g})\n", step, info ? info->reason : "?",
-                 loss.item<double>());
-      fmt::print("alerts so far ({} total, last 5):\n", hooks.alert_count());
-      auto alerts = hooks.alerts();
-      for (std::size_t i = alerts.size() > 5 ? alerts.size() - 5 : 0; i < alerts.size(); ++i) {
-        fmt::print("  [{}] step {} {}: {}\n", torchdbg::to_string(alerts[i].severity), alerts[i].step,
-                   alerts[i].layer, alerts[i].message);
-      }
-      fmt::print("\nlatest layer statistics:\n{}", hooks.visualizer.summary_table());
-      for (const char* g : {"fc1.weight/grad", "fc2.weight/grad", "fc3.weight/grad"}) {
-        const auto hist = hooks.inspector.gradient_history(g);
-        if (hist.size() >= 2) {
-          fmt::print("  {:<16} gradient L2 norm {:>10.4g} -> {:>10.4g}\n", g, hist[hist.size() - 2].l2_norm,
-                     hist.back().l2_norm);
-        }
-      }
-      fmt::print("\n{}", hooks.visualizer.ascii_histogram("fc2/relu", 30));
-      fmt::print("\nrestoring the checkpoint of step {} with learning rate 0.05 and resuming\n\n",
-                 checkpoint_step);
+      fmt::print("\nstep {:>3}: training PAUSED: {} (loss {:.4g})\n", step, info ? info->reason : "?", loss_value);
+      health.set_step(step + 1);  // finish this step's health (gradients included) before reading it
+      const auto at_failure = health.failure_report();
+      const auto d = torchdbg::diagnose(at_failure ? *at_failure : health.report());
+      fmt::print("diagnosis: {}\n\n", d.summary());
+      fmt::print("{}", torchdbg::health_table(health.layers()));
+      fmt::print("\nrestoring the checkpoint of step {} with learning rate 0.05 and resuming\n\n", checkpoint_step);
       restore(*model, checkpoint);
       opt.state().clear();  // drop the momentum built up by the bad steps
       set_lr(0.05);
@@ -133,14 +129,18 @@ int main() {
     }
     opt.step();
     if (step % 50 == 0 || step == kSteps - 1) {
-      fmt::print("step {:>3}: loss {:.4f}, alerts {}\n", step, loss.item<double>(), hooks.alert_count());
+      fmt::print("{}\n", torchdbg::progress_line(step, kSteps, loss_value, hooks.alert_count(), health.alarm_count(),
+                                                 health.loss_health()));
     }
   }
+  reporter.finish(torchdbg::make_summary(hooks, health));
   fmt::print("\nfinished {} steps; hook statistics:\n", kSteps);
   for (const auto& [id, cfg] : hooks.get_all_hooks()) {
     const auto s = *hooks.get_hook_stats(id);
-    fmt::print("  {:<20} executions {:>5}  errors {}  mean {:.1f} us\n", cfg.name(), s.executions, s.errors,
-               s.mean_time_us());
+    fmt::print("  {:<20} executions {:>5}  errors {}  mean {:.1f} us\n", cfg.name(), s.executions, s.errors, s.mean_time_us());
   }
+  fmt::print("\nlayer health at the end:\n{}", torchdbg::health_table(health.layers()));
+  fmt::print("\nreport: {}\nstream: {}\ntable:  {}\nsummary: {}\n", html, jsonl, csv, summary);
+  if (reporter.exporter_errors() > 0) fmt::print("exporter errors {}: {}\n", reporter.exporter_errors(), reporter.last_error());
   return 0;
 }

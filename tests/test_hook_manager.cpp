@@ -250,6 +250,9 @@ TEST_CASE("alert hooks log once per step with severity and forward to the sink",
   CHECK(sunk.size() == 5);
   hooks.set_alert_sink([](const torchdbg::Alert&) { throw std::runtime_error("sink down"); });
   hooks.set_step(7);
+  CHECK_FALSE(hooks.state().loss.has_value());  // a new step has no loss yet
+  CHECK(hooks.execute_hooks("fc1", torch::ones({1}), true)[0].second.is_skipped());
+  hooks.set_loss(50.0);
   const auto r = hooks.execute_hooks("fc1", torch::ones({1}), true);
   CHECK(r[0].second.message() == "sink down");
   CHECK(hooks.alert_count() == 6);  // logged before the sink failed: nothing lost

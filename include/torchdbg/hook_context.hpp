@@ -21,7 +21,7 @@ using Metadata = std::map<std::string, std::string, std::less<>>;
 /// reported is empty, and conditions on it are false.
 struct TrainingState {
   int64_t step = 0;
-  std::optional<double> loss;
+  std::optional<double> loss;          ///< of the current step: cleared when the step changes
   std::optional<int64_t> loss_step;  ///< the step at which `loss` was reported
   std::optional<double> gradient_norm;
   std::optional<double> memory_mb;

@@ -318,10 +318,17 @@ class BasicHookManager {
 
   // ---- training state -------------------------------------------------------------------
 
+  /// Moves to `step`. A new step has no loss yet: the loss reported for the previous step is
+  /// cleared (loss conditions are false until `set_loss`), so a forward pass never sees the
+  /// last step's loss as its own.
   void set_step(int64_t step) {
     notify(Change::Before);
     {
       std::lock_guard<Mutex> lock(state_mutex_);
+      if (state_.step != step) {
+        state_.loss.reset();
+        state_.loss_step.reset();
+      }
       state_.step = step;
     }
     notify(Change::After);
