@@ -98,10 +98,13 @@ double median(std::vector<double> v) {
 }
 
 /// What a monitored run installs: forward statistics of every child and activation,
-/// gradient statistics of every parameter (every step, or every 10th).
+/// gradient statistics of every parameter, and the health monitor (states, events) on all of
+/// them (every step, or every 10th).
 struct Monitor {
   torchdbg::HookManager hooks{torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.0))};
-  Monitor(bool every10) {
+  torchdbg::HealthMonitor health;
+  torchdbg::HealthInstallation<std::mutex, std::mutex> fed;
+  Monitor(bool every10) : health(torchdbg::HealthOptions().interval(every10 ? 10 : 1)), fed(health.install(hooks)) {
     auto trig_f = every10 ? torchdbg::HookTrigger::every_n_steps(10) : torchdbg::HookTrigger::every_forward();
     auto trig_b = every10 ? torchdbg::HookTrigger::every_n_steps(10) : torchdbg::HookTrigger::every_backward();
     hooks.register_hook(torchdbg::HookConfig().name("fwd").trigger(trig_f).actions({torchdbg::HookAction::inspect_tensor()}));

@@ -8,7 +8,8 @@ pkgs=(cmake g++ ninja-build libfmt-dev catch2 nlohmann-json3-dev libopenblas0-pt
 # clang with its runtime: the libFuzzer target (ctest label "fuzz").
 pkgs+=(clang libclang-rt-dev)
 if [[ -z "${CMAKE_PREFIX_PATH:-}" ]]; then
-  pkgs+=(libtorch-dev)
+  # libgloo-dev: the Gloo headers c10d's ProcessGroupGloo.hpp includes (distributed.hpp).
+  pkgs+=(libtorch-dev libgloo-dev)
 fi
 # Debian's python3-torch: the test suite checks that snapshots load with Python's torch.load;
 # python3-pandas: that the JSONL stream reads with pandas.read_json(lines=True).

@@ -451,3 +451,26 @@ TEST_CASE("detaching while a backward pass is pending or running is safe", "[att
   }
   SUCCEED();
 }
+
+TEST_CASE("a parameter used only as a shape template is not a forward output", "[attach]") {
+  torch::manual_seed(2);
+  torch::nn::Linear fc(4, 3);
+  HookManager hooks;
+  std::vector<std::string> seen;
+  hooks.register_callback("log", [&](const torchdbg::HookContext& c) { seen.emplace_back(c.layer_name()); });
+  hooks.register_hook(HookConfig().trigger(HookTrigger::every_forward()).actions({HookAction::custom_callback("log")}));
+  auto session = torchdbg::attach(*fc, hooks);
+  auto flat = torch::randn({15});
+  auto w = flat.slice(0, 0, 12).view_as(fc->weight);  // all-reduce code reshaping a gradient buffer
+  auto z = torch::zeros_like(fc->bias);
+  auto n = flat.new_zeros({2});
+  session.flush();
+  CHECK(seen.empty());
+  auto y = fc(torch::randn({2, 4}));  // a real forward still counts
+  session.flush();
+  CHECK(seen == std::vector<std::string>{"root"});
+  (void)w;
+  (void)z;
+  (void)n;
+  (void)y;
+}

@@ -32,8 +32,10 @@
 //   Gradient hooks cost one atomic check when no hook is due.
 //
 // Not forward outputs: in-place updates of a module's own tensors, operators that take a
-// parameter together with its own gradient (optimizer arithmetic such as weight decay), and
-// by default anything run with gradients disabled (AttachOptions::no_grad_forward opts in to
+// parameter together with its own gradient (optimizer arithmetic such as weight decay),
+// operators that use a parameter only as a shape or dtype template (`g.view_as(weight)`,
+// `zeros_like(weight)`, `new_*`: gradient all-reduce code does this), and by default
+// anything run with gradients disabled (AttachOptions::no_grad_forward opts in to
 // observing evaluation passes under torch::NoGradGuard).
 //
 // Limits: a module whose own parameters are used by several separate operator groups (e.g.
@@ -476,6 +478,12 @@ class ForwardObserver {
     // steps, running statistics); it is never a forward output.
     const std::string_view op_name = fn.name();
     const bool in_place = !op_name.empty() && op_name.back() == '_';
+    // `x.view_as(weight)`, `zeros_like(weight)`, `x.new_zeros(...)`: a parameter passed as a
+    // shape or dtype template does not make the operator the module's.
+    auto ends_with = [&](std::string_view suf) {
+      return op_name.size() >= suf.size() && op_name.substr(op_name.size() - suf.size()) == suf;
+    };
+    const bool template_op = ends_with("_as") || ends_with("_like") || op_name.substr(0, 10) == "aten::new_";
     std::shared_ptr<AttachCore> owner;
     std::size_t module = 0;
     bool has_data = false;
@@ -504,6 +512,7 @@ class ForwardObserver {
         const bool is_self = first_input;
         first_input = false;
         if (!x.defined()) return;
+        if (template_op && !is_self) return;  // a shape/dtype template, not an operand
         const c10::TensorImpl* impl = x.unsafeGetTensorImpl();
         for (const auto& c : *cores) {
           auto it = c->owner.find(impl);

@@ -105,7 +105,9 @@ struct Diagnosis {
       for (const auto& h : hypotheses) s += " Note: " + h.description;
       return s;
     }
-    std::string s = "Most likely cause: " + hypotheses.front().description;
+    const auto& first = hypotheses.front();
+    std::string s = "Most likely cause" + (first.rank >= 0 ? " (rank " + std::to_string(first.rank) + ")" : std::string()) + ": " +
+                    first.description;
     const auto& chain = hypotheses.front().causal_chain;
     if (chain.size() > 1) {
       s += " It explains " + std::to_string(chain.size() - 1) + " later finding" + (chain.size() > 2 ? "s" : "") + ": ";

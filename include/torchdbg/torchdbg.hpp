@@ -25,3 +25,8 @@
 #include "torchdbg/tensor_stats.hpp"
 #include "torchdbg/terminal.hpp"
 #include "torchdbg/version.hpp"
+
+// Distributed coordination needs LibTorch's c10d (present in Linux builds of LibTorch).
+#if __has_include(<torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>) && defined(USE_C10D_GLOO)
+#include "torchdbg/distributed.hpp"
+#endif
