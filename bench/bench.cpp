@@ -5,16 +5,11 @@
 // interleaved in rounds in one process (these machines are shared and noisy: compare ratios
 // from one run). Prints one line per model and mode and writes the same figures as JSON.
 //
-//   torchdbg_bench [--threads N] [--rounds R] [--steps S] [--rss-steps N] [--json FILE] [--models mlp,cnn]
-#include <torch/torch.h>
-#include <torchdbg/torchdbg.hpp>
-
-#include "bench_util.hpp"
-
-#include <fmt/format.h>
-#include <nlohmann/json.hpp>
-
+//   torchdbg_bench [--threads N] [--rounds R] [--steps S] [--rss-steps N] [--json FILE] [--models
+//   mlp,cnn]
 #include <dlfcn.h>
+#include <fmt/format.h>
+#include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
@@ -22,8 +17,12 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <torchdbg/torchdbg.hpp>
 #include <vector>
+
+#include "bench_util.hpp"
 
 namespace {
 
@@ -32,7 +31,8 @@ using Clock = std::chrono::steady_clock;
 struct Mlp : torch::nn::Module {
   Mlp() {
     layers.push_back(register_module("fc0", torch::nn::Linear(784, 512)));
-    for (int i = 1; i <= 6; ++i) layers.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(512, 512)));
+    for (int i = 1; i <= 6; ++i)
+      layers.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(512, 512)));
     out = register_module("out", torch::nn::Linear(512, 10));
   }
   torch::Tensor forward(torch::Tensor x) {
@@ -47,8 +47,9 @@ struct Cnn : torch::nn::Module {
   Cnn() {
     const int64_t ch[] = {3, 32, 64, 128, 128};
     for (int i = 0; i < 4; ++i) {
-      convs.push_back(register_module("conv" + std::to_string(i),
-                                      torch::nn::Conv2d(torch::nn::Conv2dOptions(ch[i], ch[i + 1], 3).padding(1))));
+      convs.push_back(register_module(
+          "conv" + std::to_string(i),
+          torch::nn::Conv2d(torch::nn::Conv2dOptions(ch[i], ch[i + 1], 3).padding(1))));
       bns.push_back(register_module("bn" + std::to_string(i), torch::nn::BatchNorm2d(ch[i + 1])));
     }
     fc = register_module("fc", torch::nn::Linear(128, 10));
@@ -81,13 +82,20 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc) throw std::runtime_error(std::string("missing value for ") + name);
       return std::string(argv[++i]);
     };
-    if (!std::strcmp(argv[i], "--threads")) a.threads = std::stoi(next("--threads"));
-    else if (!std::strcmp(argv[i], "--rounds")) a.rounds = std::stoi(next("--rounds"));
-    else if (!std::strcmp(argv[i], "--steps")) a.steps = std::stoi(next("--steps"));
-    else if (!std::strcmp(argv[i], "--rss-steps")) a.rss_steps = std::stoi(next("--rss-steps"));
-    else if (!std::strcmp(argv[i], "--json")) a.json = next("--json");
-    else if (!std::strcmp(argv[i], "--models")) a.models = next("--models");
-    else throw std::runtime_error(std::string("unknown argument ") + argv[i]);
+    if (!std::strcmp(argv[i], "--threads"))
+      a.threads = std::stoi(next("--threads"));
+    else if (!std::strcmp(argv[i], "--rounds"))
+      a.rounds = std::stoi(next("--rounds"));
+    else if (!std::strcmp(argv[i], "--steps"))
+      a.steps = std::stoi(next("--steps"));
+    else if (!std::strcmp(argv[i], "--rss-steps"))
+      a.rss_steps = std::stoi(next("--rss-steps"));
+    else if (!std::strcmp(argv[i], "--json"))
+      a.json = next("--json");
+    else if (!std::strcmp(argv[i], "--models"))
+      a.models = next("--models");
+    else
+      throw std::runtime_error(std::string("unknown argument ") + argv[i]);
   }
   return a;
 }
@@ -101,14 +109,20 @@ double median(std::vector<double> v) {
 /// gradient statistics of every parameter, and the health monitor (states, events) on all of
 /// them (every step, or every 10th).
 struct Monitor {
-  torchdbg::HookManager hooks{torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.0))};
+  torchdbg::HookManager hooks{
+      torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.0))};
   torchdbg::HealthMonitor health;
   torchdbg::HealthInstallation<std::mutex, std::mutex> fed;
-  Monitor(bool every10) : health(torchdbg::HealthOptions().interval(every10 ? 10 : 1)), fed(health.install(hooks)) {
-    auto trig_f = every10 ? torchdbg::HookTrigger::every_n_steps(10) : torchdbg::HookTrigger::every_forward();
-    auto trig_b = every10 ? torchdbg::HookTrigger::every_n_steps(10) : torchdbg::HookTrigger::every_backward();
-    hooks.register_hook(torchdbg::HookConfig().name("fwd").trigger(trig_f).actions({torchdbg::HookAction::inspect_tensor()}));
-    hooks.register_hook(torchdbg::HookConfig().name("bwd").trigger(trig_b).actions({torchdbg::HookAction::track_gradients()}));
+  Monitor(bool every10)
+      : health(torchdbg::HealthOptions().interval(every10 ? 10 : 1)), fed(health.install(hooks)) {
+    auto trig_f =
+        every10 ? torchdbg::HookTrigger::every_n_steps(10) : torchdbg::HookTrigger::every_forward();
+    auto trig_b = every10 ? torchdbg::HookTrigger::every_n_steps(10)
+                          : torchdbg::HookTrigger::every_backward();
+    hooks.register_hook(torchdbg::HookConfig().name("fwd").trigger(trig_f).actions(
+        {torchdbg::HookAction::inspect_tensor()}));
+    hooks.register_hook(torchdbg::HookConfig().name("bwd").trigger(trig_b).actions(
+        {torchdbg::HookAction::track_gradients()}));
   }
 };
 
@@ -133,7 +147,8 @@ struct Trainer {
 };
 
 template <typename Model>
-nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, int64_t batch, const Args& a) {
+nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, int64_t batch,
+                           const Args& a) {
   Trainer<Model> tr(shape, batch);
   for (int i = 0; i < 3; ++i) tr.step();  // warm-up
   nlohmann::json out;
@@ -160,7 +175,8 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
     }
     fmt::print("overhead {} {}: {:.1f}%\n", name, mode, overhead);
     std::fflush(stdout);
-    out[mode] = {{"overhead_percent", overhead}, {"baseline_median_us", b}, {"monitored_median_us", m}};
+    out[mode] = {
+        {"overhead_percent", overhead}, {"baseline_median_us", b}, {"monitored_median_us", m}};
   }
   return out;
 }
@@ -183,8 +199,11 @@ nlohmann::json bench_kernel() {
   // A copy reads and writes every byte: bandwidth counts both; the kernel only reads.
   const double copy_gbs = 2.0 * bytes / median(copy_s) / 1e9;
   const double stat_gbs = bytes / median(stat_s) / 1e9;
-  fmt::print("stats kernel float32 64MiB: {:.2f} GB/s ({:.0f}% of copy bandwidth)\n", stat_gbs, 100.0 * stat_gbs / copy_gbs);
-  return {{"stats_gbs", stat_gbs}, {"copy_gbs", copy_gbs}, {"percent_of_copy", 100.0 * stat_gbs / copy_gbs}};
+  fmt::print("stats kernel float32 64MiB: {:.2f} GB/s ({:.0f}% of copy bandwidth)\n", stat_gbs,
+             100.0 * stat_gbs / copy_gbs);
+  return {{"stats_gbs", stat_gbs},
+          {"copy_gbs", copy_gbs},
+          {"percent_of_copy", 100.0 * stat_gbs / copy_gbs}};
 }
 
 nlohmann::json bench_rss(const Args& a) {
@@ -221,9 +240,12 @@ int main(int argc, char** argv) {
     torch::set_num_threads(a.threads);
     set_blas_threads(a.threads);
     torch::manual_seed(0);
-    nlohmann::json report{{"threads", a.threads}, {"rounds", a.rounds}, {"steps_per_round", a.steps}};
-    if (a.models.find("mlp") != std::string::npos) report["mlp"] = bench_model<Mlp>("mlp", {784}, 128, a);
-    if (a.models.find("cnn") != std::string::npos) report["cnn"] = bench_model<Cnn>("cnn", {3, 32, 32}, 32, a);
+    nlohmann::json report{
+        {"threads", a.threads}, {"rounds", a.rounds}, {"steps_per_round", a.steps}};
+    if (a.models.find("mlp") != std::string::npos)
+      report["mlp"] = bench_model<Mlp>("mlp", {784}, 128, a);
+    if (a.models.find("cnn") != std::string::npos)
+      report["cnn"] = bench_model<Cnn>("cnn", {3, 32, 32}, 32, a);
     report["kernel"] = bench_kernel();
     if (a.rss_steps > 0) report["rss"] = bench_rss(a);
     std::ofstream(a.json) << report.dump(2) << "\n";

@@ -10,15 +10,14 @@
 //   distributed_training --rank 1 --world-size 2 --store tcp://127.0.0.1:29500
 // or through a shared file: --store file:///tmp/torchdbg-store (delete it before a new run).
 // Other flags: --steps N (default 30), --nan-rank R --nan-step S (default 1 and 12; -1: none).
-#include <torch/csrc/distributed/c10d/FileStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <torch/torch.h>
-#include <torchdbg/torchdbg.hpp>
-
 #include <fmt/format.h>
+#include <torch/torch.h>
 
 #include <cstdlib>
 #include <string>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torchdbg/torchdbg.hpp>
 
 namespace {
 
@@ -42,25 +41,35 @@ Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--rank") a.rank = std::stoi(v);
-    else if (k == "--world-size") a.world = std::stoi(v);
-    else if (k == "--store") a.store = v;
-    else if (k == "--steps") a.steps = std::stoll(v);
-    else if (k == "--nan-rank") a.nan_rank = std::stoll(v);
-    else if (k == "--nan-step") a.nan_step = std::stoll(v);
-    else throw torchdbg::Error("unknown flag " + k);
+    if (k == "--rank")
+      a.rank = std::stoi(v);
+    else if (k == "--world-size")
+      a.world = std::stoi(v);
+    else if (k == "--store")
+      a.store = v;
+    else if (k == "--steps")
+      a.steps = std::stoll(v);
+    else if (k == "--nan-rank")
+      a.nan_rank = std::stoll(v);
+    else if (k == "--nan-step")
+      a.nan_step = std::stoll(v);
+    else
+      throw torchdbg::Error("unknown flag " + k);
   }
   if (a.rank < 0 || a.world < 1 || a.rank >= a.world || a.store.empty())
-    throw torchdbg::Error("usage: distributed_training --rank R --world-size W --store tcp://HOST:PORT|file:///PATH");
+    throw torchdbg::Error(
+        "usage: distributed_training --rank R --world-size W --store tcp://HOST:PORT|file:///PATH");
   return a;
 }
 
 c10::intrusive_ptr<c10d::Store> make_store(const Args& a) {
-  if (a.store.rfind("file://", 0) == 0) return c10::make_intrusive<c10d::FileStore>(a.store.substr(7), a.world);
+  if (a.store.rfind("file://", 0) == 0)
+    return c10::make_intrusive<c10d::FileStore>(a.store.substr(7), a.world);
   if (a.store.rfind("tcp://", 0) == 0) {
     const std::string hp = a.store.substr(6);
     const auto colon = hp.rfind(':');
-    if (colon == std::string::npos) throw torchdbg::Error("--store tcp://HOST:PORT needs a port: " + a.store);
+    if (colon == std::string::npos)
+      throw torchdbg::Error("--store tcp://HOST:PORT needs a port: " + a.store);
     c10d::TCPStoreOptions o;
     o.port = static_cast<uint16_t>(std::stoi(hp.substr(colon + 1)));
     o.isServer = a.rank == 0;
@@ -89,7 +98,9 @@ int main(int argc, char** argv) try {
   torchdbg::HealthMonitor health(torchdbg::HealthOptions().on_failure(torchdbg::OnFailure::Pause));
   auto health_fed = health.install(hooks);
   auto session = torchdbg::attach(*model, hooks);
-  torchdbg::DistributedMonitor dist(group, store, hooks, &health, torchdbg::DistributedOptions().report_interval(10).timeout_ms(30000));
+  torchdbg::DistributedMonitor dist(
+      group, store, hooks, &health,
+      torchdbg::DistributedOptions().report_interval(10).timeout_ms(30000));
 
   for (int64_t step = 0; step < a.steps; ++step) {
     if (a.rank == a.nan_rank && step == a.nan_step) {
@@ -117,21 +128,25 @@ int main(int argc, char** argv) try {
     if (b.reported && a.rank == 0) {
       for (const auto& g : dist.global_stats())
         if (g.name.find('/') == std::string::npos || g.name.find("/grad") != std::string::npos)
-          fmt::print("[rank 0] step {:>3} global {:<16} mean {:>9.4f} std {:>8.4f} min {:>8.3f} max {:>8.3f}\n", step, g.name,
-                     g.global.mean, g.global.std(), g.global.min, g.global.max);
+          fmt::print(
+              "[rank 0] step {:>3} global {:<16} mean {:>9.4f} std {:>8.4f} min {:>8.3f} max "
+              "{:>8.3f}\n",
+              step, g.name, g.global.mean, g.global.std(), g.global.min, g.global.max);
     }
     if (b.paused) {
-      fmt::print("[rank {}] step {}: PAUSED with every rank: {}\n", a.rank, step, hooks.pause_info()->reason);
+      fmt::print("[rank {}] step {}: PAUSED with every rank: {}\n", a.rank, step,
+                 hooks.pause_info()->reason);
       if (a.rank == 0) {
         const auto d = dist.global_diagnosis();
         const auto* top = d.top();
-        fmt::print("[rank 0] diagnosis: rank {} layer '{}' ({}): {}\n", top ? top->rank : -1, top ? top->layer : "?",
-                   top ? torchdbg::to_string(top->kind) : "?", d.summary());
+        fmt::print("[rank 0] diagnosis: rank {} layer '{}' ({}): {}\n", top ? top->rank : -1,
+                   top ? top->layer : "?", top ? torchdbg::to_string(top->kind) : "?", d.summary());
       }
       break;
     }
     opt.step();
-    if (a.rank == 0 && step % 10 == 0) fmt::print("[rank 0] step {:>3} loss {:.4f}\n", step, loss.item<double>());
+    if (a.rank == 0 && step % 10 == 0)
+      fmt::print("[rank 0] step {:>3} loss {:.4f}\n", step, loss.item<double>());
   }
   fmt::print("[rank {}] done\n", a.rank);
   return 0;

@@ -9,14 +9,13 @@
 // JSON summary, and prints their paths.
 //
 //   training_loop [output directory]      (default: ./torchdbg-demo)
-#include <torch/torch.h>
-#include <torchdbg/torchdbg.hpp>
-
 #include <fmt/format.h>
+#include <torch/torch.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <sstream>
+#include <torchdbg/torchdbg.hpp>
 
 namespace {
 
@@ -72,19 +71,22 @@ int main(int argc, char** argv) {
 
   // The debugger: a loss guard hook, a health monitor that pauses on failures, a reporter
   // with four outputs, and the model attached as it is.
-  torchdbg::HookManager hooks(torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.1)));
-  hooks.register_hook(torchdbg::HookConfig()
-                          .name("loss guard")
-                          .trigger(torchdbg::HookTrigger::conditional(torchdbg::HookCondition::loss_above(10.0) ||
-                                                                      torchdbg::HookCondition::loss_non_finite()))
-                          .actions({torchdbg::HookAction::alert("loss exploded", torchdbg::AlertSeverity::Critical),
-                                    torchdbg::HookAction::pause_training("loss above 10 or not finite")}));
+  torchdbg::HookManager hooks(
+      torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.1)));
+  hooks.register_hook(
+      torchdbg::HookConfig()
+          .name("loss guard")
+          .trigger(torchdbg::HookTrigger::conditional(torchdbg::HookCondition::loss_above(10.0) ||
+                                                      torchdbg::HookCondition::loss_non_finite()))
+          .actions({torchdbg::HookAction::alert("loss exploded", torchdbg::AlertSeverity::Critical),
+                    torchdbg::HookAction::pause_training("loss above 10 or not finite")}));
   torchdbg::HealthMonitor health(torchdbg::HealthOptions().on_failure(torchdbg::OnFailure::Pause));
   auto health_fed = health.install(hooks);
   torchdbg::Reporter reporter(torchdbg::ReporterOptions().histogram_interval(25));
   const std::string html = (out / "report.html").string(), jsonl = (out / "run.jsonl").string(),
                     csv = (out / "layers.csv").string(), summary = (out / "summary.json").string();
-  reporter.add_exporter(std::make_shared<torchdbg::HtmlExporter>(html, torchdbg::HtmlOptions().title("torchdbg demo: a learning-rate blow-up")));
+  reporter.add_exporter(std::make_shared<torchdbg::HtmlExporter>(
+      html, torchdbg::HtmlOptions().title("torchdbg demo: a learning-rate blow-up")));
   reporter.add_exporter(std::make_shared<torchdbg::JsonlExporter>(jsonl));
   reporter.add_exporter(std::make_shared<torchdbg::CsvExporter>(csv));
   reporter.add_exporter(std::make_shared<torchdbg::SummaryJsonExporter>(summary));
@@ -110,13 +112,16 @@ int main(int argc, char** argv) {
     // Between steps the loop polls the flag; torchdbg never blocks.
     if (pause->load()) {
       const auto info = hooks.pause_info();
-      fmt::print("\nstep {:>3}: training PAUSED: {} (loss {:.4g})\n", step, info ? info->reason : "?", loss_value);
-      health.set_step(step + 1);  // finish this step's health (gradients included) before reading it
+      fmt::print("\nstep {:>3}: training PAUSED: {} (loss {:.4g})\n", step,
+                 info ? info->reason : "?", loss_value);
+      health.set_step(step +
+                      1);  // finish this step's health (gradients included) before reading it
       const auto at_failure = health.failure_report();
       const auto d = torchdbg::diagnose(at_failure ? *at_failure : health.report());
       fmt::print("diagnosis: {}\n\n", d.summary());
       fmt::print("{}", torchdbg::health_table(health.layers()));
-      fmt::print("\nrestoring the checkpoint of step {} with learning rate 0.05 and resuming\n\n", checkpoint_step);
+      fmt::print("\nrestoring the checkpoint of step {} with learning rate 0.05 and resuming\n\n",
+                 checkpoint_step);
       restore(*model, checkpoint);
       opt.state().clear();  // drop the momentum built up by the bad steps
       set_lr(0.05);
@@ -129,18 +134,20 @@ int main(int argc, char** argv) {
     }
     opt.step();
     if (step % 50 == 0 || step == kSteps - 1) {
-      fmt::print("{}\n", torchdbg::progress_line(step, kSteps, loss_value, hooks.alert_count(), health.alarm_count(),
-                                                 health.loss_health()));
+      fmt::print("{}\n", torchdbg::progress_line(step, kSteps, loss_value, hooks.alert_count(),
+                                                 health.alarm_count(), health.loss_health()));
     }
   }
   reporter.finish(torchdbg::make_summary(hooks, health));
   fmt::print("\nfinished {} steps; hook statistics:\n", kSteps);
   for (const auto& [id, cfg] : hooks.get_all_hooks()) {
     const auto s = *hooks.get_hook_stats(id);
-    fmt::print("  {:<20} executions {:>5}  errors {}  mean {:.1f} us\n", cfg.name(), s.executions, s.errors, s.mean_time_us());
+    fmt::print("  {:<20} executions {:>5}  errors {}  mean {:.1f} us\n", cfg.name(), s.executions,
+               s.errors, s.mean_time_us());
   }
   fmt::print("\nlayer health at the end:\n{}", torchdbg::health_table(health.layers()));
   fmt::print("\nreport: {}\nstream: {}\ntable:  {}\nsummary: {}\n", html, jsonl, csv, summary);
-  if (reporter.exporter_errors() > 0) fmt::print("exporter errors {}: {}\n", reporter.exporter_errors(), reporter.last_error());
+  if (reporter.exporter_errors() > 0)
+    fmt::print("exporter errors {}: {}\n", reporter.exporter_errors(), reporter.last_error());
   return 0;
 }

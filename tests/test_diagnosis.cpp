@@ -3,11 +3,10 @@
 // Failure scenarios: small models trained until a failure appears; the top hypothesis must
 // name the right kind and the right originating layer within a few steps of onset. Seeds and
 // widths vary so that the logic is not tuned to one case.
-#include <torchdbg/attach.hpp>
-#include <torchdbg/diagnosis.hpp>
-
 #include <functional>
 #include <sstream>
+#include <torchdbg/attach.hpp>
+#include <torchdbg/diagnosis.hpp>
 
 #include "helpers.hpp"
 
@@ -33,9 +32,15 @@ struct ScenarioNet : torch::nn::Module {
       if (log_layer == static_cast<int64_t>(i) && log_on) x = torch::log(x);  // NaN where x < 0
       if (i + 1 < fcs.size()) {
         switch (act_) {
-          case Act::Relu: x = torch::relu(x); break;
-          case Act::Tanh: x = torch::tanh(x); break;
-          case Act::Sigmoid: x = torch::sigmoid(x); break;
+          case Act::Relu:
+            x = torch::relu(x);
+            break;
+          case Act::Tanh:
+            x = torch::tanh(x);
+            break;
+          case Act::Sigmoid:
+            x = torch::sigmoid(x);
+            break;
         }
       }
     }
@@ -107,19 +112,20 @@ std::string explain(const Outcome& o) {
   std::ostringstream s;
   s << o.diagnosis.summary() << "\nhypotheses:";
   for (const auto& h : o.diagnosis.hypotheses)
-    s << "\n  " << torchdbg::to_string(h.kind) << " @ " << h.layer << " (" << h.observed << ") step " << h.step
-      << " conf " << h.confidence;
+    s << "\n  " << torchdbg::to_string(h.kind) << " @ " << h.layer << " (" << h.observed
+      << ") step " << h.step << " conf " << h.confidence;
   s << "\nevents:";
   std::size_t k = 0;
   for (const auto& e : o.events) {
     if (++k > 40) break;
-    s << "\n  " << e.step << " " << e.layer << " " << torchdbg::to_string(e.type) << " " << e.from << "->" << e.to
-      << " " << e.metadata.dump();
+    s << "\n  " << e.step << " " << e.layer << " " << torchdbg::to_string(e.type) << " " << e.from
+      << "->" << e.to << " " << e.metadata.dump();
   }
   return s.str();
 }
 
-void check_top(const Outcome& o, FailureKind kind, const std::string& layer, int64_t onset, int64_t within = 3) {
+void check_top(const Outcome& o, FailureKind kind, const std::string& layer, int64_t onset,
+               int64_t within = 3) {
   INFO(explain(o));
   REQUIRE(o.diagnosis.top() != nullptr);
   const auto& top = *o.diagnosis.top();
@@ -153,7 +159,8 @@ TEST_CASE("a healthy run raises no alarm and diagnoses healthy", "[diagnosis]") 
   }
 }
 
-TEST_CASE("a deep sigmoid MLP is diagnosed with vanishing gradients at the input layer", "[diagnosis]") {
+TEST_CASE("a deep sigmoid MLP is diagnosed with vanishing gradients at the input layer",
+          "[diagnosis]") {
   for (uint64_t seed : {1, 7}) {
     for (int64_t width : {32, 64}) {
       Scenario sc;
@@ -170,7 +177,8 @@ TEST_CASE("a deep sigmoid MLP is diagnosed with vanishing gradients at the input
   }
 }
 
-TEST_CASE("a Linear with a large negative bias is diagnosed as dead ReLU units at that layer", "[diagnosis]") {
+TEST_CASE("a Linear with a large negative bias is diagnosed as dead ReLU units at that layer",
+          "[diagnosis]") {
   for (uint64_t seed : {1, 5}) {
     for (int64_t layer : {1, 2}) {
       Scenario sc;
@@ -179,7 +187,9 @@ TEST_CASE("a Linear with a large negative bias is diagnosed as dead ReLU units a
       sc.depth = 4;
       sc.onset = 6;
       sc.steps = 14;
-      sc.induce = [layer](ScenarioNet& n) { n.fcs[static_cast<std::size_t>(layer)]->bias.fill_(-20.0); };
+      sc.induce = [layer](ScenarioNet& n) {
+        n.fcs[static_cast<std::size_t>(layer)]->bias.fill_(-20.0);
+      };
       INFO("seed " << seed << " layer " << layer);
       const Outcome o = run(sc);
       check_top(o, FailureKind::DeadUnits, "fc" + std::to_string(layer), sc.onset);
@@ -187,7 +197,8 @@ TEST_CASE("a Linear with a large negative bias is diagnosed as dead ReLU units a
   }
 }
 
-TEST_CASE("a Linear with scaled-up weights before a tanh is diagnosed as saturation at that layer", "[diagnosis]") {
+TEST_CASE("a Linear with scaled-up weights before a tanh is diagnosed as saturation at that layer",
+          "[diagnosis]") {
   for (uint64_t seed : {2, 3}) {
     for (int64_t layer : {0, 2}) {
       Scenario sc;
@@ -197,7 +208,9 @@ TEST_CASE("a Linear with scaled-up weights before a tanh is diagnosed as saturat
       sc.act = Act::Tanh;
       sc.onset = 5;
       sc.steps = 12;
-      sc.induce = [layer](ScenarioNet& n) { n.fcs[static_cast<std::size_t>(layer)]->weight.mul_(25.0); };
+      sc.induce = [layer](ScenarioNet& n) {
+        n.fcs[static_cast<std::size_t>(layer)]->weight.mul_(25.0);
+      };
       INFO("seed " << seed << " layer " << layer);
       const Outcome o = run(sc);
       check_top(o, FailureKind::Saturation, "fc" + std::to_string(layer), sc.onset);
@@ -215,13 +228,16 @@ TEST_CASE("a Linear with huge weights is diagnosed as the origin of the explosio
       sc.onset = 8;
       sc.steps = 14;
       sc.lr = 0.01;
-      sc.induce = [layer](ScenarioNet& n) { n.fcs[static_cast<std::size_t>(layer)]->weight.mul_(300.0); };
+      sc.induce = [layer](ScenarioNet& n) {
+        n.fcs[static_cast<std::size_t>(layer)]->weight.mul_(300.0);
+      };
       INFO("seed " << seed << " layer " << layer);
       const Outcome o = run(sc);
       const auto* top = o.diagnosis.top();
       REQUIRE(top != nullptr);
       INFO(explain(o));
-      CHECK((top->kind == FailureKind::ExplodingActivation || top->kind == FailureKind::ExplodingGradient));
+      CHECK((top->kind == FailureKind::ExplodingActivation ||
+             top->kind == FailureKind::ExplodingGradient));
       CHECK(top->layer == "fc" + std::to_string(layer));
       CHECK(top->step >= sc.onset);
       CHECK(top->step <= sc.onset + 3);
@@ -248,13 +264,15 @@ TEST_CASE("a layer computing the log of negative values is the NaN origin", "[di
       CHECK(o.diagnosis.top()->observed == "fc" + std::to_string(layer) + "/log");
       // The loss divergence that followed is explained by it.
       bool loss_in_chain = false;
-      for (const auto& c : o.diagnosis.top()->causal_chain) loss_in_chain = loss_in_chain || c.kind == FailureKind::LossDivergence;
+      for (const auto& c : o.diagnosis.top()->causal_chain)
+        loss_in_chain = loss_in_chain || c.kind == FailureKind::LossDivergence;
       CHECK(loss_in_chain);
     }
   }
 }
 
-TEST_CASE("on_failure pause stops training at the step the failure is first detected", "[diagnosis]") {
+TEST_CASE("on_failure pause stops training at the step the failure is first detected",
+          "[diagnosis]") {
   Scenario sc;
   sc.seed = 3;
   sc.onset = 9;
@@ -282,8 +300,8 @@ TEST_CASE("on_failure pause stops training at the step the failure is first dete
 
 namespace {
 
-torchdbg::Incident incident(FailureKind k, const std::string& layer, int64_t step, torchdbg::Phase phase, int64_t order,
-                            double confidence = 0.6) {
+torchdbg::Incident incident(FailureKind k, const std::string& layer, int64_t step,
+                            torchdbg::Phase phase, int64_t order, double confidence = 0.6) {
   torchdbg::Incident i;
   i.kind = k;
   i.layer = layer;
@@ -299,14 +317,16 @@ torchdbg::Incident incident(FailureKind k, const std::string& layer, int64_t ste
 
 }  // namespace
 
-TEST_CASE("causal rules: a dead layer explains vanishing upstream and the plateau after it", "[diagnosis]") {
+TEST_CASE("causal rules: a dead layer explains vanishing upstream and the plateau after it",
+          "[diagnosis]") {
   using P = torchdbg::Phase;
   torchdbg::HealthReport r;
   r.step = 50;
   r.incidents = {incident(FailureKind::VanishingGradient, "fc0", 3, P::Backward, 0),
                  incident(FailureKind::VanishingGradient, "fc1", 3, P::Backward, 2),
                  incident(FailureKind::DeadUnits, "fc2/relu", 3, P::Forward, 4),
-                 incident(FailureKind::VanishingGradient, "fc3", 3, P::Backward, 6),  // downstream: not explained
+                 incident(FailureKind::VanishingGradient, "fc3", 3, P::Backward,
+                          6),  // downstream: not explained
                  incident(FailureKind::LossPlateau, "loss", 40, P::Loss, 1 << 30)};
   const auto d = torchdbg::diagnose(r);
   REQUIRE(d.hypotheses.size() == 2);
@@ -323,7 +343,9 @@ TEST_CASE("causal rules: a dead layer explains vanishing upstream and the platea
   CHECK_FALSE(d.healthy());
 }
 
-TEST_CASE("causal rules: an explosion explains the NaN, the NaN gradients and the divergence after it", "[diagnosis]") {
+TEST_CASE(
+    "causal rules: an explosion explains the NaN, the NaN gradients and the divergence after it",
+    "[diagnosis]") {
   using P = torchdbg::Phase;
   torchdbg::HealthReport r;
   r.incidents = {incident(FailureKind::ExplodingActivation, "fc1", 5, P::Forward, 2),
@@ -333,7 +355,8 @@ TEST_CASE("causal rules: an explosion explains the NaN, the NaN gradients and th
                  incident(FailureKind::ConstantOutput, "fc9", 2, P::Forward, 20)};
   const auto d = torchdbg::diagnose(r);
   REQUIRE(d.hypotheses.size() == 2);
-  CHECK(d.hypotheses[0].kind == FailureKind::ExplodingActivation);  // tier 2 before an earlier tier-1 finding
+  CHECK(d.hypotheses[0].kind ==
+        FailureKind::ExplodingActivation);  // tier 2 before an earlier tier-1 finding
   CHECK(d.hypotheses[0].layer == "fc1");
   CHECK(d.hypotheses[0].causal_chain.size() == 4);
   CHECK(d.hypotheses[1].kind == FailureKind::ConstantOutput);
@@ -347,7 +370,9 @@ TEST_CASE("causal rules: an explosion explains the NaN, the NaN gradients and th
   CHECK(ds.hypotheses[0].layer == "fc2");
   // Vanishing in many layers with nothing to blame: one depth hypothesis at the input layer.
   torchdbg::HealthReport v;
-  for (int k = 0; k < 4; ++k) v.incidents.push_back(incident(FailureKind::VanishingGradient, "l" + std::to_string(k), 0, P::Backward, 2 * k));
+  for (int k = 0; k < 4; ++k)
+    v.incidents.push_back(
+        incident(FailureKind::VanishingGradient, "l" + std::to_string(k), 0, P::Backward, 2 * k));
   const auto dv = torchdbg::diagnose(v);
   REQUIRE(dv.hypotheses.size() == 1);
   CHECK(dv.hypotheses[0].layer == "l0");
@@ -377,7 +402,8 @@ TEST_CASE("the causal graph exports as Mermaid, DOT and JSON", "[diagnosis]") {
   const std::string mm = d.to_mermaid();
   CHECK(mm.rfind("graph LR\n", 0) == 0);
   CHECK(mm.find("n0 --> n1") != std::string::npos);
-  CHECK(mm.find("saturation @ enc.'fc'/tanh (step 1)") != std::string::npos);  // quotes cannot break a label
+  CHECK(mm.find("saturation @ enc.'fc'/tanh (step 1)") !=
+        std::string::npos);  // quotes cannot break a label
   const std::string dot = d.to_dot();
   CHECK(dot.rfind("digraph torchdbg_diagnosis {", 0) == 0);
   CHECK(dot.find("n0 -> n1;") != std::string::npos);

@@ -3,10 +3,6 @@
 // Real processes on loopback: this binary launches copies of itself (fork + exec) that run
 // the hidden "distributed worker" case with their rank in the environment, rendezvous
 // through a c10d FileStore and train over ProcessGroupGloo.
-#include <torch/csrc/distributed/c10d/FileStore.hpp>
-#include <torchdbg/attach.hpp>
-#include <torchdbg/distributed.hpp>
-
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -16,6 +12,9 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torchdbg/attach.hpp>
+#include <torchdbg/distributed.hpp>
 
 #include "helpers.hpp"
 
@@ -108,7 +107,9 @@ void train_scenario(int rank, int world, const std::string& store_path) {
   torchdbg::HealthMonitor health(torchdbg::HealthOptions().on_failure(torchdbg::OnFailure::Pause));
   auto fed = health.install(hooks);
   auto session = torchdbg::attach(*net, hooks);
-  torchdbg::DistributedMonitor dist(group, store, hooks, &health, torchdbg::DistributedOptions().report_interval(5).timeout_ms(30000));
+  torchdbg::DistributedMonitor dist(
+      group, store, hooks, &health,
+      torchdbg::DistributedOptions().report_interval(5).timeout_ms(30000));
   REQUIRE(dist.rank() == rank);
   REQUIRE(dist.world_size() == world);
   constexpr int64_t kNanStep = 7;
@@ -154,7 +155,8 @@ void train_scenario(int rank, int world, const std::string& store_path) {
       REQUIRE(got->per_rank.size() == static_cast<std::size_t>(world));
       for (int r = 0; r < world; ++r) {
         REQUIRE(got->per_rank[static_cast<std::size_t>(r)].has_value());
-        CHECK(got->per_rank[static_cast<std::size_t>(r)]->finite == all[static_cast<std::size_t>(r)].numel());
+        CHECK(got->per_rank[static_cast<std::size_t>(r)]->finite ==
+              all[static_cast<std::size_t>(r)].numel());
       }
       // Gradients are reported per parameter, globally as well.
       CHECK(dist.global_layer("fc1.weight/grad").has_value());
@@ -172,7 +174,8 @@ void train_scenario(int rank, int world, const std::string& store_path) {
   CHECK(paused_at == kNanStep);  // every rank, the same step
   CHECK(hooks.is_paused());
   // The rank that raised it keeps its own reason; the others learn whose it was and why.
-  CHECK(hooks.pause_info()->reason.find(rank == 1 ? "non_finite_output" : "rank 1: torchdbg health: non_finite_output") !=
+  CHECK(hooks.pause_info()->reason.find(rank == 1 ? "non_finite_output"
+                                                  : "rank 1: torchdbg health: non_finite_output") !=
         std::string::npos);
   const auto d = dist.global_diagnosis();
   INFO(d.summary());
@@ -200,7 +203,8 @@ void failure_scenario(int rank, int world, const std::string& store_path, bool h
   auto store = c10::make_intrusive<c10d::FileStore>(store_path, world);
   auto group = torchdbg::make_gloo_group(store, rank, world, std::chrono::seconds(3));
   torchdbg::HookManager hooks;
-  torchdbg::DistributedMonitor dist(group, store, hooks, nullptr, torchdbg::DistributedOptions().timeout_ms(3000));
+  torchdbg::DistributedMonitor dist(group, store, hooks, nullptr,
+                                    torchdbg::DistributedOptions().timeout_ms(3000));
   (void)dist.step_boundary(0);  // everyone alive
   if (rank == 1) {
     if (hang) std::this_thread::sleep_for(std::chrono::seconds(12));
@@ -213,10 +217,12 @@ void failure_scenario(int rank, int world, const std::string& store_path, bool h
   } catch (const torchdbg::Error& e) {
     message = e.what();
   }
-  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const bool ok = message.find("a rank died or hangs") != std::string::npos && message.find("step 1") != std::string::npos &&
-                  waited < 10.0;
-  std::printf("rank 0 %s after %.2f s: %s\n", ok ? "failed clearly" : "did NOT fail as expected", waited, message.c_str());
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const bool ok = message.find("a rank died or hangs") != std::string::npos &&
+                  message.find("step 1") != std::string::npos && waited < 10.0;
+  std::printf("rank 0 %s after %.2f s: %s\n", ok ? "failed clearly" : "did NOT fail as expected",
+              waited, message.c_str());
   std::fflush(stdout);
   std::_Exit(ok ? 0 : 1);  // the group's peer is gone: skip destructors that would talk to it
 }
@@ -233,8 +239,10 @@ TEST_CASE("distributed worker", "[.distributed_worker]") {
   if (scenario == "hang") failure_scenario(rank, world, store, true);
 }
 
-TEST_CASE("2 and 4 processes pause at the step a NaN appears on one rank, with global statistics and a rank-aware diagnosis",
-          "[distributed]") {
+TEST_CASE(
+    "2 and 4 processes pause at the step a NaN appears on one rank, with global statistics and a "
+    "rank-aware diagnosis",
+    "[distributed]") {
   for (int world : {2, 4}) {
     const auto res = launch(world, "train");
     for (std::size_t r = 0; r < res.size(); ++r) {
@@ -244,7 +252,8 @@ TEST_CASE("2 and 4 processes pause at the step a NaN appears on one rank, with g
   }
 }
 
-TEST_CASE("a rank that dies or hangs makes the others fail with a clear error instead of blocking", "[distributed]") {
+TEST_CASE("a rank that dies or hangs makes the others fail with a clear error instead of blocking",
+          "[distributed]") {
   for (const char* scenario : {"dead", "hang"}) {
     const auto res = launch(2, scenario, 60);
     INFO(scenario << " rank 0 output:\n" << res[0].output);

@@ -1,16 +1,15 @@
 // torchdbg — module hooks and a training debugger for LibTorch.
 // SPDX-License-Identifier: MIT
-#include <torchdbg/exporters/csv.hpp>
-#include <torchdbg/exporters/html.hpp>
-#include <torchdbg/exporters/jsonl.hpp>
-#include <torchdbg/exporters/summary_json.hpp>
-
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <fstream>
 #include <sstream>
+#include <torchdbg/exporters/csv.hpp>
+#include <torchdbg/exporters/html.hpp>
+#include <torchdbg/exporters/jsonl.hpp>
+#include <torchdbg/exporters/summary_json.hpp>
 
 #include "helpers.hpp"
 
@@ -56,8 +55,10 @@ StepRecord make_step(int64_t step, int layers, bool bad = false) {
     h.module = name;
     h.order = l;
     h.has_activation = h.has_gradient = true;
-    h.activation = (bad && l == 3) ? torchdbg::ActivationHealth::NonFinite : torchdbg::ActivationHealth::Normal;
-    h.gradient = l % 7 == 6 ? torchdbg::GradientHealth::Vanishing : torchdbg::GradientHealth::Healthy;
+    h.activation = (bad && l == 3) ? torchdbg::ActivationHealth::NonFinite
+                                   : torchdbg::ActivationHealth::Normal;
+    h.gradient =
+        l % 7 == 6 ? torchdbg::GradientHealth::Vanishing : torchdbg::GradientHealth::Healthy;
     r.health.push_back(h);
   }
   if (bad) {
@@ -76,11 +77,13 @@ StepRecord make_step(int64_t step, int layers, bool bad = false) {
 
 }  // namespace
 
-TEST_CASE("JSONL: one parseable object per line, NaN as null, flushed at the interval", "[exporters]") {
+TEST_CASE("JSONL: one parseable object per line, NaN as null, flushed at the interval",
+          "[exporters]") {
   const std::string dir = torchdbg_test::tmp_dir("jsonl");
   const std::string path = dir + "/run.jsonl";
   {
-    torchdbg::JsonlExporter x(path, torchdbg::StreamOptions().flush_every_steps(3).flush_every_seconds(1e9));
+    torchdbg::JsonlExporter x(
+        path, torchdbg::StreamOptions().flush_every_steps(3).flush_every_seconds(1e9));
     x.write_step(make_step(0, 2));
     x.write_step(make_step(1, 2, /*bad=*/true));
     CHECK(read_lines(path).empty());  // not yet: the interval is 3 steps
@@ -106,8 +109,10 @@ TEST_CASE("JSONL: one parseable object per line, NaN as null, flushed at the int
   CHECK(read_lines(path).size() == 3 * 7 + 1 + 4);
   // pandas reads the whole stream as one table.
   if (std::system("/usr/bin/python3 -c 'import pandas' 2>/dev/null") == 0) {
-    const std::string cmd = "/usr/bin/python3 -c \"import pandas as pd; df = pd.read_json('" + path +
-                            "', lines=True); assert len(df) == 26, len(df); assert set(df['type']) == {'step','layer','health','event'}; "
+    const std::string cmd = "/usr/bin/python3 -c \"import pandas as pd; df = pd.read_json('" +
+                            path +
+                            "', lines=True); assert len(df) == 26, len(df); assert set(df['type']) "
+                            "== {'step','layer','health','event'}; "
                             "print('pandas ok', df.shape)\"";
     CHECK(std::system(cmd.c_str()) == 0);
   } else {
@@ -115,7 +120,8 @@ TEST_CASE("JSONL: one parseable object per line, NaN as null, flushed at the int
   }
 }
 
-TEST_CASE("JSONL: a process killed mid-stream leaves only complete, parseable lines", "[exporters]") {
+TEST_CASE("JSONL: a process killed mid-stream leaves only complete, parseable lines",
+          "[exporters]") {
   const std::string path = torchdbg_test::tmp_dir("jsonl_kill") + "/run.jsonl";
   const pid_t pid = fork();
   REQUIRE(pid >= 0);
@@ -147,21 +153,28 @@ TEST_CASE("JSONL: a process killed mid-stream leaves only complete, parseable li
   CHECK(text.size() - pos < 4096);
 }
 
-TEST_CASE("streams: a full disk is counted and reported, not thrown, and nothing is lost once it clears", "[exporters]") {
+TEST_CASE(
+    "streams: a full disk is counted and reported, not thrown, and nothing is lost once it clears",
+    "[exporters]") {
   if (access("/dev/full", W_OK) == 0) {
-    torchdbg::JsonlExporter x("/dev/full", torchdbg::StreamOptions().flush_every_steps(1).truncate(false));
+    torchdbg::JsonlExporter x("/dev/full",
+                              torchdbg::StreamOptions().flush_every_steps(1).truncate(false));
     CHECK_NOTHROW(x.write_step(make_step(0, 2)));
     CHECK_NOTHROW(x.write_step(make_step(1, 2)));
     CHECK(x.failures() == 2);
     CHECK(x.last_error().find("/dev/full") != std::string::npos);
   }
-  CHECK_THROWS_WITH(torchdbg::JsonlExporter("/nonexistent-dir/x.jsonl"), Catch::Contains("/nonexistent-dir/x.jsonl"));
-  CHECK_THROWS_WITH(torchdbg::CsvExporter("/nonexistent-dir/x.csv"), Catch::Contains("/nonexistent-dir/x.csv"));
-  CHECK_THROWS_WITH(torchdbg::JsonlExporter(torchdbg_test::tmp_dir("bad_opt") + "/x", torchdbg::StreamOptions().flush_every_steps(0)),
+  CHECK_THROWS_WITH(torchdbg::JsonlExporter("/nonexistent-dir/x.jsonl"),
+                    Catch::Contains("/nonexistent-dir/x.jsonl"));
+  CHECK_THROWS_WITH(torchdbg::CsvExporter("/nonexistent-dir/x.csv"),
+                    Catch::Contains("/nonexistent-dir/x.csv"));
+  CHECK_THROWS_WITH(torchdbg::JsonlExporter(torchdbg_test::tmp_dir("bad_opt") + "/x",
+                                            torchdbg::StreamOptions().flush_every_steps(0)),
                     Catch::Contains("flush_every_steps"));
 }
 
-TEST_CASE("CSV: the per-layer table with quoted names, empty cells for unknown values", "[exporters]") {
+TEST_CASE("CSV: the per-layer table with quoted names, empty cells for unknown values",
+          "[exporters]") {
   const std::string path = torchdbg_test::tmp_dir("csv") + "/run.csv";
   {
     torchdbg::CsvExporter x(path);
@@ -178,7 +191,8 @@ TEST_CASE("CSV: the per-layer table with quoted names, empty cells for unknown v
   CHECK(lines[1].back() == ',');  // the loss was NaN: an empty cell
 }
 
-TEST_CASE("summary JSON is rewritten atomically with the loss range and the diagnosis", "[exporters]") {
+TEST_CASE("summary JSON is rewritten atomically with the loss range and the diagnosis",
+          "[exporters]") {
   const std::string path = torchdbg_test::tmp_dir("summary") + "/summary.json";
   torchdbg::SummaryJsonExporter x(path);
   for (int s = 0; s < 5; ++s) x.write_step(make_step(s, 3, s == 4));
@@ -202,7 +216,8 @@ TEST_CASE("summary JSON is rewritten atomically with the loss range and the diag
   CHECK(j["diagnosis"]["hypotheses"][0]["layer"] == "block3.fc");
   // No temporary files left beside it.
   int files = 0;
-  for (const auto& e : std::filesystem::directory_iterator(std::filesystem::path(path).parent_path())) {
+  for (const auto& e :
+       std::filesystem::directory_iterator(std::filesystem::path(path).parent_path())) {
     (void)e;
     ++files;
   }
@@ -213,7 +228,8 @@ TEST_CASE("HTML: every section renders, and 120 layers x 10000 steps stay bounde
   torchdbg::HtmlExporter small(torchdbg_test::tmp_dir("html_small") + "/r.html");
   CHECK_NOTHROW(small.flush());  // an empty report is still a complete page
   const std::string empty = small.render();
-  for (const char* id : {"summary", "diagnosis", "loss", "gradient-flow", "health-heatmap", "histograms", "events", "alerts"})
+  for (const char* id : {"summary", "diagnosis", "loss", "gradient-flow", "health-heatmap",
+                         "histograms", "events", "alerts"})
     CHECK(empty.find(std::string("id=\"") + id + "\"") != std::string::npos);
 
   torchdbg::HtmlExporter big(torchdbg_test::tmp_dir("html_big") + "/r.html");
@@ -221,7 +237,9 @@ TEST_CASE("HTML: every section renders, and 120 layers x 10000 steps stay bounde
     auto r = make_step(s, 120, s == 9000);
     if (s % 500 == 0) {
       for (auto& l : r.layers)
-        if (l.forward) l.stats = torchdbg::compute_stats(torch::randn({256}), torchdbg::StatsOptions().distribution(true).histogram_bins(20));
+        if (l.forward)
+          l.stats = torchdbg::compute_stats(
+              torch::randn({256}), torchdbg::StatsOptions().distribution(true).histogram_bins(20));
     }
     big.write_step(r);
   }
@@ -229,13 +247,16 @@ TEST_CASE("HTML: every section renders, and 120 layers x 10000 steps stay bounde
   const std::string html = slurp(big.path());
   CHECK(html.size() < 4u << 20);  // bounded: no point per step
   CHECK(html.find("step 9999") != std::string::npos);
-  CHECK(html.find("(64 steps per column)") != std::string::npos);  // 10000 steps into <= 200 columns
+  CHECK(html.find("(64 steps per column)") !=
+        std::string::npos);  // 10000 steps into <= 200 columns
   CHECK(html.find("Showing 64 of 120 layers.") != std::string::npos);
   std::size_t lines = 0;
-  for (std::size_t p = html.find("class=\"flow-line\""); p != std::string::npos; p = html.find("class=\"flow-line\"", p + 1)) ++lines;
+  for (std::size_t p = html.find("class=\"flow-line\""); p != std::string::npos;
+       p = html.find("class=\"flow-line\"", p + 1))
+    ++lines;
   CHECK(lines >= 5);
   CHECK(lines <= 11);
-  CHECK(html.find("non-finite") != std::string::npos);  // the bad step shows in the heatmap
+  CHECK(html.find("non-finite") != std::string::npos);   // the bad step shows in the heatmap
   CHECK(html.find("<script src") == std::string::npos);  // nothing fetched from the network
   CHECK(html.find("http://") == std::string::npos);
   CHECK(html.find("https://") == std::string::npos);

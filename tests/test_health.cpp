@@ -1,8 +1,7 @@
 // torchdbg — module hooks and a training debugger for LibTorch.
 // SPDX-License-Identifier: MIT
-#include <torchdbg/health.hpp>
-
 #include <thread>
+#include <torchdbg/health.hpp>
 
 #include "helpers.hpp"
 
@@ -55,14 +54,16 @@ TEST_CASE("threshold counts match torch on every dtype, layout and with NaN", "[
         auto r = (d > 0.25).sum(dims).to(torch::kLong);
         REQUIRE(counts.size() == static_cast<std::size_t>(t.size(dd)));
         CHECK(per_unit == t.numel() / t.size(dd));
-        for (std::size_t u = 0; u < counts.size(); ++u) CHECK(counts[u] == r[static_cast<int64_t>(u)].item<int64_t>());
+        for (std::size_t u = 0; u < counts.size(); ++u)
+          CHECK(counts[u] == r[static_cast<int64_t>(u)].item<int64_t>());
       }
     }
   }
   auto ints = torch::arange(-5, 5, torch::kInt);
   CHECK(torchdbg::detail::count_outside(ints, -2, 2) == 5);  // -5..-3 and 3, 4
   int64_t per_unit = 0;
-  CHECK(torchdbg::detail::count_above_per_unit(torch::empty({0, 3}), 1, 0.0, per_unit) == std::vector<int64_t>{0, 0, 0});
+  CHECK(torchdbg::detail::count_above_per_unit(torch::empty({0, 3}), 1, 0.0, per_unit) ==
+        std::vector<int64_t>{0, 0, 0});
   CHECK(torchdbg::detail::count_outside(torch::empty({0}), 0, 1) == 0);
   CHECK_THROWS_WITH(torchdbg::detail::count_above_per_unit(torch::ones({2, 3}), 2, 0.0, per_unit),
                     Catch::Contains("unit dimension 2 out of range"));
@@ -70,7 +71,8 @@ TEST_CASE("threshold counts match torch on every dtype, layout and with NaN", "[
                     Catch::Contains("unsupported dtype"));
 }
 
-TEST_CASE("a saturated tanh layer is flagged on its first observation with the measured fraction", "[health]") {
+TEST_CASE("a saturated tanh layer is flagged on its first observation with the measured fraction",
+          "[health]") {
   HealthMonitor m;
   auto y = torch::tanh(torch::randn({64, 32}) * 10);  // mostly beyond 0.97
   const double ref = (y.abs() > 0.97).to(torch::kDouble).mean().item<double>();
@@ -109,7 +111,8 @@ TEST_CASE("pre-activation bounds apply to layers whose activation is not observe
   info.pre_activation = "sigmoid";
   m.observe_activation("other", torch::randn({32, 16}) * 0.1, 0, info);
   CHECK(m.layer("other")->activation == ActivationHealth::Normal);
-  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().pre_activations({{"x", "gelu"}})), Catch::Contains("'gelu'"));
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().pre_activations({{"x", "gelu"}})),
+                    Catch::Contains("'gelu'"));
 }
 
 TEST_CASE("dead units are counted per channel over a window of samples", "[health]") {
@@ -141,7 +144,8 @@ TEST_CASE("dead units are counted per channel over a window of samples", "[healt
   CHECK(edge.layer("fc/relu")->dead_fraction == 1.0);
 }
 
-TEST_CASE("the first non-finite output of a step is the origin; later ones are consequences", "[health]") {
+TEST_CASE("the first non-finite output of a step is the origin; later ones are consequences",
+          "[health]") {
   HealthMonitor m;
   auto ok = torch::randn({8, 4});
   auto bad = ok.clone();
@@ -165,7 +169,10 @@ TEST_CASE("the first non-finite output of a step is the origin; later ones are c
   CHECK(layers[2].name == "c");
 }
 
-TEST_CASE("an output far larger than its input is an exploding activation; normalization layers are exempt", "[health]") {
+TEST_CASE(
+    "an output far larger than its input is an exploding activation; normalization layers are "
+    "exempt",
+    "[health]") {
   HealthMonitor m;
   auto x = torch::randn({32, 16});
   m.observe_activation("fc0", x, 0);
@@ -197,7 +204,8 @@ TEST_CASE("an output far larger than its input is an exploding activation; norma
   CHECK(shift.layer("fc1")->activation == ActivationHealth::Normal);
 }
 
-TEST_CASE("gradient norms per module: vanishing, exploding, non-finite, baseline jumps", "[health]") {
+TEST_CASE("gradient norms per module: vanishing, exploding, non-finite, baseline jumps",
+          "[health]") {
   HealthMonitor m(HealthOptions().baseline_warmup(3));
   torchdbg_test::SeededRng rng(5);
   auto w = torch::randn({16, 8}), b = torch::randn({16});
@@ -207,7 +215,8 @@ TEST_CASE("gradient norms per module: vanishing, exploding, non-finite, baseline
   m.observe_gradient("fc1", "weight", w, 0);
   m.observe_gradient("fc2", "weight", w * 2000, 0);
   m.end_backward();
-  const double ref = std::sqrt(w.pow(2).sum().item<double>() + b.pow(2).sum().item<double>()) * 1e-6;
+  const double ref =
+      std::sqrt(w.pow(2).sum().item<double>() + b.pow(2).sum().item<double>()) * 1e-6;
   CHECK_CLOSE(m.layer("fc0")->gradient_norm, ref, 1e-6);
   CHECK(m.layer("fc0")->gradient == GradientHealth::Vanishing);  // < 1e-4 of the largest
   CHECK(m.layer("fc1")->gradient == GradientHealth::Healthy);
@@ -251,20 +260,23 @@ TEST_CASE("loss health: divergence, spike, plateau and recovery", "[health]") {
   CHECK(m.loss_health() == LossHealth::Plateau);
   std::vector<std::string> types;
   for (const auto& e : m.events()) types.emplace_back(torchdbg::to_string(e.type));
-  CHECK(types == std::vector<std::string>{"loss_spike", "loss_recovered", "loss_diverged", "loss_recovered",
-                                          "loss_plateau"});
+  CHECK(types == std::vector<std::string>{"loss_spike", "loss_recovered", "loss_diverged",
+                                          "loss_recovered", "loss_plateau"});
   CHECK(m.alarm_count() == 2);  // spike and divergence; a plateau is informational
 }
 
 TEST_CASE("confidence grows with the margin past the threshold and with persistence", "[health]") {
   HealthMonitor m;
-  m.observe_activation("a/tanh", torch::tanh(torch::randn({64, 32}) * 3), 0, act("tanh"));    // just past
-  m.observe_activation("b/tanh", torch::tanh(torch::randn({64, 32}) * 100), 0, act("tanh"));  // far past
+  m.observe_activation("a/tanh", torch::tanh(torch::randn({64, 32}) * 3), 0,
+                       act("tanh"));  // just past
+  m.observe_activation("b/tanh", torch::tanh(torch::randn({64, 32}) * 100), 0,
+                       act("tanh"));  // far past
   auto inc = m.incidents();
   REQUIRE(inc.size() == 2);
   CHECK(inc[0].confidence < inc[1].confidence);
   const double before = inc[0].confidence;
-  for (int s = 1; s < 5; ++s) m.observe_activation("a/tanh", torch::tanh(torch::randn({64, 32}) * 3), s, act("tanh"));
+  for (int s = 1; s < 5; ++s)
+    m.observe_activation("a/tanh", torch::tanh(torch::randn({64, 32}) * 3), s, act("tanh"));
   inc = m.incidents();
   CHECK(inc[0].persisted == 5);
   CHECK(inc[0].last_step == 4);
@@ -272,28 +284,37 @@ TEST_CASE("confidence grows with the margin past the threshold and with persiste
   CHECK(inc[0].confidence < 1.0);
 }
 
-TEST_CASE("events live in a bounded ring; bad input and bad options are rejected by name", "[health]") {
+TEST_CASE("events live in a bounded ring; bad input and bad options are rejected by name",
+          "[health]") {
   HealthMonitor m(HealthOptions().event_capacity(4).max_layers(3));
   for (int s = 0; s < 10; ++s) m.observe_loss(s, s % 2 ? std::nan("") : 1.0);
   CHECK(m.events().size() == 4);
   CHECK(m.event_count() == 9);  // every change after the first healthy loss
   CHECK(m.events().back().step == 9);
-  for (int i = 0; i < 5; ++i) m.observe_activation("l" + std::to_string(i), torch::randn({4, 4}), 0);
+  for (int i = 0; i < 5; ++i)
+    m.observe_activation("l" + std::to_string(i), torch::randn({4, 4}), 0);
   CHECK(m.layers().size() == 3);
   CHECK(m.ignored_layers() == 2);
   CHECK_THROWS_WITH(m.observe_activation("fc9", torch::Tensor(), 0), Catch::Contains("'fc9'"));
-  CHECK_THROWS_WITH(m.observe_gradient("fc9", "weight", torch::Tensor(), 0), Catch::Contains("'fc9'"));
-  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().saturated_fraction(1.5)), Catch::Contains("saturated_fraction"));
+  CHECK_THROWS_WITH(m.observe_gradient("fc9", "weight", torch::Tensor(), 0),
+                    Catch::Contains("'fc9'"));
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().saturated_fraction(1.5)),
+                    Catch::Contains("saturated_fraction"));
   CHECK_THROWS_WITH(HealthMonitor(HealthOptions().interval(0)), Catch::Contains("interval"));
-  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().layers({"("})), Catch::Contains("health layer pattern"));
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().layers({"("})),
+                    Catch::Contains("health layer pattern"));
   // Odd tensors are observed, not rejected: 0-d, empty, integer, half, complex stays an error.
   HealthMonitor o;
   CHECK_NOTHROW(o.observe_activation("s", torch::tensor(3.0), 0, act("relu")));
   CHECK_NOTHROW(o.observe_activation("e", torch::empty({0, 4}), 0, act("relu")));
-  CHECK_NOTHROW(o.observe_activation("i", torch::arange(12, torch::kInt).reshape({3, 4}), 0, act("relu")));
-  CHECK_NOTHROW(o.observe_activation("h", torch::tanh(torch::randn({3, 4})).to(torch::kHalf), 0, act("tanh")));
-  CHECK_NOTHROW(o.observe_activation("t", torch::sigmoid(torch::randn({4, 3})).t(), 0, act("sigmoid")));
-  CHECK_THROWS_WITH(o.observe_activation("c", torch::ones({2}, torch::kComplexFloat), 0), Catch::Contains("unsupported dtype"));
+  CHECK_NOTHROW(
+      o.observe_activation("i", torch::arange(12, torch::kInt).reshape({3, 4}), 0, act("relu")));
+  CHECK_NOTHROW(o.observe_activation("h", torch::tanh(torch::randn({3, 4})).to(torch::kHalf), 0,
+                                     act("tanh")));
+  CHECK_NOTHROW(
+      o.observe_activation("t", torch::sigmoid(torch::randn({4, 3})).t(), 0, act("sigmoid")));
+  CHECK_THROWS_WITH(o.observe_activation("c", torch::ones({2}, torch::kComplexFloat), 0),
+                    Catch::Contains("unsupported dtype"));
   CHECK(o.alarm_count() == 0);
 }
 
@@ -330,7 +351,8 @@ TEST_CASE("the monitor takes observations from several threads at once", "[healt
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&m, t] {
       for (int s = 0; s < 200; ++s) {
-        m.observe_activation("l" + std::to_string(t) + "/relu", torch::rand({8, 4}), s, act("relu"));
+        m.observe_activation("l" + std::to_string(t) + "/relu", torch::rand({8, 4}), s,
+                             act("relu"));
         m.observe_gradient("l" + std::to_string(t), "weight", torch::rand({4, 4}), s);
         if (s % 10 == 0) m.end_backward();
       }

@@ -1,14 +1,13 @@
 // torchdbg — module hooks and a training debugger for LibTorch.
 // SPDX-License-Identifier: MIT
+#include <cstdlib>
+#include <fstream>
+#include <map>
 #include <torchdbg/attach.hpp>
 #include <torchdbg/exporters/html.hpp>
 #include <torchdbg/exporters/jsonl.hpp>
 #include <torchdbg/report.hpp>
 #include <torchdbg/terminal.hpp>
-
-#include <cstdlib>
-#include <fstream>
-#include <map>
 
 #include "helpers.hpp"
 
@@ -38,12 +37,14 @@ class ThrowingExporter : public torchdbg::BaseExporter<> {
 /// Trains `steps` steps with attach + health + reporter; the log NaN starts at `nan_step`.
 struct Run {
   std::map<int64_t, double> grad_norm;  // reference: torch's own norm of all gradients per step
-  std::shared_ptr<torchdbg::RecordingExporter> rec = std::make_shared<torchdbg::RecordingExporter>();
+  std::shared_ptr<torchdbg::RecordingExporter> rec =
+      std::make_shared<torchdbg::RecordingExporter>();
   torchdbg::RunSummary summary;
   uint64_t errors = 0;
 };
 
-Run train(int64_t steps, int64_t nan_step, bool with_health, const std::vector<std::shared_ptr<torchdbg::Exporter>>& extra = {}) {
+Run train(int64_t steps, int64_t nan_step, bool with_health,
+          const std::vector<std::shared_ptr<torchdbg::Exporter>>& extra = {}) {
   torch::manual_seed(4);
   auto net = std::make_shared<Net>();
   torch::optim::SGD opt(net->parameters(), 0.05);
@@ -55,7 +56,8 @@ Run train(int64_t steps, int64_t nan_step, bool with_health, const std::vector<s
   Run run;
   reporter.add_exporter(run.rec);
   for (const auto& e : extra) reporter.add_exporter(e);
-  auto fed = with_health ? health.install(hooks) : torchdbg::HealthInstallation<std::mutex, std::mutex>();
+  auto fed =
+      with_health ? health.install(hooks) : torchdbg::HealthInstallation<std::mutex, std::mutex>();
   auto rep = reporter.install(hooks, with_health ? &health : nullptr);
   auto session = torchdbg::attach(*net, hooks);
   for (int64_t s = 0; s < steps; ++s) {
@@ -66,7 +68,8 @@ Run train(int64_t steps, int64_t nan_step, bool with_health, const std::vector<s
     hooks.set_loss(loss.item<double>());
     loss.backward();
     double sq = 0;
-    for (const auto& p : net->parameters()) sq += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
+    for (const auto& p : net->parameters())
+      sq += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
     run.grad_norm[s] = std::sqrt(sq);
     opt.step();
   }
@@ -82,7 +85,8 @@ Run train(int64_t steps, int64_t nan_step, bool with_health, const std::vector<s
 
 }  // namespace
 
-TEST_CASE("the reporter hands every step with statistics, health, events and loss to its exporters", "[report]") {
+TEST_CASE("the reporter hands every step with statistics, health, events and loss to its exporters",
+          "[report]") {
   auto jsonl_path = torchdbg_test::tmp_dir("report_run") + "/run.jsonl";
   auto jsonl = std::make_shared<torchdbg::JsonlExporter>(jsonl_path);
   const Run run = train(12, 8, /*with_health=*/true, {jsonl});
@@ -99,12 +103,15 @@ TEST_CASE("the reporter hands every step with statistics, health, events and los
       CHECK_CLOSE(*r.gradient_norm, run.grad_norm.at(r.step), 1e-5);
     }
     bool has_hist = false;
-    for (const auto& l : r.layers) has_hist = has_hist || (l.forward && l.stats.distribution.has_value());
+    for (const auto& l : r.layers)
+      has_hist = has_hist || (l.forward && l.stats.distribution.has_value());
     CHECK(has_hist == (r.step % 5 == 0));
   }
   // The NaN step carries the events that describe it.
   bool nan_event = false;
-  for (const auto& e : steps[8].events) nan_event = nan_event || (e.type == torchdbg::EventType::NonFiniteActivation && e.layer == "fc1/log");
+  for (const auto& e : steps[8].events)
+    nan_event =
+        nan_event || (e.type == torchdbg::EventType::NonFiniteActivation && e.layer == "fc1/log");
   CHECK(nan_event);
   REQUIRE(run.summary.diagnosis.has_value());
   REQUIRE(run.summary.diagnosis->top() != nullptr);
@@ -136,13 +143,15 @@ TEST_CASE("without a health monitor the manager's step changes drive the reporte
   }
 }
 
-TEST_CASE("an exporter that throws is counted and never stops training or the other exporters", "[report]") {
+TEST_CASE("an exporter that throws is counted and never stops training or the other exporters",
+          "[report]") {
   const Run run = train(5, 100, true, {std::make_shared<ThrowingExporter>()});
   CHECK(run.errors >= 5);
   CHECK(run.rec->steps().size() == 5);
   torchdbg::Reporter r;
   CHECK_THROWS_WITH(r.add_exporter(nullptr), Catch::Contains("null exporter"));
-  CHECK_THROWS_WITH(torchdbg::Reporter(torchdbg::ReporterOptions().interval(0)), Catch::Contains("interval"));
+  CHECK_THROWS_WITH(torchdbg::Reporter(torchdbg::ReporterOptions().interval(0)),
+                    Catch::Contains("interval"));
 }
 
 TEST_CASE("terminal table and progress line, coloured only when asked or on a TTY", "[report]") {
@@ -168,9 +177,11 @@ TEST_CASE("terminal table and progress line, coloured only when asked or on a TT
   // A pipe is not a terminal: Auto stays plain.
   std::FILE* pipe = ::popen("cat > /dev/null", "w");
   REQUIRE(pipe != nullptr);
-  CHECK(torchdbg::health_table({a}, torchdbg::ColorMode::Auto, pipe).find('\033') == std::string::npos);
+  CHECK(torchdbg::health_table({a}, torchdbg::ColorMode::Auto, pipe).find('\033') ==
+        std::string::npos);
   ::pclose(pipe);
-  CHECK(torchdbg::progress_line(7, 400, 0.4312, 3, 1, torchdbg::LossHealth::Healthy, torchdbg::ColorMode::Never) ==
+  CHECK(torchdbg::progress_line(7, 400, 0.4312, 3, 1, torchdbg::LossHealth::Healthy,
+                                torchdbg::ColorMode::Never) ==
         "step   7/400  loss 0.4312  alerts 3  alarms 1");
 }
 
@@ -178,10 +189,12 @@ TEST_CASE("browser fixture: a real run's report and a 120-layer, 10000-step repo
   const char* dir = std::getenv("TORCHDBG_BROWSER_DIR");
   const std::string out = dir ? dir : torchdbg_test::tmp_dir("browser");
   std::filesystem::create_directories(out);
-  auto html = std::make_shared<torchdbg::HtmlExporter>(out + "/real.html", torchdbg::HtmlOptions().title("torchdbg: a NaN in fc1"));
+  auto html = std::make_shared<torchdbg::HtmlExporter>(
+      out + "/real.html", torchdbg::HtmlOptions().title("torchdbg: a NaN in fc1"));
   const Run run = train(30, 20, true, {html});
   CHECK(run.errors == 0);
-  torchdbg::HtmlExporter big(out + "/big.html", torchdbg::HtmlOptions().title("torchdbg: 120 layers x 10000 steps"));
+  torchdbg::HtmlExporter big(out + "/big.html",
+                             torchdbg::HtmlOptions().title("torchdbg: 120 layers x 10000 steps"));
   for (int64_t s = 0; s < 10000; ++s) {
     torchdbg::StepRecord r;
     r.step = s;
@@ -190,13 +203,15 @@ TEST_CASE("browser fixture: a real run's report and a 120-layer, 10000-step repo
       torchdbg::LayerRecord g;
       g.layer = "layers." + std::to_string(l);
       g.forward = false;
-      g.stats.l2_norm = std::pow(10.0, -static_cast<double>(120 - l) / 30.0) * (1 + 0.1 * std::sin(static_cast<double>(s)));
+      g.stats.l2_norm = std::pow(10.0, -static_cast<double>(120 - l) / 30.0) *
+                        (1 + 0.1 * std::sin(static_cast<double>(s)));
       r.layers.push_back(g);
       torchdbg::LayerHealth h;
       h.name = g.layer;
       h.order = l;
       h.has_gradient = true;
-      h.gradient = (l < 20 && s > 5000) ? torchdbg::GradientHealth::Vanishing : torchdbg::GradientHealth::Healthy;
+      h.gradient = (l < 20 && s > 5000) ? torchdbg::GradientHealth::Vanishing
+                                        : torchdbg::GradientHealth::Healthy;
       r.health.push_back(h);
     }
     big.write_step(r);

@@ -21,12 +21,11 @@
 // if (!d.healthy()) std::cout << d.summary() << "\n" << d.to_mermaid();
 // ```
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -56,13 +55,16 @@ struct Hypothesis {
   double confidence = 0.0;
   std::vector<SemanticEvent> evidence;   ///< events behind the root and what it explains
   std::vector<CausalLink> causal_chain;  ///< the root first, then its consequences in time order
-  int rank = -1;                          ///< the process where it started (distributed runs)
+  int rank = -1;                         ///< the process where it started (distributed runs)
 
   [[nodiscard]] int tier() const noexcept { return failure_tier(kind); }
 };
 
 inline nlohmann::json to_json(const CausalLink& c) {
-  nlohmann::json j = {{"kind", to_string(c.kind)}, {"layer", c.layer}, {"step", c.step}, {"phase", to_string(c.phase)}};
+  nlohmann::json j = {{"kind", to_string(c.kind)},
+                      {"layer", c.layer},
+                      {"step", c.step},
+                      {"phase", to_string(c.phase)}};
   if (c.rank >= 0) j["rank"] = c.rank;
   return j;
 }
@@ -72,16 +74,21 @@ inline nlohmann::json to_json(const Hypothesis& h) {
   for (const auto& e : h.evidence) ev.push_back(to_json(e));
   nlohmann::json chain = nlohmann::json::array();
   for (const auto& c : h.causal_chain) chain.push_back(to_json(c));
-  nlohmann::json j = {{"kind", to_string(h.kind)}, {"layer", h.layer},       {"observed", h.observed},
-                      {"step", h.step},            {"description", h.description}, {"confidence", h.confidence},
-                      {"evidence", ev},            {"causal_chain", chain}};
+  nlohmann::json j = {{"kind", to_string(h.kind)},
+                      {"layer", h.layer},
+                      {"observed", h.observed},
+                      {"step", h.step},
+                      {"description", h.description},
+                      {"confidence", h.confidence},
+                      {"evidence", ev},
+                      {"causal_chain", chain}};
   if (h.rank >= 0) j["rank"] = h.rank;
   return j;
 }
 
 /// The ranked hypotheses and the causal graph behind them.
 struct Diagnosis {
-  int64_t step = 0;  ///< the report's step
+  int64_t step = 0;                    ///< the report's step
   std::vector<Hypothesis> hypotheses;  ///< best first
   /// The causal graph: every incident as a node, (cause, effect) edges between node indices.
   std::vector<CausalLink> nodes;
@@ -95,7 +102,9 @@ struct Diagnosis {
       if (h.tier() > 0) return false;
     return true;
   }
-  [[nodiscard]] const Hypothesis* top() const noexcept { return hypotheses.empty() ? nullptr : &hypotheses.front(); }
+  [[nodiscard]] const Hypothesis* top() const noexcept {
+    return hypotheses.empty() ? nullptr : &hypotheses.front();
+  }
 
   /// A plain-English paragraph for terminals and reports.
   [[nodiscard]] std::string summary() const {
@@ -106,11 +115,14 @@ struct Diagnosis {
       return s;
     }
     const auto& first = hypotheses.front();
-    std::string s = "Most likely cause" + (first.rank >= 0 ? " (rank " + std::to_string(first.rank) + ")" : std::string()) + ": " +
-                    first.description;
+    std::string s =
+        "Most likely cause" +
+        (first.rank >= 0 ? " (rank " + std::to_string(first.rank) + ")" : std::string()) + ": " +
+        first.description;
     const auto& chain = hypotheses.front().causal_chain;
     if (chain.size() > 1) {
-      s += " It explains " + std::to_string(chain.size() - 1) + " later finding" + (chain.size() > 2 ? "s" : "") + ": ";
+      s += " It explains " + std::to_string(chain.size() - 1) + " later finding" +
+           (chain.size() > 2 ? "s" : "") + ": ";
       const std::size_t shown = std::min<std::size_t>(chain.size(), 6);
       for (std::size_t i = 1; i < shown; ++i) {
         s += (i > 1 ? ", " : "") + describe_link(chain[i]);
@@ -123,8 +135,9 @@ struct Diagnosis {
       const std::size_t shown = std::min<std::size_t>(hypotheses.size(), 4);
       for (std::size_t i = 1; i < shown; ++i) {
         const auto& h = hypotheses[i];
-        s += " (" + std::to_string(i + 1) + ") " + std::string(to_string(h.kind)) + " at '" + h.layer + "' from step " +
-             std::to_string(h.step) + ", confidence " + pct(h.confidence) + ";";
+        s += " (" + std::to_string(i + 1) + ") " + std::string(to_string(h.kind)) + " at '" +
+             h.layer + "' from step " + std::to_string(h.step) + ", confidence " +
+             pct(h.confidence) + ";";
       }
       s.back() = '.';
     }
@@ -140,8 +153,11 @@ struct Diagnosis {
         if (c == '"') c = '\'';
       s += "  n" + std::to_string(i) + "[\"" + label + "\"]\n";
     }
-    for (const auto& [a, b] : edges) s += "  n" + std::to_string(a) + " --> n" + std::to_string(b) + "\n";
-    for (std::size_t r = 0; r < roots.size(); ++r) s += "  style n" + std::to_string(roots[r]) + (r == 0 ? " stroke-width:3px,stroke:#c00\n" : " stroke-width:2px\n");
+    for (const auto& [a, b] : edges)
+      s += "  n" + std::to_string(a) + " --> n" + std::to_string(b) + "\n";
+    for (std::size_t r = 0; r < roots.size(); ++r)
+      s += "  style n" + std::to_string(roots[r]) +
+           (r == 0 ? " stroke-width:3px,stroke:#c00\n" : " stroke-width:2px\n");
     return s;
   }
 
@@ -155,9 +171,11 @@ struct Diagnosis {
         label += c;
       }
       const bool root = std::find(roots.begin(), roots.end(), i) != roots.end();
-      s += "  n" + std::to_string(i) + " [label=\"" + label + "\"" + (root ? ", penwidth=2, color=red" : "") + "];\n";
+      s += "  n" + std::to_string(i) + " [label=\"" + label + "\"" +
+           (root ? ", penwidth=2, color=red" : "") + "];\n";
     }
-    for (const auto& [a, b] : edges) s += "  n" + std::to_string(a) + " -> n" + std::to_string(b) + ";\n";
+    for (const auto& [a, b] : edges)
+      s += "  n" + std::to_string(a) + " -> n" + std::to_string(b) + ";\n";
     return s + "}\n";
   }
 
@@ -173,7 +191,8 @@ struct Diagnosis {
   }
 
   static std::string node_label(const CausalLink& c) {
-    std::string s = std::string(to_string(c.kind)) + " @ " + c.layer + " (step " + std::to_string(c.step) + ")";
+    std::string s =
+        std::string(to_string(c.kind)) + " @ " + c.layer + " (step " + std::to_string(c.step) + ")";
     if (c.rank >= 0) s += " rank " + std::to_string(c.rank);
     return s;
   }
@@ -205,48 +224,62 @@ inline std::string describe_root(const Incident& i, std::size_t related) {
   auto pct = [](double v) { return num3(v * 100.0) + "%"; };
   switch (i.kind) {
     case FailureKind::NonFiniteOutput: {
-      std::string s = at + " produced the first non-finite output at step " + step + " (" + pct(i.value) +
-                      " NaN/Inf) while its input was finite";
-      if (i.layer != i.module) s += ": '" + i.layer.substr(i.module.size() + 1) + "' applied to its output";
+      std::string s = at + " produced the first non-finite output at step " + step + " (" +
+                      pct(i.value) + " NaN/Inf) while its input was finite";
+      if (i.layer != i.module)
+        s += ": '" + i.layer.substr(i.module.size() + 1) + "' applied to its output";
       return s + ".";
     }
     case FailureKind::NonFiniteGradient:
-      return "the first non-finite gradient in backward order appeared at " + at + " at step " + step +
-             " while the forward pass was finite.";
+      return "the first non-finite gradient in backward order appeared at " + at + " at step " +
+             step + " while the forward pass was finite.";
     case FailureKind::ExplodingActivation:
-      return at + " amplifies its input " + num3(i.value) + "x at step " + step +
-             " (limit " + num3(i.threshold) + "x): its weights make activations, and then gradients, explode.";
+      return at + " amplifies its input " + num3(i.value) + "x at step " + step + " (limit " +
+             num3(i.threshold) + "x): its weights make activations, and then gradients, explode.";
     case FailureKind::ExplodingGradient: {
-      std::string s = "the gradient norm of " + at + " reached " + num3(i.value) + " at step " + step + " (limit " +
-                      num3(i.threshold) + ")";
-      if (i.details.contains("amplification")) s += "; the layer upstream has " + num3(i.details["amplification"].get<double>()) + "x its norm";
+      std::string s = "the gradient norm of " + at + " reached " + num3(i.value) + " at step " +
+                      step + " (limit " + num3(i.threshold) + ")";
+      if (i.details.contains("amplification"))
+        s += "; the layer upstream has " + num3(i.details["amplification"].get<double>()) +
+             "x its norm";
       return s + ".";
     }
     case FailureKind::VanishingGradient:
       if (related > 1)
-        return "gradients vanish toward the input: " + std::to_string(related) + " layers fall below the limit at step " +
-               step + ", the smallest at " + at + " (norm " + num3(i.value) +
-               "), with no dead or saturated layer downstream to blame: depth and small activation derivatives shrink "
+        return "gradients vanish toward the input: " + std::to_string(related) +
+               " layers fall below the limit at step " + step + ", the smallest at " + at +
+               " (norm " + num3(i.value) +
+               "), with no dead or saturated layer downstream to blame: depth and small activation "
+               "derivatives shrink "
                "the backward signal layer by layer.";
-      return "the gradient of " + at + " vanished at step " + step + " (norm " + num3(i.value) + ", limit " +
-             num3(i.threshold) + ").";
+      return "the gradient of " + at + " vanished at step " + step + " (norm " + num3(i.value) +
+             ", limit " + num3(i.threshold) + ").";
     case FailureKind::DeadUnits:
       return pct(i.value) + " of the units after " + at +
-             (i.details.contains("activation") ? " (" + i.details["activation"].get<std::string>() + ")" : std::string()) +
-             " are dead from step " + step + ": its pre-activation is negative for almost every sample (a large negative bias "
+             (i.details.contains("activation")
+                  ? " (" + i.details["activation"].get<std::string>() + ")"
+                  : std::string()) +
+             " are dead from step " + step +
+             ": its pre-activation is negative for almost every sample (a large negative bias "
              "or a destructive update), so no gradient flows through them.";
     case FailureKind::Saturation:
       return pct(i.value) + " of '" + i.layer + "' is saturated from step " + step + ": " + at +
-             " feeds it values so large that the activation's derivative vanishes (weights too large for " +
-             (i.details.contains("activation") ? i.details["activation"].get<std::string>() : std::string("the activation")) + ").";
+             " feeds it values so large that the activation's derivative vanishes (weights too "
+             "large for " +
+             (i.details.contains("activation") ? i.details["activation"].get<std::string>()
+                                               : std::string("the activation")) +
+             ").";
     case FailureKind::ConstantOutput:
       return "'" + i.layer + "' outputs a (nearly) constant value from step " + step + ".";
     case FailureKind::LossDivergence:
-      return "the loss became non-finite at step " + step + " before any layer showed a problem (check the loss inputs and labels).";
+      return "the loss became non-finite at step " + step +
+             " before any layer showed a problem (check the loss inputs and labels).";
     case FailureKind::LossSpike:
-      return "the loss spiked to " + num3(i.value) + " at step " + step + " (limit " + num3(i.threshold) + ").";
+      return "the loss spiked to " + num3(i.value) + " at step " + step + " (limit " +
+             num3(i.threshold) + ").";
     case FailureKind::LossPlateau:
-      return "the loss has plateaued by step " + step + " (relative improvement " + num3(i.value) + ").";
+      return "the loss has plateaued by step " + step + " (relative improvement " + num3(i.value) +
+             ").";
   }
   return {};
 }
@@ -275,7 +308,8 @@ inline Diagnosis diagnose(const HealthReport& report) {
   {
     std::map<std::pair<std::string, int64_t>, std::size_t> saturation;
     for (std::size_t i = 0; i < n; ++i)
-      if (inc[i].kind == K::Saturation) saturation.emplace(std::make_pair(inc[i].module, inc[i].step), i);
+      if (inc[i].kind == K::Saturation)
+        saturation.emplace(std::make_pair(inc[i].module, inc[i].step), i);
     for (std::size_t i = 0; i < n; ++i) {
       if (inc[i].kind != K::ExplodingActivation) continue;
       for (int64_t ds : {0, 1}) {
@@ -291,10 +325,12 @@ inline Diagnosis diagnose(const HealthReport& report) {
   // The sweep: what has been seen so far, by kind and by forward order.
   std::optional<std::size_t> first_any, first_layer_failure;
   std::map<K, std::size_t> first_of;
-  std::map<int64_t, std::size_t> blockers;  // dead/saturated incidents by forward order (first per order)
+  std::map<int64_t, std::size_t>
+      blockers;  // dead/saturated incidents by forward order (first per order)
   std::map<int64_t, std::size_t> vanishing_group;  // step -> root vanishing incident of that step
   std::map<int64_t, std::size_t> exploding_group;  // step -> root exploding-gradient incident
-  auto earliest = [&](std::initializer_list<K> kinds, bool strictly_before, int64_t step) -> std::optional<std::size_t> {
+  auto earliest = [&](std::initializer_list<K> kinds, bool strictly_before,
+                      int64_t step) -> std::optional<std::size_t> {
     std::optional<std::size_t> best;
     for (K k : kinds) {
       auto it = first_of.find(k);
@@ -312,7 +348,9 @@ inline Diagnosis diagnose(const HealthReport& report) {
     if (inc[i].kind != K::ExplodingGradient) continue;
     auto it = explode_origin.find(inc[i].step);
     auto amp = [&](std::size_t k) {
-      return inc[k].details.contains("amplification") ? inc[k].details["amplification"].get<double>() : 0.0;
+      return inc[k].details.contains("amplification")
+                 ? inc[k].details["amplification"].get<double>()
+                 : 0.0;
     };
     if (it == explode_origin.end()) {
       explode_origin[inc[i].step] = i;
@@ -331,13 +369,15 @@ inline Diagnosis diagnose(const HealthReport& report) {
       std::optional<std::size_t> c;
       switch (x.kind) {
         case K::NonFiniteOutput:
-          c = earliest({K::ExplodingActivation, K::ExplodingGradient, K::LossSpike, K::NonFiniteGradient,
-                        K::NonFiniteOutput},
+          c = earliest({K::ExplodingActivation, K::ExplodingGradient, K::LossSpike,
+                        K::NonFiniteGradient, K::NonFiniteOutput},
                        true, x.step);
           break;
         case K::NonFiniteGradient:
           c = earliest({K::NonFiniteOutput, K::LossDivergence}, false, x.step + 1);
-          if (!c) c = earliest({K::ExplodingActivation, K::ExplodingGradient, K::NonFiniteGradient}, true, x.step);
+          if (!c)
+            c = earliest({K::ExplodingActivation, K::ExplodingGradient, K::NonFiniteGradient}, true,
+                         x.step);
           if (!c) c = earliest({K::ExplodingActivation, K::ExplodingGradient}, false, x.step + 1);
           break;
         case K::ExplodingGradient: {
@@ -360,7 +400,8 @@ inline Diagnosis diagnose(const HealthReport& report) {
         case K::DeadUnits:
         case K::Saturation:
           c = earliest({K::ExplodingActivation, K::ExplodingGradient, K::LossSpike}, true, x.step);
-          if (!c && x.kind == K::DeadUnits && !blockers.empty() && blockers.begin()->first < x.order &&
+          if (!c && x.kind == K::DeadUnits && !blockers.empty() &&
+              blockers.begin()->first < x.order &&
               inc[blockers.begin()->second].kind == K::DeadUnits)
             c = blockers.begin()->second;
           break;
@@ -373,7 +414,8 @@ inline Diagnosis diagnose(const HealthReport& report) {
         case K::LossDivergence:
         case K::LossSpike:
         case K::LossPlateau:
-          if (first_layer_failure && inc[*first_layer_failure].step <= x.step) c = first_layer_failure;
+          if (first_layer_failure && inc[*first_layer_failure].step <= x.step)
+            c = first_layer_failure;
           break;
       }
       cause[i] = c;
@@ -381,9 +423,12 @@ inline Diagnosis diagnose(const HealthReport& report) {
     // Record i for later incidents.
     if (!first_of.count(x.kind)) first_of[x.kind] = i;
     if (!first_any) first_any = i;
-    if (x.module != "loss" && failure_tier(x.kind) == 2 && !first_layer_failure) first_layer_failure = i;
-    if ((x.kind == K::DeadUnits || x.kind == K::Saturation) && !blockers.count(x.order)) blockers[x.order] = i;
-    if (x.kind == K::VanishingGradient && !cause[i] && !vanishing_group.count(x.step)) vanishing_group[x.step] = i;
+    if (x.module != "loss" && failure_tier(x.kind) == 2 && !first_layer_failure)
+      first_layer_failure = i;
+    if ((x.kind == K::DeadUnits || x.kind == K::Saturation) && !blockers.count(x.order))
+      blockers[x.order] = i;
+    if (x.kind == K::VanishingGradient && !cause[i] && !vanishing_group.count(x.step))
+      vanishing_group[x.step] = i;
     (void)exploding_group;
   }
 
@@ -395,7 +440,8 @@ inline Diagnosis diagnose(const HealthReport& report) {
   };
 
   // Vanishing by depth: the group's root is the input-most layer of the group.
-  std::map<std::size_t, std::vector<std::size_t>> members;  // root -> incidents it explains (incl. itself)
+  std::map<std::size_t, std::vector<std::size_t>>
+      members;  // root -> incidents it explains (incl. itself)
   for (std::size_t i = 0; i < n; ++i) members[root_of(i)].push_back(i);
 
   // Graph nodes and edges.
@@ -439,7 +485,9 @@ inline Diagnosis diagnose(const HealthReport& report) {
     auto it = seen.find(key);
     if (it != seen.end()) {  // a recurrence of a hypothesis already made: more evidence for it
       Hypothesis& h = ranked[it->second].h;
-      for (auto g : sorted) h.causal_chain.push_back({inc[g].kind, inc[g].layer, inc[g].step, inc[g].phase, inc[g].rank});
+      for (auto g : sorted)
+        h.causal_chain.push_back(
+            {inc[g].kind, inc[g].layer, inc[g].step, inc[g].phase, inc[g].rank});
       h.confidence = 1.0 - (1.0 - h.confidence) * 0.9;
       continue;
     }
@@ -452,7 +500,8 @@ inline Diagnosis diagnose(const HealthReport& report) {
     h.description = detail::describe_root(s, related);
     // Confidence: the root's own evidence, raised a little by every consequence it explains.
     const double explained = static_cast<double>(group.size() - 1);
-    h.confidence = detail::clamp01(1.0 - (1.0 - std::max(r.confidence, s.confidence)) * std::pow(0.92, explained));
+    h.confidence = detail::clamp01(1.0 - (1.0 - std::max(r.confidence, s.confidence)) *
+                                             std::pow(0.92, explained));
     for (auto g : sorted) {
       h.causal_chain.push_back({inc[g].kind, inc[g].layer, inc[g].step, inc[g].phase, inc[g].rank});
       for (auto id : inc[g].events) {
@@ -461,8 +510,10 @@ inline Diagnosis diagnose(const HealthReport& report) {
       }
     }
     // The root first in the chain.
-    auto rootpos = std::find_if(h.causal_chain.begin(), h.causal_chain.end(),
-                                [&](const CausalLink& c) { return c.layer == r.layer && c.kind == r.kind && c.step == r.step; });
+    auto rootpos =
+        std::find_if(h.causal_chain.begin(), h.causal_chain.end(), [&](const CausalLink& c) {
+          return c.layer == r.layer && c.kind == r.kind && c.step == r.step;
+        });
     if (rootpos != h.causal_chain.end()) std::rotate(h.causal_chain.begin(), rootpos, rootpos + 1);
     seen[key] = ranked.size();
     ranked.push_back({std::move(h), root, r.phase, r.order});

@@ -26,8 +26,6 @@
 #include <ATen/ATen.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/arg.h>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
 #include <cmath>
@@ -36,6 +34,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -62,13 +62,16 @@ struct DistributedOptions {
 struct LayerMoments {
   int64_t finite = 0, nan = 0, inf = 0;
   double mean = detail::kNaN, m2 = 0.0, min = detail::kNaN, max = detail::kNaN;
-  [[nodiscard]] double std() const noexcept { return finite > 0 ? std::sqrt(m2 / static_cast<double>(finite)) : detail::kNaN; }
+  [[nodiscard]] double std() const noexcept {
+    return finite > 0 ? std::sqrt(m2 / static_cast<double>(finite)) : detail::kNaN;
+  }
   void merge(const LayerMoments& o) {
     if (o.finite > 0) {
       if (finite == 0) {
         mean = o.mean, m2 = o.m2, min = o.min, max = o.max;
       } else {
-        const double n = static_cast<double>(finite), m = static_cast<double>(o.finite), d = o.mean - mean;
+        const double n = static_cast<double>(finite), m = static_cast<double>(o.finite),
+                     d = o.mean - mean;
         mean += d * m / (n + m);
         m2 += o.m2 + d * d * n * m / (n + m);
         min = std::min(min, o.min);
@@ -92,20 +95,22 @@ struct GlobalLayerStats {
 /// What a step boundary decided, the same on every rank.
 struct BoundaryResult {
   int64_t step = 0;
-  bool paused = false;       ///< training is paused after this boundary
-  bool newly_paused = false;  ///< the pause began at this boundary
-  bool resumed = false;      ///< a resume was agreed at this boundary
-  std::vector<int> pausers;  ///< ranks that raised the pause at this boundary
+  bool paused = false;               ///< training is paused after this boundary
+  bool newly_paused = false;         ///< the pause began at this boundary
+  bool resumed = false;              ///< a resume was agreed at this boundary
+  std::vector<int> pausers;          ///< ranks that raised the pause at this boundary
   std::vector<std::string> reasons;  ///< their reasons, in `pausers` order
-  bool reported = false;     ///< global statistics were exchanged at this boundary
+  bool reported = false;             ///< global statistics were exchanged at this boundary
 };
 
 /// A Gloo process group over `store` with a `timeout` for every collective.
-inline c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                                                  std::chrono::milliseconds timeout = std::chrono::seconds(30),
-                                                                  const std::string& hostname = "127.0.0.1") {
+inline c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo_group(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout = std::chrono::seconds(30),
+    const std::string& hostname = "127.0.0.1") {
   if (size < 1 || rank < 0 || rank >= size)
-    throw Error("torchdbg: make_gloo_group: rank " + std::to_string(rank) + " out of range for world size " + std::to_string(size));
+    throw Error("torchdbg: make_gloo_group: rank " + std::to_string(rank) +
+                " out of range for world size " + std::to_string(size));
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
@@ -122,8 +127,12 @@ inline uint64_t fnv1a(std::string_view s) noexcept {
   return h;
 }
 
-inline std::vector<uint8_t> to_bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
-inline std::string from_bytes(const std::vector<uint8_t>& b) { return std::string(b.begin(), b.end()); }
+inline std::vector<uint8_t> to_bytes(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+inline std::string from_bytes(const std::vector<uint8_t>& b) {
+  return std::string(b.begin(), b.end());
+}
 
 inline FailureKind failure_kind_from(std::string_view s) {
   for (int k = 0; k <= static_cast<int>(FailureKind::LossPlateau); ++k)
@@ -170,23 +179,32 @@ constexpr int64_t kPackedLayer = 9;  // hash hi, hash lo, finite, nan, inf, mean
 template <typename Group, typename M = std::mutex>
 class BasicDistributedMonitor {
  public:
-  BasicDistributedMonitor(c10::intrusive_ptr<Group> group, c10::intrusive_ptr<c10d::Store> store, BasicHookManager<M>& hooks,
-                          HealthMonitor* health = nullptr, DistributedOptions options = {})
-      : group_(std::move(group)), store_(std::move(store)), hooks_(&hooks), health_(health), options_(std::move(options)) {
+  BasicDistributedMonitor(c10::intrusive_ptr<Group> group, c10::intrusive_ptr<c10d::Store> store,
+                          BasicHookManager<M>& hooks, HealthMonitor* health = nullptr,
+                          DistributedOptions options = {})
+      : group_(std::move(group)),
+        store_(std::move(store)),
+        hooks_(&hooks),
+        health_(health),
+        options_(std::move(options)) {
     if (!group_) throw Error("torchdbg: DistributedMonitor needs a process group");
     if (!store_) throw Error("torchdbg: DistributedMonitor needs a store");
     if (options_.report_interval() < 1)
-      throw Error("torchdbg: DistributedOptions::report_interval must be >= 1, got " + std::to_string(options_.report_interval()));
+      throw Error("torchdbg: DistributedOptions::report_interval must be >= 1, got " +
+                  std::to_string(options_.report_interval()));
     if (options_.timeout_ms() < 1)
-      throw Error("torchdbg: DistributedOptions::timeout_ms must be >= 1, got " + std::to_string(options_.timeout_ms()));
+      throw Error("torchdbg: DistributedOptions::timeout_ms must be >= 1, got " +
+                  std::to_string(options_.timeout_ms()));
     rank_ = group_->getRank();
     world_ = group_->getSize();
-    callback_ = options_.key_prefix() + ".distributed." + std::to_string(reinterpret_cast<std::uintptr_t>(this));
+    callback_ = options_.key_prefix() + ".distributed." +
+                std::to_string(reinterpret_cast<std::uintptr_t>(this));
     hooks_->register_callback(callback_, [this](const HookContext& ctx) { on_hook(ctx); });
-    hook_ = hooks_->register_hook(HookConfig()
-                                      .name("torchdbg.distributed")
-                                      .trigger(HookTrigger::every_n_steps(options_.report_interval()))
-                                      .actions({HookAction::custom_callback(callback_)}));
+    hook_ =
+        hooks_->register_hook(HookConfig()
+                                  .name("torchdbg.distributed")
+                                  .trigger(HookTrigger::every_n_steps(options_.report_interval()))
+                                  .actions({HookAction::custom_callback(callback_)}));
   }
   BasicDistributedMonitor(const BasicDistributedMonitor&) = delete;
   BasicDistributedMonitor& operator=(const BasicDistributedMonitor&) = delete;
@@ -247,7 +265,9 @@ class BasicDistributedMonitor {
         published_incidents_ = incidents;
       }
     }
-    if (local_pause) store_->set(key("pause/" + std::to_string(step) + "/" + std::to_string(rank_)), detail::to_bytes(reason));
+    if (local_pause)
+      store_->set(key("pause/" + std::to_string(step) + "/" + std::to_string(rank_)),
+                  detail::to_bytes(reason));
     at::Tensor flags = at::zeros({3 * W}, at::kDouble);
     auto f = flags.accessor<double, 1>();
     f[rank_] = local_pause ? 1.0 : 0.0;
@@ -268,7 +288,10 @@ class BasicDistributedMonitor {
       for (int r = 0; r < W; ++r) incident_counts_[r] = static_cast<int64_t>(g[2 * W + r]);
     }
     for (int r : out.pausers) {
-      std::string why = r == rank_ ? reason : detail::from_bytes(store_->get(key("pause/" + std::to_string(step) + "/" + std::to_string(r))));
+      std::string why = r == rank_
+                            ? reason
+                            : detail::from_bytes(store_->get(
+                                  key("pause/" + std::to_string(step) + "/" + std::to_string(r))));
       out.reasons.push_back(why);
     }
     {
@@ -288,7 +311,8 @@ class BasicDistributedMonitor {
     if (out.newly_paused) {
       std::string all;
       for (std::size_t i = 0; i < out.pausers.size(); ++i)
-        all += (i ? "; " : "") + std::string("rank ") + std::to_string(out.pausers[i]) + ": " + out.reasons[i];
+        all += (i ? "; " : "") + std::string("rank ") + std::to_string(out.pausers[i]) + ": " +
+               out.reasons[i];
       if (!hooks_->is_paused()) hooks_->pause_training(all);
       record_event(step, "running", "paused", all, out.pausers.front());
     }
@@ -366,15 +390,20 @@ class BasicDistributedMonitor {
   void run(const char* what, int64_t step, F&& start) {
     try {
       auto work = start();
-      if (!work->wait(std::chrono::milliseconds(options_.timeout_ms()))) throw Error("wait returned false");
+      if (!work->wait(std::chrono::milliseconds(options_.timeout_ms())))
+        throw Error("wait returned false");
     } catch (const std::exception& e) {
-      throw Error("torchdbg distributed: the " + std::string(what) + " collective at step " + std::to_string(step) + " failed on rank " +
-                  std::to_string(rank_) + " of " + std::to_string(world_) + " (timeout " + std::to_string(options_.timeout_ms()) +
-                  " ms): a rank died or hangs, so the ranks can no longer proceed in lockstep. Cause: " + e.what());
+      throw Error(
+          "torchdbg distributed: the " + std::string(what) + " collective at step " +
+          std::to_string(step) + " failed on rank " + std::to_string(rank_) + " of " +
+          std::to_string(world_) + " (timeout " + std::to_string(options_.timeout_ms()) +
+          " ms): a rank died or hangs, so the ranks can no longer proceed in lockstep. Cause: " +
+          e.what());
     }
   }
 
-  void record_event(int64_t step, const std::string& from, const std::string& to, const std::string& why, int rank) {
+  void record_event(int64_t step, const std::string& from, const std::string& to,
+                    const std::string& why, int rank) {
     SemanticEvent e;
     e.id = events_.size() + 1;
     e.type = EventType::TrainingPaused;

@@ -23,7 +23,6 @@
 // ```
 
 #include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
 #include <torch/arg.h>
 
 #include <algorithm>
@@ -34,6 +33,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <regex>
 #include <string>
@@ -58,29 +58,42 @@ enum class LossHealth { Healthy, Diverging, Spike, Plateau };
 
 inline const char* to_string(ActivationHealth h) noexcept {
   switch (h) {
-    case ActivationHealth::Normal: return "normal";
-    case ActivationHealth::Saturated: return "saturated";
-    case ActivationHealth::Dead: return "dead";
-    case ActivationHealth::Anomalous: return "anomalous";
-    case ActivationHealth::NonFinite: return "non_finite";
+    case ActivationHealth::Normal:
+      return "normal";
+    case ActivationHealth::Saturated:
+      return "saturated";
+    case ActivationHealth::Dead:
+      return "dead";
+    case ActivationHealth::Anomalous:
+      return "anomalous";
+    case ActivationHealth::NonFinite:
+      return "non_finite";
   }
   return "?";
 }
 inline const char* to_string(GradientHealth h) noexcept {
   switch (h) {
-    case GradientHealth::Healthy: return "healthy";
-    case GradientHealth::Vanishing: return "vanishing";
-    case GradientHealth::Exploding: return "exploding";
-    case GradientHealth::NonFinite: return "non_finite";
+    case GradientHealth::Healthy:
+      return "healthy";
+    case GradientHealth::Vanishing:
+      return "vanishing";
+    case GradientHealth::Exploding:
+      return "exploding";
+    case GradientHealth::NonFinite:
+      return "non_finite";
   }
   return "?";
 }
 inline const char* to_string(LossHealth h) noexcept {
   switch (h) {
-    case LossHealth::Healthy: return "healthy";
-    case LossHealth::Diverging: return "diverging";
-    case LossHealth::Spike: return "spike";
-    case LossHealth::Plateau: return "plateau";
+    case LossHealth::Healthy:
+      return "healthy";
+    case LossHealth::Diverging:
+      return "diverging";
+    case LossHealth::Spike:
+      return "spike";
+    case LossHealth::Plateau:
+      return "plateau";
   }
   return "?";
 }
@@ -102,17 +115,28 @@ enum class FailureKind {
 
 inline const char* to_string(FailureKind k) noexcept {
   switch (k) {
-    case FailureKind::NonFiniteOutput: return "non_finite_output";
-    case FailureKind::NonFiniteGradient: return "non_finite_gradient";
-    case FailureKind::ExplodingActivation: return "exploding_activation";
-    case FailureKind::ExplodingGradient: return "exploding_gradient";
-    case FailureKind::VanishingGradient: return "vanishing_gradient";
-    case FailureKind::DeadUnits: return "dead_units";
-    case FailureKind::Saturation: return "saturation";
-    case FailureKind::ConstantOutput: return "constant_output";
-    case FailureKind::LossDivergence: return "loss_divergence";
-    case FailureKind::LossSpike: return "loss_spike";
-    case FailureKind::LossPlateau: return "loss_plateau";
+    case FailureKind::NonFiniteOutput:
+      return "non_finite_output";
+    case FailureKind::NonFiniteGradient:
+      return "non_finite_gradient";
+    case FailureKind::ExplodingActivation:
+      return "exploding_activation";
+    case FailureKind::ExplodingGradient:
+      return "exploding_gradient";
+    case FailureKind::VanishingGradient:
+      return "vanishing_gradient";
+    case FailureKind::DeadUnits:
+      return "dead_units";
+    case FailureKind::Saturation:
+      return "saturation";
+    case FailureKind::ConstantOutput:
+      return "constant_output";
+    case FailureKind::LossDivergence:
+      return "loss_divergence";
+    case FailureKind::LossSpike:
+      return "loss_spike";
+    case FailureKind::LossPlateau:
+      return "loss_plateau";
   }
   return "?";
 }
@@ -121,9 +145,12 @@ inline const char* to_string(FailureKind k) noexcept {
 inline int failure_tier(FailureKind k) noexcept {
   switch (k) {
     case FailureKind::ConstantOutput:
-    case FailureKind::LossSpike: return 1;
-    case FailureKind::LossPlateau: return 0;
-    default: return 2;
+    case FailureKind::LossSpike:
+      return 1;
+    case FailureKind::LossPlateau:
+      return 0;
+    default:
+      return 2;
   }
 }
 
@@ -133,16 +160,20 @@ enum class Phase { Forward, Loss, Backward };
 
 inline const char* to_string(Phase p) noexcept {
   switch (p) {
-    case Phase::Forward: return "forward";
-    case Phase::Loss: return "loss";
-    case Phase::Backward: return "backward";
+    case Phase::Forward:
+      return "forward";
+    case Phase::Loss:
+      return "loss";
+    case Phase::Backward:
+      return "backward";
   }
   return "?";
 }
 
 /// What is known about a forward output besides the tensor (attach fills it from metadata).
 struct ActivationInfo {
-  std::string_view activation;      ///< the function that produced it ("relu", "tanh"); empty for a module output
+  std::string_view
+      activation;  ///< the function that produced it ("relu", "tanh"); empty for a module output
   std::string_view op;              ///< an elementwise op that produced it ("log")
   std::string_view module_type;     ///< the module's class ("torch::nn::BatchNorm2dImpl")
   std::string_view pre_activation;  ///< the unobserved activation this output feeds ("tanh")
@@ -229,8 +260,9 @@ struct HealthOptions {
   TORCH_ARG(std::size_t, max_layers) = 4096;
   TORCH_ARG(OnFailure, on_failure) = OnFailure::Record;
   TORCH_ARG(std::vector<FailureKind>, pause_on) = std::vector<FailureKind>{
-      FailureKind::NonFiniteOutput, FailureKind::NonFiniteGradient, FailureKind::ExplodingActivation,
-      FailureKind::ExplodingGradient, FailureKind::LossDivergence};
+      FailureKind::NonFiniteOutput, FailureKind::NonFiniteGradient,
+      FailureKind::ExplodingActivation, FailureKind::ExplodingGradient,
+      FailureKind::LossDivergence};
 };
 
 /// What a transition means.
@@ -253,20 +285,34 @@ enum class EventType {
 
 inline const char* to_string(EventType t) noexcept {
   switch (t) {
-    case EventType::NonFiniteActivation: return "non_finite_activation";
-    case EventType::Saturation: return "saturation";
-    case EventType::DeadUnits: return "dead_units";
-    case EventType::ActivationAnomaly: return "activation_anomaly";
-    case EventType::ActivationRecovered: return "activation_recovered";
-    case EventType::NonFiniteGradient: return "non_finite_gradient";
-    case EventType::VanishingGradient: return "vanishing_gradient";
-    case EventType::ExplodingGradient: return "exploding_gradient";
-    case EventType::GradientRecovered: return "gradient_recovered";
-    case EventType::LossDiverged: return "loss_diverged";
-    case EventType::LossSpike: return "loss_spike";
-    case EventType::LossPlateau: return "loss_plateau";
-    case EventType::LossRecovered: return "loss_recovered";
-    case EventType::TrainingPaused: return "training_paused";
+    case EventType::NonFiniteActivation:
+      return "non_finite_activation";
+    case EventType::Saturation:
+      return "saturation";
+    case EventType::DeadUnits:
+      return "dead_units";
+    case EventType::ActivationAnomaly:
+      return "activation_anomaly";
+    case EventType::ActivationRecovered:
+      return "activation_recovered";
+    case EventType::NonFiniteGradient:
+      return "non_finite_gradient";
+    case EventType::VanishingGradient:
+      return "vanishing_gradient";
+    case EventType::ExplodingGradient:
+      return "exploding_gradient";
+    case EventType::GradientRecovered:
+      return "gradient_recovered";
+    case EventType::LossDiverged:
+      return "loss_diverged";
+    case EventType::LossSpike:
+      return "loss_spike";
+    case EventType::LossPlateau:
+      return "loss_plateau";
+    case EventType::LossRecovered:
+      return "loss_recovered";
+    case EventType::TrainingPaused:
+      return "training_paused";
   }
   return "?";
 }
@@ -292,9 +338,14 @@ struct SemanticEvent {
 };
 
 inline nlohmann::json to_json(const SemanticEvent& e) {
-  nlohmann::json j = {{"id", e.id},     {"type", to_string(e.type)}, {"layer", e.layer},
-                      {"step", e.step}, {"from", e.from},            {"to", e.to},
-                      {"confidence", e.confidence}, {"metadata", e.metadata}};
+  nlohmann::json j = {{"id", e.id},
+                      {"type", to_string(e.type)},
+                      {"layer", e.layer},
+                      {"step", e.step},
+                      {"from", e.from},
+                      {"to", e.to},
+                      {"confidence", e.confidence},
+                      {"metadata", e.metadata}};
   if (e.rank >= 0) j["rank"] = e.rank;
   return j;
 }
@@ -302,29 +353,29 @@ inline nlohmann::json to_json(const SemanticEvent& e) {
 /// The onset of a failure at one layer, kept updated while it persists.
 struct Incident {
   FailureKind kind = FailureKind::NonFiniteOutput;
-  std::string layer;   ///< the observed name ("fc2/tanh")
-  std::string module;  ///< the responsible module ("fc2"): the name before the first '/'
+  std::string layer;      ///< the observed name ("fc2/tanh")
+  std::string module;     ///< the responsible module ("fc2"): the name before the first '/'
   int64_t step = 0;       ///< onset
   int64_t last_step = 0;  ///< last evaluation still in that state
   Phase phase = Phase::Forward;
   int64_t order = 0;      ///< forward execution order of `module` (smaller: upstream)
   int64_t persisted = 1;  ///< consecutive evaluations in that state
   double confidence = 0.0;
-  double margin = 0.0;     ///< how far past the threshold, 0..1 (the largest seen)
-  double value = 0.0;      ///< the measured quantity (fraction, norm, gain, loss)
-  double threshold = 0.0;  ///< what it was compared with
+  double margin = 0.0;           ///< how far past the threshold, 0..1 (the largest seen)
+  double value = 0.0;            ///< the measured quantity (fraction, norm, gain, loss)
+  double threshold = 0.0;        ///< what it was compared with
   std::vector<uint64_t> events;  ///< ids of the events behind it (the first few)
   nlohmann::json details = nlohmann::json::object();
   int rank = -1;
 };
 
 inline nlohmann::json to_json(const Incident& i) {
-  nlohmann::json j = {{"kind", to_string(i.kind)}, {"layer", i.layer},
-                      {"module", i.module},        {"step", i.step},
-                      {"last_step", i.last_step},  {"phase", to_string(i.phase)},
-                      {"order", i.order},          {"persisted", i.persisted},
+  nlohmann::json j = {{"kind", to_string(i.kind)},  {"layer", i.layer},
+                      {"module", i.module},         {"step", i.step},
+                      {"last_step", i.last_step},   {"phase", to_string(i.phase)},
+                      {"order", i.order},           {"persisted", i.persisted},
                       {"confidence", i.confidence}, {"value", i.value},
-                      {"threshold", i.threshold},  {"events", i.events},
+                      {"threshold", i.threshold},   {"events", i.events},
                       {"details", i.details}};
   if (i.rank >= 0) j["rank"] = i.rank;
   return j;
@@ -353,17 +404,26 @@ struct LayerHealth {
 };
 
 inline nlohmann::json to_json(const LayerHealth& l) {
-  auto num = [](double v) -> nlohmann::json { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); };
-  nlohmann::json j = {{"name", l.name}, {"module", l.module}, {"order", l.order}, {"last_step", l.last_step}};
+  auto num = [](double v) -> nlohmann::json {
+    return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json();
+  };
+  nlohmann::json j = {
+      {"name", l.name}, {"module", l.module}, {"order", l.order}, {"last_step", l.last_step}};
   if (l.has_activation) {
-    j["activation"] = {{"state", to_string(l.activation)}, {"since", l.activation_since},
-                       {"kind", l.activation_kind},        {"rms", num(l.rms)},
-                       {"gain", num(l.gain)},              {"saturated_fraction", num(l.saturated_fraction)},
-                       {"dead_fraction", num(l.dead_fraction)}, {"non_finite_fraction", l.non_finite_fraction}};
+    j["activation"] = {{"state", to_string(l.activation)},
+                       {"since", l.activation_since},
+                       {"kind", l.activation_kind},
+                       {"rms", num(l.rms)},
+                       {"gain", num(l.gain)},
+                       {"saturated_fraction", num(l.saturated_fraction)},
+                       {"dead_fraction", num(l.dead_fraction)},
+                       {"non_finite_fraction", l.non_finite_fraction}};
   }
   if (l.has_gradient) {
-    j["gradient"] = {{"state", to_string(l.gradient)}, {"since", l.gradient_since},
-                     {"norm", num(l.gradient_norm)}, {"baseline", num(l.gradient_baseline)}};
+    j["gradient"] = {{"state", to_string(l.gradient)},
+                     {"since", l.gradient_since},
+                     {"norm", num(l.gradient_norm)},
+                     {"baseline", num(l.gradient_baseline)}};
   }
   return j;
 }
@@ -371,8 +431,8 @@ inline nlohmann::json to_json(const LayerHealth& l) {
 /// Everything the diagnosis needs, copied out of a monitor at one moment.
 struct HealthReport {
   int64_t step = 0;
-  std::vector<LayerHealth> layers;  ///< in forward execution order
-  std::vector<Incident> incidents;  ///< in onset order
+  std::vector<LayerHealth> layers;    ///< in forward execution order
+  std::vector<Incident> incidents;    ///< in onset order
   std::vector<SemanticEvent> events;  ///< the ring's contents, oldest first
   uint64_t events_total = 0;
   LossHealth loss = LossHealth::Healthy;
@@ -397,7 +457,8 @@ inline double clamp01(double v) noexcept { return v < 0.0 ? 0.0 : (v > 1.0 ? 1.0
 /// Confidence from how far past its threshold a value is (`margin`, 0..1) and for how many
 /// consecutive evaluations it has held (`persisted` of `full`).
 inline double evidence_confidence(double margin, int64_t persisted, int64_t full) noexcept {
-  const double p = 1.0 - std::pow(0.5, static_cast<double>(persisted) / static_cast<double>(std::max<int64_t>(1, full)));
+  const double p = 1.0 - std::pow(0.5, static_cast<double>(persisted) /
+                                           static_cast<double>(std::max<int64_t>(1, full)));
   const double m = clamp01(margin);
   return clamp01(1.0 - (1.0 - m) * (1.0 - p));
 }
@@ -428,7 +489,8 @@ template <typename Mutex, typename ManagerMutex>
 class HealthInstallation {
  public:
   HealthInstallation() = default;
-  HealthInstallation(BasicHookManager<ManagerMutex>* mgr, HookId hook, std::string callback, uint64_t listener)
+  HealthInstallation(BasicHookManager<ManagerMutex>* mgr, HookId hook, std::string callback,
+                     uint64_t listener)
       : mgr_(mgr), hook_(std::move(hook)), callback_(std::move(callback)), listener_(listener) {}
   HealthInstallation(const HealthInstallation&) = delete;
   HealthInstallation& operator=(const HealthInstallation&) = delete;
@@ -487,10 +549,12 @@ class BasicHealthMonitor {
       : options_(std::move(options)),
         events_(options_.event_capacity() == 0 ? 1 : options_.event_capacity()) {
     validate(options_);
-    for (const auto& p : options_.layers()) layer_patterns_.push_back(detail::compile_pattern(p, "health layer pattern"));
+    for (const auto& p : options_.layers())
+      layer_patterns_.push_back(detail::compile_pattern(p, "health layer pattern"));
     for (const auto& [pattern, act] : options_.pre_activations()) {
       if (act != "tanh" && act != "sigmoid" && act != "relu")
-        throw Error("torchdbg: pre_activations supports tanh, sigmoid and relu, got '" + act + "' for '" + pattern + "'");
+        throw Error("torchdbg: pre_activations supports tanh, sigmoid and relu, got '" + act +
+                    "' for '" + pattern + "'");
       pre_acts_.emplace_back(detail::compile_pattern(pattern, "pre_activations pattern"), act);
     }
   }
@@ -502,7 +566,8 @@ class BasicHealthMonitor {
   /// Connects the monitor to `hooks`; keep the result alive as long as it should watch.
   template <typename M>
   [[nodiscard]] HealthInstallation<Mutex, M> install(BasicHookManager<M>& hooks) {
-    const std::string cb = "torchdbg.health." + std::to_string(reinterpret_cast<std::uintptr_t>(this));
+    const std::string cb =
+        "torchdbg.health." + std::to_string(reinterpret_cast<std::uintptr_t>(this));
     hooks.register_callback(cb, [this](const HookContext& ctx) { on_hook(ctx); });
     HookConfig config = HookConfig()
                             .name("torchdbg.health")
@@ -510,22 +575,25 @@ class BasicHealthMonitor {
                             .actions({HookAction::custom_callback(cb)})
                             .layer_patterns(options_.layers());
     BasicHookManager<M>* mgr = &hooks;
-    set_pause_callback([mgr](int64_t, const std::string&, const std::string& reason) { mgr->pause_training(reason); });
-    const uint64_t listener = hooks.add_listener([this, mgr](typename BasicHookManager<M>::Change change) {
-      using Change = typename BasicHookManager<M>::Change;
-      try {
-        if (change == Change::After) {
-          set_step(mgr->step());
-        } else if (change == Change::Loss) {
-          const TrainingState st = mgr->state();
-          if (st.loss) observe_loss(st.loss_step.value_or(st.step), *st.loss);
-        } else if (change == Change::GradientNorm) {
-          end_backward();
-        }
-      } catch (...) {
-        // a listener must not throw into set_step/set_loss
-      }
+    set_pause_callback([mgr](int64_t, const std::string&, const std::string& reason) {
+      mgr->pause_training(reason);
     });
+    const uint64_t listener =
+        hooks.add_listener([this, mgr](typename BasicHookManager<M>::Change change) {
+          using Change = typename BasicHookManager<M>::Change;
+          try {
+            if (change == Change::After) {
+              set_step(mgr->step());
+            } else if (change == Change::Loss) {
+              const TrainingState st = mgr->state();
+              if (st.loss) observe_loss(st.loss_step.value_or(st.step), *st.loss);
+            } else if (change == Change::GradientNorm) {
+              end_backward();
+            }
+          } catch (...) {
+            // a listener must not throw into set_step/set_loss
+          }
+        });
     set_step(hooks.step());
     HookId id;
     try {
@@ -556,7 +624,9 @@ class BasicHealthMonitor {
   }
   void remove_step_sink(uint64_t id) {
     std::lock_guard<Mutex> lock(mutex_);
-    sinks_.erase(std::remove_if(sinks_.begin(), sinks_.end(), [&](const auto& s) { return s.first == id; }), sinks_.end());
+    sinks_.erase(
+        std::remove_if(sinks_.begin(), sinks_.end(), [&](const auto& s) { return s.first == id; }),
+        sinks_.end());
   }
 
   /// Finishes the current step now (judges pending gradients, hands it to the step sinks);
@@ -582,7 +652,9 @@ class BasicHealthMonitor {
   /// A forward output of `layer` at `step`; `stats`: its statistics if already computed.
   void observe_activation(std::string_view layer, const at::Tensor& output, int64_t step,
                           const ActivationInfo& info = {}, const TensorStats* stats = nullptr) {
-    if (!output.defined()) throw Error("torchdbg: observe_activation got an undefined tensor for '" + std::string(layer) + "'");
+    if (!output.defined())
+      throw Error("torchdbg: observe_activation got an undefined tensor for '" +
+                  std::string(layer) + "'");
     std::optional<TensorStats> own;
     if (stats == nullptr) {
       own = compute_stats(output);
@@ -604,7 +676,9 @@ class BasicHealthMonitor {
   /// A gradient of parameter `parameter` of module `layer` at `step`.
   void observe_gradient(std::string_view layer, std::string_view parameter, const at::Tensor& grad,
                         int64_t step, const TensorStats* stats = nullptr) {
-    if (!grad.defined()) throw Error("torchdbg: observe_gradient got an undefined tensor for '" + std::string(layer) + "'");
+    if (!grad.defined())
+      throw Error("torchdbg: observe_gradient got an undefined tensor for '" + std::string(layer) +
+                  "'");
     std::optional<TensorStats> own;
     if (stats == nullptr) {
       own = compute_stats(grad);
@@ -763,7 +837,8 @@ class BasicHealthMonitor {
     ActivationHealth act = ActivationHealth::Normal;
     int64_t act_since = 0, act_persist = 0;
     std::optional<std::size_t> act_incident;
-    double rms = detail::kNaN, gain = detail::kNaN, sat_frac = detail::kNaN, dead_frac = detail::kNaN;
+    double rms = detail::kNaN, gain = detail::kNaN, sat_frac = detail::kNaN,
+           dead_frac = detail::kNaN;
     double nonfinite_frac = 0.0;
     double gain_base = detail::kNaN;
     int64_t gain_n = 0;
@@ -788,20 +863,35 @@ class BasicHealthMonitor {
 
   static void validate(const HealthOptions& o) {
     auto positive = [](double v, const char* name) {
-      if (!(v > 0.0)) throw Error(std::string("torchdbg: HealthOptions::") + name + " must be > 0, got " + std::to_string(v));
+      if (!(v > 0.0))
+        throw Error(std::string("torchdbg: HealthOptions::") + name + " must be > 0, got " +
+                    std::to_string(v));
     };
     auto fraction = [](double v, const char* name) {
       if (!(v >= 0.0 && v <= 1.0))
-        throw Error(std::string("torchdbg: HealthOptions::") + name + " must be in [0, 1], got " + std::to_string(v));
+        throw Error(std::string("torchdbg: HealthOptions::") + name + " must be in [0, 1], got " +
+                    std::to_string(v));
     };
-    if (o.interval() < 1) throw Error("torchdbg: HealthOptions::interval must be >= 1, got " + std::to_string(o.interval()));
+    if (o.interval() < 1)
+      throw Error("torchdbg: HealthOptions::interval must be >= 1, got " +
+                  std::to_string(o.interval()));
     if (o.dead_window_samples() < 1)
-      throw Error("torchdbg: HealthOptions::dead_window_samples must be >= 1, got " + std::to_string(o.dead_window_samples()));
-    if (o.dead_window() < 1) throw Error("torchdbg: HealthOptions::dead_window must be >= 1, got " + std::to_string(o.dead_window()));
-    if (o.loss_window() < 2) throw Error("torchdbg: HealthOptions::loss_window must be >= 2, got " + std::to_string(o.loss_window()));
-    if (o.plateau_window() < 4) throw Error("torchdbg: HealthOptions::plateau_window must be >= 4, got " + std::to_string(o.plateau_window()));
-    if (o.persistence_steps() < 1) throw Error("torchdbg: HealthOptions::persistence_steps must be >= 1, got " + std::to_string(o.persistence_steps()));
-    if (o.event_capacity() == 0) throw Error("torchdbg: HealthOptions::event_capacity must be >= 1, got 0");
+      throw Error("torchdbg: HealthOptions::dead_window_samples must be >= 1, got " +
+                  std::to_string(o.dead_window_samples()));
+    if (o.dead_window() < 1)
+      throw Error("torchdbg: HealthOptions::dead_window must be >= 1, got " +
+                  std::to_string(o.dead_window()));
+    if (o.loss_window() < 2)
+      throw Error("torchdbg: HealthOptions::loss_window must be >= 2, got " +
+                  std::to_string(o.loss_window()));
+    if (o.plateau_window() < 4)
+      throw Error("torchdbg: HealthOptions::plateau_window must be >= 4, got " +
+                  std::to_string(o.plateau_window()));
+    if (o.persistence_steps() < 1)
+      throw Error("torchdbg: HealthOptions::persistence_steps must be >= 1, got " +
+                  std::to_string(o.persistence_steps()));
+    if (o.event_capacity() == 0)
+      throw Error("torchdbg: HealthOptions::event_capacity must be >= 1, got 0");
     if (o.max_layers() == 0) throw Error("torchdbg: HealthOptions::max_layers must be >= 1, got 0");
     fraction(o.tanh_saturation(), "tanh_saturation");
     fraction(o.sigmoid_low(), "sigmoid_low");
@@ -817,13 +907,17 @@ class BasicHealthMonitor {
     positive(o.gradient_collapse(), "gradient_collapse");
     positive(o.loss_spike_factor(), "loss_spike_factor");
     positive(o.plateau_tolerance(), "plateau_tolerance");
-    if (o.sigmoid_low() >= o.sigmoid_high()) throw Error("torchdbg: HealthOptions::sigmoid_low must be below sigmoid_high");
+    if (o.sigmoid_low() >= o.sigmoid_high())
+      throw Error("torchdbg: HealthOptions::sigmoid_low must be below sigmoid_high");
   }
 
   void on_hook(const HookContext& ctx) {
     if (ctx.is_forward()) {
-      auto md = [&](std::string_view k) { return ctx.metadata_value(k).value_or(std::string_view{}); };
-      ActivationInfo info{md("activation"), md("op"), md("module_type"), md("pre_activation"), std::nullopt};
+      auto md = [&](std::string_view k) {
+        return ctx.metadata_value(k).value_or(std::string_view{});
+      };
+      ActivationInfo info{md("activation"), md("op"), md("module_type"), md("pre_activation"),
+                          std::nullopt};
       if (auto r = ctx.metadata_value("input_rms")) {
         try {
           info.input_rms = std::stod(std::string(*r));
@@ -832,7 +926,8 @@ class BasicHealthMonitor {
       }
       observe_activation(ctx.layer_name(), ctx.tensor(), ctx.step(), info, &ctx.stats());
     } else {
-      observe_gradient(ctx.layer_name(), ctx.metadata_value("parameter").value_or(std::string_view{}), ctx.tensor(),
+      observe_gradient(ctx.layer_name(),
+                       ctx.metadata_value("parameter").value_or(std::string_view{}), ctx.tensor(),
                        ctx.step(), &ctx.stats());
     }
   }
@@ -845,7 +940,9 @@ class BasicHealthMonitor {
     return false;
   }
 
-  std::size_t index_of(const Layer& L) const { return static_cast<std::size_t>(&L - layers_.data()); }
+  std::size_t index_of(const Layer& L) const {
+    return static_cast<std::size_t>(&L - layers_.data());
+  }
 
   Layer* layer_rec(std::string_view name) {
     const std::string key(name);
@@ -891,7 +988,8 @@ class BasicHealthMonitor {
     h.loss_health = loss_state_;
     for (const auto& L : layers_)
       if (L.last_step == cur_step_ && (L.seen_fwd || L.seen_bwd)) h.layers.push_back(health_of(L));
-    std::stable_sort(h.layers.begin(), h.layers.end(), [](const LayerHealth& a, const LayerHealth& b) { return a.order < b.order; });
+    std::stable_sort(h.layers.begin(), h.layers.end(),
+                     [](const LayerHealth& a, const LayerHealth& b) { return a.order < b.order; });
     const uint64_t fresh = event_seq_ - step_events_from_;
     const std::size_t held = events_.size();
     const std::size_t n = static_cast<std::size_t>(std::min<uint64_t>(fresh, held));
@@ -919,10 +1017,10 @@ class BasicHealthMonitor {
 
   // ---- activations ----------------------------------------------------------------------
 
-  void on_activation(Layer& L, const at::Tensor& y, const TensorStats& s, int64_t step, const ActivationInfo& info,
-                     Pauses& pauses) {
-    const std::string_view activation = info.activation, op = info.op, module_type = info.module_type,
-                           pre_activation = info.pre_activation;
+  void on_activation(Layer& L, const at::Tensor& y, const TensorStats& s, int64_t step,
+                     const ActivationInfo& info, Pauses& pauses) {
+    const std::string_view activation = info.activation, op = info.op,
+                           module_type = info.module_type, pre_activation = info.pre_activation;
     L.last_step = step;
     // Forward order: the position of the layer's output within the step (the module of an
     // activation takes the position of its first output).
@@ -956,7 +1054,8 @@ class BasicHealthMonitor {
     L.rms = s.finite_count > 0 ? std::sqrt(s.mean * s.mean + s.std * s.std) : detail::kNaN;
     std::optional<double> in_rms = prev_rms_;
     if (!in_rms && info.input_rms && *info.input_rms > 0.0) in_rms = info.input_rms;
-    prev_rms_ = (s.has_non_finite() || !(L.rms > 0.0)) ? std::optional<double>() : std::optional<double>(L.rms);
+    prev_rms_ = (s.has_non_finite() || !(L.rms > 0.0)) ? std::optional<double>()
+                                                       : std::optional<double>(L.rms);
     // The gain compares the output's spread with the input's scale: a shifted bias moves the
     // mean, not the spread, and is no explosion.
     L.gain = (L.gain_checked && in_rms && std::isfinite(s.std)) ? s.std / *in_rms : detail::kNaN;
@@ -989,7 +1088,8 @@ class BasicHealthMonitor {
       md["nan"] = s.nan_count;
       md["inf"] = s.inf_count;
       md["origin"] = origin;
-      reason = origin ? "first non-finite output of the step (its input was finite)" : "non-finite input";
+      reason = origin ? "first non-finite output of the step (its input was finite)"
+                      : "non-finite input";
       if (origin) kind = FailureKind::NonFiniteOutput;
       fwd_nonfinite_ = true;
     } else if (std::isfinite(L.dead_frac) && L.dead_frac > options_.dead_fraction()) {
@@ -1008,18 +1108,21 @@ class BasicHealthMonitor {
         threshold = options_.saturated_fraction();
         margin = (value - threshold) / std::max(1e-12, 1.0 - threshold);
         md["saturated_fraction"] = value;
-        reason = L.act_kind + (L.pre_activation ? " pre-activation beyond its saturation bound" : " output saturated");
+        reason = L.act_kind + (L.pre_activation ? " pre-activation beyond its saturation bound"
+                                                : " output saturated");
         kind = FailureKind::Saturation;
       }
     }
     if (state == ActivationHealth::Normal) {
       const bool base_ready = L.gain_n >= options_.baseline_warmup() && std::isfinite(L.gain_base);
       const double g = L.gain;
-      if (std::isfinite(g) && (g > options_.activation_gain() ||
-                               (base_ready && g > 2.0 && g > options_.activation_gain() * L.gain_base))) {
+      if (std::isfinite(g) &&
+          (g > options_.activation_gain() ||
+           (base_ready && g > 2.0 && g > options_.activation_gain() * L.gain_base))) {
         state = ActivationHealth::Anomalous;
         value = g;
-        threshold = g > options_.activation_gain() ? options_.activation_gain() : options_.activation_gain() * L.gain_base;
+        threshold = g > options_.activation_gain() ? options_.activation_gain()
+                                                   : options_.activation_gain() * L.gain_base;
         margin = detail::decade_margin(value, threshold);
         md["gain"] = g;
         if (base_ready) md["gain_baseline"] = L.gain_base;
@@ -1070,11 +1173,14 @@ class BasicHealthMonitor {
     e.step = step;
     e.from = first ? "unobserved" : to_string(before);
     e.to = to_string(state);
-    e.confidence = state == ActivationHealth::Normal ? 1.0 : detail::evidence_confidence(margin, 1, options_.persistence_steps());
+    e.confidence = state == ActivationHealth::Normal
+                       ? 1.0
+                       : detail::evidence_confidence(margin, 1, options_.persistence_steps());
     e.metadata = std::move(md);
     const uint64_t id = emit(std::move(e));
     if (kind && (state != ActivationHealth::NonFinite || origin)) {
-      L.act_incident = add_incident(*kind, L, step, Phase::Forward, margin, value, threshold, id, pauses);
+      L.act_incident =
+          add_incident(*kind, L, step, Phase::Forward, margin, value, threshold, id, pauses);
     }
   }
 
@@ -1088,9 +1194,11 @@ class BasicHealthMonitor {
     double lo = 0.0, hi = 0.0;
     const std::string& k = L.act_kind;
     if (L.pre_activation) {
-      const double t = k == "tanh" ? std::atanh(options_.tanh_saturation())
-                                   : std::log(options_.sigmoid_high() / (1.0 - options_.sigmoid_high()));
-      const double tl = k == "tanh" ? -t : std::log(options_.sigmoid_low() / (1.0 - options_.sigmoid_low()));
+      const double t = k == "tanh"
+                           ? std::atanh(options_.tanh_saturation())
+                           : std::log(options_.sigmoid_high() / (1.0 - options_.sigmoid_high()));
+      const double tl =
+          k == "tanh" ? -t : std::log(options_.sigmoid_low() / (1.0 - options_.sigmoid_low()));
       lo = tl;
       hi = t;
     } else if (k == "tanh" || k == "softsign") {
@@ -1143,7 +1251,8 @@ class BasicHealthMonitor {
     if (samples < options_.dead_window_samples()) return detail::kNaN;
     std::size_t dead = 0;
     for (std::size_t u = 0; u < units; ++u)
-      if (static_cast<double>(active[u]) < options_.dead_activity() * static_cast<double>(samples)) ++dead;
+      if (static_cast<double>(active[u]) < options_.dead_activity() * static_cast<double>(samples))
+        ++dead;
     return static_cast<double>(dead) / static_cast<double>(units);
   }
 
@@ -1159,15 +1268,18 @@ class BasicHealthMonitor {
     for (auto i : mods) {
       Layer& L = layers_[i];
       L.g_norm = std::sqrt(L.g_sq);
-      if (!L.order_from_forward) L.order = kUnordered - L.bwd_arrival;  // backward runs output -> input
+      if (!L.order_from_forward)
+        L.order = kUnordered - L.bwd_arrival;  // backward runs output -> input
       if (L.g_nonfinite == 0 && std::isfinite(L.g_norm)) max_norm = std::max(max_norm, L.g_norm);
     }
-    std::sort(mods.begin(), mods.end(), [&](std::size_t a, std::size_t b) { return layers_[a].order < layers_[b].order; });
+    std::sort(mods.begin(), mods.end(),
+              [&](std::size_t a, std::size_t b) { return layers_[a].order < layers_[b].order; });
     // The first non-finite gradient in backward order (arrival order) is the backward origin.
     std::optional<std::size_t> nf_origin;
     for (auto i : mods) {
       const Layer& L = layers_[i];
-      if (L.g_nonfinite > 0 && (!nf_origin || L.bwd_arrival < layers_[*nf_origin].bwd_arrival)) nf_origin = i;
+      if (L.g_nonfinite > 0 && (!nf_origin || L.bwd_arrival < layers_[*nf_origin].bwd_arrival))
+        nf_origin = i;
     }
     for (std::size_t k = 0; k < mods.size(); ++k) {
       Layer& L = layers_[mods[k]];
@@ -1178,28 +1290,34 @@ class BasicHealthMonitor {
       double amplification = detail::kNaN;
       if (k > 0 && L.g_norm > 0.0 && std::isfinite(layers_[mods[k - 1]].g_norm))
         amplification = layers_[mods[k - 1]].g_norm / L.g_norm;
-      const bool base_ready = L.g_base_n >= options_.baseline_warmup() && std::isfinite(L.g_log_base);
+      const bool base_ready =
+          L.g_base_n >= options_.baseline_warmup() && std::isfinite(L.g_log_base);
       const double base = base_ready ? std::pow(10.0, L.g_log_base) : detail::kNaN;
       GradientHealth state = GradientHealth::Healthy;
       double margin = 0.0, value = L.g_norm, threshold = 0.0;
-      nlohmann::json md = {{"norm", std::isfinite(L.g_norm) ? nlohmann::json(L.g_norm) : nlohmann::json()}};
+      nlohmann::json md = {
+          {"norm", std::isfinite(L.g_norm) ? nlohmann::json(L.g_norm) : nlohmann::json()}};
       if (std::isfinite(amplification)) md["amplification"] = amplification;
       if (base_ready) md["baseline"] = base;
       if (max_norm > 0.0) md["relative_to_max"] = L.g_norm / max_norm;
       std::optional<FailureKind> kind;
       if (L.g_nonfinite > 0 || !std::isfinite(L.g_norm)) {
         state = GradientHealth::NonFinite;
-        value = L.g_count > 0 ? static_cast<double>(L.g_nonfinite) / static_cast<double>(L.g_count) : 1.0;
+        value = L.g_count > 0 ? static_cast<double>(L.g_nonfinite) / static_cast<double>(L.g_count)
+                              : 1.0;
         margin = 0.9 + 0.1 * value;
         md["non_finite"] = L.g_nonfinite;
         md["origin"] = nf_origin && *nf_origin == mods[k];
         if (nf_origin && *nf_origin == mods[k]) kind = FailureKind::NonFiniteGradient;
-      } else if (L.g_norm > options_.exploding_norm() || (base_ready && L.g_norm > options_.gradient_jump() * base)) {
+      } else if (L.g_norm > options_.exploding_norm() ||
+                 (base_ready && L.g_norm > options_.gradient_jump() * base)) {
         state = GradientHealth::Exploding;
-        threshold = L.g_norm > options_.exploding_norm() ? options_.exploding_norm() : options_.gradient_jump() * base;
+        threshold = L.g_norm > options_.exploding_norm() ? options_.exploding_norm()
+                                                         : options_.gradient_jump() * base;
         margin = detail::decade_margin(L.g_norm, threshold);
         kind = FailureKind::ExplodingGradient;
-      } else if (L.g_norm < options_.vanishing_norm() || L.g_norm < options_.vanishing_ratio() * max_norm ||
+      } else if (L.g_norm < options_.vanishing_norm() ||
+                 L.g_norm < options_.vanishing_ratio() * max_norm ||
                  (base_ready && L.g_norm < base / options_.gradient_collapse())) {
         state = GradientHealth::Vanishing;
         threshold = std::max({options_.vanishing_norm(), options_.vanishing_ratio() * max_norm,
@@ -1219,7 +1337,8 @@ class BasicHealthMonitor {
       if (state == before && !first) {
         if (state != GradientHealth::Healthy) {
           ++L.grad_persist;
-          if (L.grad_incident) update_incident(*L.grad_incident, step, margin, L.grad_persist, value);
+          if (L.grad_incident)
+            update_incident(*L.grad_incident, step, margin, L.grad_persist, value);
         }
         continue;
       }
@@ -1237,12 +1356,16 @@ class BasicHealthMonitor {
       e.step = step;
       e.from = first ? "unobserved" : to_string(before);
       e.to = to_string(state);
-      e.confidence = state == GradientHealth::Healthy ? 1.0 : detail::evidence_confidence(margin, 1, options_.persistence_steps());
+      e.confidence = state == GradientHealth::Healthy
+                         ? 1.0
+                         : detail::evidence_confidence(margin, 1, options_.persistence_steps());
       e.metadata = std::move(md);
       const uint64_t id = emit(std::move(e));
       if (kind) {
-        L.grad_incident = add_incident(*kind, L, step, Phase::Backward, margin, value, threshold, id, pauses);
-        if (std::isfinite(amplification)) incidents_[*L.grad_incident].details["amplification"] = amplification;
+        L.grad_incident =
+            add_incident(*kind, L, step, Phase::Backward, margin, value, threshold, id, pauses);
+        if (std::isfinite(amplification))
+          incidents_[*L.grad_incident].details["amplification"] = amplification;
       }
     }
   }
@@ -1254,7 +1377,8 @@ class BasicHealthMonitor {
     step_loss_ = loss;
     LossHealth state = LossHealth::Healthy;
     double margin = 0.0, value = loss, threshold = 0.0;
-    nlohmann::json md = {{"loss", std::isfinite(loss) ? nlohmann::json(loss) : nlohmann::json(std::to_string(loss))}};
+    nlohmann::json md = {{"loss", std::isfinite(loss) ? nlohmann::json(loss)
+                                                      : nlohmann::json(std::to_string(loss))}};
     std::optional<FailureKind> kind;
     const std::size_t window = static_cast<std::size_t>(options_.loss_window());
     if (!std::isfinite(loss)) {
@@ -1301,7 +1425,8 @@ class BasicHealthMonitor {
       }
       losses_.push_back(loss);
       const std::size_t keep = std::max(window, pw);
-      if (losses_.size() > 2 * keep) losses_.erase(losses_.begin(), losses_.end() - static_cast<std::ptrdiff_t>(keep));
+      if (losses_.size() > 2 * keep)
+        losses_.erase(losses_.begin(), losses_.end() - static_cast<std::ptrdiff_t>(keep));
     }
     const LossHealth before = loss_state_;
     if (state == before) {
@@ -1323,14 +1448,17 @@ class BasicHealthMonitor {
     e.step = step;
     e.from = to_string(before);
     e.to = to_string(state);
-    e.confidence = state == LossHealth::Healthy ? 1.0 : detail::evidence_confidence(margin, 1, options_.persistence_steps());
+    e.confidence = state == LossHealth::Healthy
+                       ? 1.0
+                       : detail::evidence_confidence(margin, 1, options_.persistence_steps());
     e.metadata = std::move(md);
     const uint64_t id = emit(std::move(e));
     if (kind) {
       Layer pseudo;
       pseudo.name = pseudo.module = "loss";
       pseudo.order = kUnordered * 2;
-      loss_incident_ = add_incident(*kind, pseudo, step, Phase::Loss, margin, value, threshold, id, pauses);
+      loss_incident_ =
+          add_incident(*kind, pseudo, step, Phase::Loss, margin, value, threshold, id, pauses);
     }
   }
 
@@ -1344,8 +1472,9 @@ class BasicHealthMonitor {
     return id;
   }
 
-  std::size_t add_incident(FailureKind kind, const Layer& L, int64_t step, Phase phase, double margin, double value,
-                           double threshold, uint64_t event, Pauses& pauses) {
+  std::size_t add_incident(FailureKind kind, const Layer& L, int64_t step, Phase phase,
+                           double margin, double value, double threshold, uint64_t event,
+                           Pauses& pauses) {
     if (incidents_.size() >= options_.incident_capacity()) {
       ++dropped_incidents_;
       return incidents_.size() - 1;  // the capacity keeps the earliest onsets, which matter most
@@ -1366,9 +1495,10 @@ class BasicHealthMonitor {
     incidents_.push_back(std::move(inc));
     const std::size_t idx = incidents_.size() - 1;
     if (options_.on_failure() == OnFailure::Pause &&
-        std::find(options_.pause_on().begin(), options_.pause_on().end(), kind) != options_.pause_on().end()) {
-      const std::string reason = std::string("torchdbg health: ") + to_string(kind) + " at '" + L.name + "' (step " +
-                                 std::to_string(step) + ")";
+        std::find(options_.pause_on().begin(), options_.pause_on().end(), kind) !=
+            options_.pause_on().end()) {
+      const std::string reason = std::string("torchdbg health: ") + to_string(kind) + " at '" +
+                                 L.name + "' (step " + std::to_string(step) + ")";
       if (!failure_report_) failure_report_ = report_locked();
       SemanticEvent e;
       e.type = EventType::TrainingPaused;
@@ -1384,14 +1514,16 @@ class BasicHealthMonitor {
     return idx;
   }
 
-  void update_incident(std::size_t i, int64_t step, double margin, int64_t persisted, double value) {
+  void update_incident(std::size_t i, int64_t step, double margin, int64_t persisted,
+                       double value) {
     if (i >= incidents_.size()) return;
     Incident& inc = incidents_[i];
     inc.last_step = step;
     inc.persisted = persisted;
     inc.margin = std::max(inc.margin, margin);
     inc.value = value;
-    inc.confidence = detail::evidence_confidence(inc.margin, persisted, options_.persistence_steps());
+    inc.confidence =
+        detail::evidence_confidence(inc.margin, persisted, options_.persistence_steps());
   }
 
   void run_pauses(int64_t step, const Pauses& pauses) {
@@ -1439,7 +1571,8 @@ class BasicHealthMonitor {
     std::vector<LayerHealth> out;
     out.reserve(layers_.size());
     for (const auto& L : layers_) out.push_back(health_of(L));
-    std::stable_sort(out.begin(), out.end(), [](const LayerHealth& a, const LayerHealth& b) { return a.order < b.order; });
+    std::stable_sort(out.begin(), out.end(),
+                     [](const LayerHealth& a, const LayerHealth& b) { return a.order < b.order; });
     return out;
   }
 

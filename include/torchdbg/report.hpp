@@ -51,7 +51,9 @@ class ReporterInstallation {
   explicit ReporterInstallation(std::function<void()> undo) : undo_(std::move(undo)) {}
   ReporterInstallation(const ReporterInstallation&) = delete;
   ReporterInstallation& operator=(const ReporterInstallation&) = delete;
-  ReporterInstallation(ReporterInstallation&& o) noexcept : undo_(std::move(o.undo_)) { o.undo_ = nullptr; }
+  ReporterInstallation(ReporterInstallation&& o) noexcept : undo_(std::move(o.undo_)) {
+    o.undo_ = nullptr;
+  }
   ReporterInstallation& operator=(ReporterInstallation&& o) noexcept {
     if (this != &o) {
       remove();
@@ -83,12 +85,17 @@ template <typename Mutex = std::mutex>
 class BasicReporter {
  public:
   explicit BasicReporter(ReporterOptions options = {}) : options_(std::move(options)) {
-    if (options_.interval() < 1) throw Error("torchdbg: ReporterOptions::interval must be >= 1, got " + std::to_string(options_.interval()));
+    if (options_.interval() < 1)
+      throw Error("torchdbg: ReporterOptions::interval must be >= 1, got " +
+                  std::to_string(options_.interval()));
     if (options_.histogram_interval() < 0)
-      throw Error("torchdbg: ReporterOptions::histogram_interval must be >= 0, got " + std::to_string(options_.histogram_interval()));
+      throw Error("torchdbg: ReporterOptions::histogram_interval must be >= 0, got " +
+                  std::to_string(options_.histogram_interval()));
     if (options_.histogram_bins() < 1)
-      throw Error("torchdbg: ReporterOptions::histogram_bins must be >= 1, got " + std::to_string(options_.histogram_bins()));
-    for (const auto& p : options_.layers()) patterns_.push_back(detail::compile_pattern(p, "reporter layer pattern"));
+      throw Error("torchdbg: ReporterOptions::histogram_bins must be >= 1, got " +
+                  std::to_string(options_.histogram_bins()));
+    for (const auto& p : options_.layers())
+      patterns_.push_back(detail::compile_pattern(p, "reporter layer pattern"));
   }
   BasicReporter(const BasicReporter&) = delete;
   BasicReporter& operator=(const BasicReporter&) = delete;
@@ -103,8 +110,10 @@ class BasicReporter {
   /// when the monitor finishes them (with their health, events and loss); without, when the
   /// manager's step changes. Keep the result alive while recording.
   template <typename M, typename HM = std::mutex>
-  [[nodiscard]] ReporterInstallation install(BasicHookManager<M>& hooks, BasicHealthMonitor<HM>* health = nullptr) {
-    const std::string cb = "torchdbg.report." + std::to_string(reinterpret_cast<std::uintptr_t>(this));
+  [[nodiscard]] ReporterInstallation install(BasicHookManager<M>& hooks,
+                                             BasicHealthMonitor<HM>* health = nullptr) {
+    const std::string cb =
+        "torchdbg.report." + std::to_string(reinterpret_cast<std::uintptr_t>(this));
     hooks.register_callback(cb, [this](const HookContext& ctx) { on_hook(ctx); });
     BasicHookManager<M>* mgr = &hooks;
     uint64_t listener = 0, sink = 0;
@@ -292,7 +301,8 @@ template <typename M, typename HM>
   s.events_total = r.events_total;
   auto alerts = hooks.alerts();
   s.alerts_total = hooks.alert_count();
-  if (alerts.size() > max_alerts) alerts.erase(alerts.begin(), alerts.end() - static_cast<std::ptrdiff_t>(max_alerts));
+  if (alerts.size() > max_alerts)
+    alerts.erase(alerts.begin(), alerts.end() - static_cast<std::ptrdiff_t>(max_alerts));
   s.alerts = std::move(alerts);
   return s;
 }

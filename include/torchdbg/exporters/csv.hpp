@@ -12,25 +12,16 @@ namespace torchdbg {
 /// CSV (RFC 4180) of the per-step, per-layer table: one row per delivery with its statistics,
 /// the layer's health after the step and the step's loss. Empty cells for unknown values.
 template <typename Mutex = std::mutex>
-class BasicCsvExporter : public BaseExporter<Mutex> {
+class BasicCsvExporter : public BasicStreamExporter<Mutex> {
  public:
   static constexpr const char* kHeader =
-      "step,layer,direction,parameter,numel,mean,std,min,max,l2_norm,nan_count,inf_count,zero_count,"
+      "step,layer,direction,parameter,numel,mean,std,min,max,l2_norm,nan_count,inf_count,zero_"
+      "count,"
       "health,loss";
 
-  explicit BasicCsvExporter(const std::string& path, StreamOptions options = {}) : stream_(path, options) {
-    if (options.truncate()) stream_.add(kHeader);
-  }
-  ~BasicCsvExporter() override {
-    try {
-      stream_.flush();
-    } catch (...) {
-    }
-  }
-  [[nodiscard]] std::string path() const { return stream_.path(); }
-  [[nodiscard]] uint64_t failures() const {
-    std::lock_guard<Mutex> lock(this->mutex_);
-    return stream_.failures();
+  explicit BasicCsvExporter(const std::string& path, StreamOptions options = {})
+      : BasicStreamExporter<Mutex>(path, options) {
+    if (options.truncate()) this->stream_.add(kHeader);
   }
 
   /// A field quoted when it holds a comma, quote or line break.
@@ -61,20 +52,18 @@ class BasicCsvExporter : public BaseExporter<Mutex> {
         if (!l.forward && h.name == module && h.has_gradient) health = to_string(h.gradient);
       }
       const TensorStats& s = l.stats;
-      std::string row = std::to_string(r.step) + "," + field(l.layer) + "," + (l.forward ? "forward" : "backward") +
-                        "," + field(l.parameter) + "," + std::to_string(s.numel) + "," + number(s.mean) + "," +
-                        number(s.std) + "," + number(s.min) + "," + number(s.max) + "," + number(s.l2_norm) + "," +
+      std::string row = std::to_string(r.step) + "," + field(l.layer) + "," +
+                        (l.forward ? "forward" : "backward") + "," + field(l.parameter) + "," +
+                        std::to_string(s.numel) + "," + number(s.mean) + "," + number(s.std) + "," +
+                        number(s.min) + "," + number(s.max) + "," + number(s.l2_norm) + "," +
                         std::to_string(s.nan_count) + "," + std::to_string(s.inf_count) + "," +
                         std::to_string(s.zero_count) + "," + health + "," + loss;
       stream_.add(row);
     }
     stream_.step_done();
   }
-  void flush_() override { stream_.flush(); }
   void write_summary_(const RunSummary&) override { stream_.flush(); }
-
- private:
-  detail::LineStream stream_;
+  using BasicStreamExporter<Mutex>::stream_;
 };
 
 using CsvExporter = BasicCsvExporter<std::mutex>;

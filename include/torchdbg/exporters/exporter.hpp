@@ -6,11 +6,10 @@
 // takes a lock and calls a protected writer, and concrete exporters (JSONL, CSV, summary JSON,
 // HTML) of which several can be attached to one Reporter (report.hpp) at once.
 
-#include <nlohmann/json.hpp>
-
 #include <cmath>
 #include <cstdint>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <utility>
@@ -54,11 +53,16 @@ struct RunSummary {
   uint64_t events_total = 0;
 };
 
-inline nlohmann::json json_number(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); }
+inline nlohmann::json json_number(double v) {
+  return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json();
+}
 
 inline nlohmann::json to_json(const Alert& a) {
-  return {{"step", a.step},       {"layer", a.layer},     {"hook", a.hook_name},
-          {"message", a.message}, {"severity", to_string(a.severity)}};
+  return {{"step", a.step},
+          {"layer", a.layer},
+          {"hook", a.hook_name},
+          {"message", a.message},
+          {"severity", to_string(a.severity)}};
 }
 
 /// The interface every exporter implements. Calls may come from the training thread and from

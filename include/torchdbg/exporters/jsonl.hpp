@@ -31,9 +31,11 @@ namespace detail {
 /// The buffering and failure policy shared by the line-oriented exporters.
 class LineStream {
  public:
-  LineStream(const std::string& path, StreamOptions o) : options_(std::move(o)), file_(path, options_.truncate()) {
+  LineStream(const std::string& path, StreamOptions o)
+      : options_(std::move(o)), file_(path, options_.truncate()) {
     if (options_.flush_every_steps() < 1)
-      throw Error("torchdbg: StreamOptions::flush_every_steps must be >= 1, got " + std::to_string(options_.flush_every_steps()));
+      throw Error("torchdbg: StreamOptions::flush_every_steps must be >= 1, got " +
+                  std::to_string(options_.flush_every_steps()));
     last_flush_ = std::chrono::steady_clock::now();
   }
   void add(const std::string& line) {
@@ -44,7 +46,8 @@ class LineStream {
   /// Counts a step and flushes when the interval is reached.
   void step_done() {
     ++steps_;
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - last_flush_).count();
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - last_flush_).count();
     if (steps_ >= options_.flush_every_steps() || secs >= options_.flush_every_seconds()) flush();
   }
   /// Writes the buffer. On failure the unwritten part is kept for the next flush (bounded by
@@ -87,32 +90,31 @@ class LineStream {
 };
 
 inline nlohmann::json stats_fields(const TensorStats& s) {
-  return {{"numel", s.numel},         {"mean", json_number(s.mean)},     {"std", json_number(s.std)},
-          {"min", json_number(s.min)}, {"max", json_number(s.max)},       {"l2_norm", json_number(s.l2_norm)},
-          {"nan", s.nan_count},        {"inf", s.inf_count},              {"zeros", s.zero_count},
-          {"sparsity", json_number(s.sparsity)}};
+  return {{"numel", s.numel},          {"mean", json_number(s.mean)},
+          {"std", json_number(s.std)}, {"min", json_number(s.min)},
+          {"max", json_number(s.max)}, {"l2_norm", json_number(s.l2_norm)},
+          {"nan", s.nan_count},        {"inf", s.inf_count},
+          {"zeros", s.zero_count},     {"sparsity", json_number(s.sparsity)}};
 }
 
 }  // namespace detail
 
-/// JSON Lines: one object per line with a "type" of "step", "layer", "health", "event" or
-/// "summary"; pandas.read_json(path, lines=True) reads the whole file into one table.
-///
-/// ```cpp
-/// reporter.add_exporter(std::make_shared<torchdbg::JsonlExporter>("run.jsonl"));
-/// ```
+/// The base of the line-oriented exporters: owns the LineStream, flushes it when destroyed,
+/// and reports its failures.
 template <typename Mutex = std::mutex>
-class BasicJsonlExporter : public BaseExporter<Mutex> {
+class BasicStreamExporter : public BaseExporter<Mutex> {
  public:
-  explicit BasicJsonlExporter(const std::string& path, StreamOptions options = {}) : stream_(path, std::move(options)) {}
-  ~BasicJsonlExporter() override {
+  BasicStreamExporter(const std::string& path, StreamOptions options)
+      : stream_(path, std::move(options)) {}
+  ~BasicStreamExporter() override {
     try {
       stream_.flush();
     } catch (...) {
     }
   }
   [[nodiscard]] std::string path() const { return stream_.path(); }
-  /// Flushes that failed (disk full, ...), and the last reason.
+  /// Flushes that failed (disk full, ...), the last reason, and lines dropped beyond
+  /// max_buffer_bytes while the file could not be written.
   [[nodiscard]] uint64_t failures() const {
     std::lock_guard<Mutex> lock(this->mutex_);
     return stream_.failures();
@@ -121,12 +123,36 @@ class BasicJsonlExporter : public BaseExporter<Mutex> {
     std::lock_guard<Mutex> lock(this->mutex_);
     return stream_.last_error();
   }
+  [[nodiscard]] uint64_t dropped_lines() const {
+    std::lock_guard<Mutex> lock(this->mutex_);
+    return stream_.dropped_lines();
+  }
+
+ protected:
+  void flush_() override { stream_.flush(); }
+  detail::LineStream stream_;
+};
+
+/// JSON Lines: one object per line with a "type" of "step", "layer", "health", "event" or
+/// "summary"; pandas.read_json(path, lines=True) reads the whole file into one table.
+///
+/// ```cpp
+/// reporter.add_exporter(std::make_shared<torchdbg::JsonlExporter>("run.jsonl"));
+/// ```
+template <typename Mutex = std::mutex>
+class BasicJsonlExporter : public BasicStreamExporter<Mutex> {
+ public:
+  explicit BasicJsonlExporter(const std::string& path, StreamOptions options = {})
+      : BasicStreamExporter<Mutex>(path, std::move(options)) {}
 
  protected:
   void write_step_(const StepRecord& r) override {
-    nlohmann::json step = {{"type", "step"}, {"step", r.step}, {"loss", r.loss ? json_number(*r.loss) : nlohmann::json()},
-                           {"gradient_norm", r.gradient_norm ? json_number(*r.gradient_norm) : nlohmann::json()},
-                           {"loss_health", to_string(r.loss_health)}};
+    nlohmann::json step = {
+        {"type", "step"},
+        {"step", r.step},
+        {"loss", r.loss ? json_number(*r.loss) : nlohmann::json()},
+        {"gradient_norm", r.gradient_norm ? json_number(*r.gradient_norm) : nlohmann::json()},
+        {"loss_health", to_string(r.loss_health)}};
     stream_.add(step.dump());
     for (const auto& l : r.layers) {
       nlohmann::json j = detail::stats_fields(l.stats);
@@ -151,16 +177,16 @@ class BasicJsonlExporter : public BaseExporter<Mutex> {
     stream_.step_done();
   }
   void write_summary_(const RunSummary& s) override {
-    nlohmann::json j = {{"type", "summary"}, {"steps", s.steps}, {"last_step", s.last_step},
-                        {"alerts_total", s.alerts_total}, {"events_total", s.events_total}};
+    nlohmann::json j = {{"type", "summary"},
+                        {"steps", s.steps},
+                        {"last_step", s.last_step},
+                        {"alerts_total", s.alerts_total},
+                        {"events_total", s.events_total}};
     if (s.diagnosis) j["diagnosis"] = s.diagnosis->to_json();
     stream_.add(j.dump());
     stream_.flush();
   }
-  void flush_() override { stream_.flush(); }
-
- private:
-  detail::LineStream stream_;
+  using BasicStreamExporter<Mutex>::stream_;
 };
 
 using JsonlExporter = BasicJsonlExporter<std::mutex>;

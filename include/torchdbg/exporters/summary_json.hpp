@@ -48,11 +48,16 @@ class BasicSummaryJsonExporter : public BaseExporter<Mutex> {
 
  private:
   nlohmann::json json_locked() const {
-    auto opt = [](const std::optional<double>& v) { return v ? json_number(*v) : nlohmann::json(); };
+    auto opt = [](const std::optional<double>& v) {
+      return v ? json_number(*v) : nlohmann::json();
+    };
     nlohmann::json j = {{"steps", steps_},
                         {"last_step", last_step_},
-                        {"loss", {{"first", opt(first_loss_)}, {"last", opt(last_loss_)}, {"min", opt(min_loss_)},
-                                  {"non_finite", non_finite_losses_}}},
+                        {"loss",
+                         {{"first", opt(first_loss_)},
+                          {"last", opt(last_loss_)},
+                          {"min", opt(min_loss_)},
+                          {"non_finite", non_finite_losses_}}},
                         {"alarms", alarms_}};
     if (summary_) {
       nlohmann::json layers = nlohmann::json::array();
