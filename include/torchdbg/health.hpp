@@ -26,6 +26,7 @@
 #include <torch/arg.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -469,6 +470,34 @@ inline double decade_margin(double a, double b) noexcept {
   const double x = std::log10(a / b);
   return x <= 0.0 ? 0.0 : x / (x + 0.5);
 }
+
+/// The numbers behind a health decision, kept without allocating until an event needs them
+/// as JSON (most evaluations emit none).
+struct EventFields {
+  std::array<std::pair<const char*, double>, 10> nums{};
+  int n = 0;
+  int origin = -1;  // -1: not applicable, else a bool
+  void add(const char* key, double v) noexcept {
+    if (n < static_cast<int>(nums.size())) nums[static_cast<std::size_t>(n++)] = {key, v};
+  }
+  [[nodiscard]] nlohmann::json json(const std::string& activation, const std::string& reason) const {
+    nlohmann::json j = nlohmann::json::object();
+    for (int i = 0; i < n; ++i) {
+      const auto& [k, v] = nums[static_cast<std::size_t>(i)];
+      if (!std::isfinite(v)) {
+        j[k] = nullptr;
+      } else if (v == std::floor(v) && std::fabs(v) < 9e15) {
+        j[k] = static_cast<int64_t>(v);
+      } else {
+        j[k] = v;
+      }
+    }
+    if (origin >= 0) j["origin"] = origin == 1;
+    if (!activation.empty()) j["activation"] = activation;
+    if (!reason.empty()) j["reason"] = reason;
+    return j;
+  }
+};
 
 inline bool is_dead_capable(std::string_view act) noexcept {
   return act == "relu" || act == "relu6" || act == "threshold";
@@ -1063,8 +1092,8 @@ class BasicHealthMonitor {
     ActivationHealth state = ActivationHealth::Normal;
     double margin = 0.0, value = 0.0, threshold = 0.0;
     std::string reason;
-    nlohmann::json md = nlohmann::json::object();
-    md["rms"] = std::isfinite(L.rms) ? nlohmann::json(L.rms) : nlohmann::json();
+    detail::EventFields md;
+    md.add("rms", L.rms);
     std::optional<FailureKind> kind;
     const bool origin = s.has_non_finite() && !fwd_nonfinite_;
 
@@ -1085,9 +1114,9 @@ class BasicHealthMonitor {
       state = ActivationHealth::NonFinite;
       value = L.nonfinite_frac;
       margin = 0.9 + 0.1 * value;
-      md["nan"] = s.nan_count;
-      md["inf"] = s.inf_count;
-      md["origin"] = origin;
+      md.add("nan", static_cast<double>(s.nan_count));
+      md.add("inf", static_cast<double>(s.inf_count));
+      md.origin = origin ? 1 : 0;
       reason = origin ? "first non-finite output of the step (its input was finite)"
                       : "non-finite input";
       if (origin) kind = FailureKind::NonFiniteOutput;
@@ -1097,7 +1126,7 @@ class BasicHealthMonitor {
       value = L.dead_frac;
       threshold = options_.dead_fraction();
       margin = (value - threshold) / std::max(1e-12, 1.0 - threshold);
-      md["dead_fraction"] = value;
+      md.add("dead_fraction", static_cast<double>(value));
       reason = "units active in fewer than " + fmt_pct(options_.dead_activity()) + " of samples";
       kind = FailureKind::DeadUnits;
     } else if (saturating_kind(L)) {
@@ -1107,7 +1136,7 @@ class BasicHealthMonitor {
         value = L.sat_frac;
         threshold = options_.saturated_fraction();
         margin = (value - threshold) / std::max(1e-12, 1.0 - threshold);
-        md["saturated_fraction"] = value;
+        md.add("saturated_fraction", static_cast<double>(value));
         reason = L.act_kind + (L.pre_activation ? " pre-activation beyond its saturation bound"
                                                 : " output saturated");
         kind = FailureKind::Saturation;
@@ -1124,8 +1153,8 @@ class BasicHealthMonitor {
         threshold = g > options_.activation_gain() ? options_.activation_gain()
                                                    : options_.activation_gain() * L.gain_base;
         margin = detail::decade_margin(value, threshold);
-        md["gain"] = g;
-        if (base_ready) md["gain_baseline"] = L.gain_base;
+        md.add("gain", static_cast<double>(g));
+        if (base_ready) md.add("gain_baseline", static_cast<double>(L.gain_base));
         reason = "output spread " + fmt_num(g) + "x its input's RMS";
         kind = FailureKind::ExplodingActivation;
       } else if (s.numel >= 2 && s.finite_count == s.numel && std::isfinite(L.rms) &&
@@ -1134,7 +1163,7 @@ class BasicHealthMonitor {
         value = L.rms > 0.0 ? s.std / L.rms : 0.0;
         threshold = options_.constant_ratio();
         margin = value > 0.0 ? detail::decade_margin(threshold, value) : 1.0;
-        md["std"] = s.std;
+        md.add("std", static_cast<double>(s.std));
         reason = "near-constant output";
         kind = FailureKind::ConstantOutput;
       }
@@ -1144,9 +1173,7 @@ class BasicHealthMonitor {
       L.gain_base = std::isfinite(L.gain_base) ? m * L.gain_base + (1.0 - m) * L.gain : L.gain;
       ++L.gain_n;
     }
-    if (std::isfinite(L.gain)) md["gain"] = L.gain;
-    if (!L.act_kind.empty()) md["activation"] = L.act_kind;
-    if (!reason.empty()) md["reason"] = reason;
+    if (std::isfinite(L.gain)) md.add("gain", static_cast<double>(L.gain));
 
     const ActivationHealth before = L.act;
     const bool first = !L.seen_fwd;
@@ -1176,7 +1203,7 @@ class BasicHealthMonitor {
     e.confidence = state == ActivationHealth::Normal
                        ? 1.0
                        : detail::evidence_confidence(margin, 1, options_.persistence_steps());
-    e.metadata = std::move(md);
+    e.metadata = md.json(L.act_kind, reason);
     const uint64_t id = emit(std::move(e));
     if (kind && (state != ActivationHealth::NonFinite || origin)) {
       L.act_incident =
@@ -1295,19 +1322,19 @@ class BasicHealthMonitor {
       const double base = base_ready ? std::pow(10.0, L.g_log_base) : detail::kNaN;
       GradientHealth state = GradientHealth::Healthy;
       double margin = 0.0, value = L.g_norm, threshold = 0.0;
-      nlohmann::json md = {
-          {"norm", std::isfinite(L.g_norm) ? nlohmann::json(L.g_norm) : nlohmann::json()}};
-      if (std::isfinite(amplification)) md["amplification"] = amplification;
-      if (base_ready) md["baseline"] = base;
-      if (max_norm > 0.0) md["relative_to_max"] = L.g_norm / max_norm;
+      detail::EventFields md;
+      md.add("norm", L.g_norm);
+      if (std::isfinite(amplification)) md.add("amplification", amplification);
+      if (base_ready) md.add("baseline", base);
+      if (max_norm > 0.0) md.add("relative_to_max", L.g_norm / max_norm);
       std::optional<FailureKind> kind;
       if (L.g_nonfinite > 0 || !std::isfinite(L.g_norm)) {
         state = GradientHealth::NonFinite;
         value = L.g_count > 0 ? static_cast<double>(L.g_nonfinite) / static_cast<double>(L.g_count)
                               : 1.0;
         margin = 0.9 + 0.1 * value;
-        md["non_finite"] = L.g_nonfinite;
-        md["origin"] = nf_origin && *nf_origin == mods[k];
+        md.add("non_finite", static_cast<double>(L.g_nonfinite));
+        md.origin = (nf_origin && *nf_origin == mods[k]) ? 1 : 0;
         if (nf_origin && *nf_origin == mods[k]) kind = FailureKind::NonFiniteGradient;
       } else if (L.g_norm > options_.exploding_norm() ||
                  (base_ready && L.g_norm > options_.gradient_jump() * base)) {
@@ -1359,7 +1386,7 @@ class BasicHealthMonitor {
       e.confidence = state == GradientHealth::Healthy
                          ? 1.0
                          : detail::evidence_confidence(margin, 1, options_.persistence_steps());
-      e.metadata = std::move(md);
+      e.metadata = md.json({}, {});
       const uint64_t id = emit(std::move(e));
       if (kind) {
         L.grad_incident =
