@@ -592,7 +592,8 @@ class BasicHealthMonitor {
 
   [[nodiscard]] const HealthOptions& options() const noexcept { return options_; }
 
-  /// Connects the monitor to `hooks`; keep the result alive as long as it should watch.
+  /// Connects the monitor to `hooks`; keep the result alive as long as it should watch, and
+  /// destroy it (or call remove()) before the monitor or the manager.
   template <typename M>
   [[nodiscard]] HealthInstallation<Mutex, M> install(BasicHookManager<M>& hooks) {
     const std::string cb =

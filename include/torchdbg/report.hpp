@@ -108,7 +108,8 @@ class BasicReporter {
 
   /// Records every delivery of `hooks` (every `interval` steps). With `health`, steps end
   /// when the monitor finishes them (with their health, events and loss); without, when the
-  /// manager's step changes. Keep the result alive while recording.
+  /// manager's step changes. Keep the result alive while recording and destroy it before the
+  /// reporter, the manager or the monitor.
   template <typename M, typename HM = std::mutex>
   [[nodiscard]] ReporterInstallation install(BasicHookManager<M>& hooks,
                                              BasicHealthMonitor<HM>* health = nullptr) {
