@@ -73,6 +73,7 @@ struct Args {
   int rss_steps = 10000;
   std::string json = "torchdbg_bench.json";
   std::string models = "mlp,cnn";
+  bool health = true;  // --no-health: statistics hooks only, to see the health monitor's share
 };
 
 Args parse(int argc, char** argv) {
@@ -94,6 +95,8 @@ Args parse(int argc, char** argv) {
       a.json = next("--json");
     else if (!std::strcmp(argv[i], "--models"))
       a.models = next("--models");
+    else if (!std::strcmp(argv[i], "--no-health"))
+      a.health = false;
     else
       throw std::runtime_error(std::string("unknown argument ") + argv[i]);
   }
@@ -113,8 +116,9 @@ struct Monitor {
       torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.0))};
   torchdbg::HealthMonitor health;
   torchdbg::HealthInstallation<std::mutex, std::mutex> fed;
-  Monitor(bool every10)
-      : health(torchdbg::HealthOptions().interval(every10 ? 10 : 1)), fed(health.install(hooks)) {
+  Monitor(bool every10, bool with_health = true)
+      : health(torchdbg::HealthOptions().interval(every10 ? 10 : 1)) {
+    if (with_health) fed = health.install(hooks);
     auto trig_f =
         every10 ? torchdbg::HookTrigger::every_n_steps(10) : torchdbg::HookTrigger::every_forward();
     auto trig_b = every10 ? torchdbg::HookTrigger::every_n_steps(10)
@@ -162,7 +166,7 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
       };
       if (r % 2 == 0) run_base();
       {
-        Monitor m(mode == "every10");
+        Monitor m(mode == "every10", a.health);
         std::optional<torchdbg::AttachSession> session;
         if (mode != "detached") session.emplace(torchdbg::attach(*tr.model, m.hooks));
         for (int s = 0; s < a.steps; ++s) {

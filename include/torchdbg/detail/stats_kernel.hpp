@@ -24,8 +24,8 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -73,7 +73,8 @@ struct Moments {
         const double n = static_cast<double>(finite + o.finite);
         const double delta = o.mean - mean;
         mean += delta * static_cast<double>(o.finite) / n;
-        m2 += o.m2 + delta * delta * static_cast<double>(finite) * static_cast<double>(o.finite) / n;
+        m2 +=
+            o.m2 + delta * delta * static_cast<double>(finite) * static_cast<double>(o.finite) / n;
       }
       finite += o.finite;
     }
@@ -371,15 +372,24 @@ template <typename F>
 decltype(auto) dispatch_dtype(c10::ScalarType st, F&& f) {
   check_supported_dtype(st);
   switch (st) {
-    case at::kFloat: return f(static_cast<const float*>(nullptr));
-    case at::kDouble: return f(static_cast<const double*>(nullptr));
-    case at::kHalf: return f(static_cast<const c10::Half*>(nullptr));
-    case at::kBFloat16: return f(static_cast<const c10::BFloat16*>(nullptr));
-    case at::kByte: return f(static_cast<const uint8_t*>(nullptr));
-    case at::kChar: return f(static_cast<const int8_t*>(nullptr));
-    case at::kShort: return f(static_cast<const int16_t*>(nullptr));
-    case at::kInt: return f(static_cast<const int32_t*>(nullptr));
-    case at::kLong: return f(static_cast<const int64_t*>(nullptr));
+    case at::kFloat:
+      return f(static_cast<const float*>(nullptr));
+    case at::kDouble:
+      return f(static_cast<const double*>(nullptr));
+    case at::kHalf:
+      return f(static_cast<const c10::Half*>(nullptr));
+    case at::kBFloat16:
+      return f(static_cast<const c10::BFloat16*>(nullptr));
+    case at::kByte:
+      return f(static_cast<const uint8_t*>(nullptr));
+    case at::kChar:
+      return f(static_cast<const int8_t*>(nullptr));
+    case at::kShort:
+      return f(static_cast<const int16_t*>(nullptr));
+    case at::kInt:
+      return f(static_cast<const int32_t*>(nullptr));
+    case at::kLong:
+      return f(static_cast<const int64_t*>(nullptr));
     default:  // kBool: one byte, 0 or 1
       return f(static_cast<const uint8_t*>(nullptr));
   }
@@ -523,6 +533,30 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
   dispatch_dtype(c.scalar_type(), [&](auto tag) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     const T* p = static_cast<const T*>(c.data_ptr());
+    if (inner == 1) {  // [N, F]: rows of units; a branch-free pass per row vectorizes
+      std::vector<int32_t> row_counts(static_cast<std::size_t>(units), 0);
+      int64_t rows_in_batch = 0;
+      for (int64_t o = 0; o < outer; ++o) {
+        const T* row = p + o * units;
+        if constexpr (std::is_same_v<T, float>) {
+          const float ft = static_cast<float>(threshold);
+          for (int64_t u = 0; u < units; ++u)
+            row_counts[static_cast<std::size_t>(u)] += row[u] > ft;
+        } else {
+          for (int64_t u = 0; u < units; ++u)
+            row_counts[static_cast<std::size_t>(u)] += as_double(row[u]) > threshold;
+        }
+        if (++rows_in_batch == (int64_t{1} << 30)) {  // int32 counters: spill before overflow
+          for (int64_t u = 0; u < units; ++u)
+            out[static_cast<std::size_t>(u)] += row_counts[static_cast<std::size_t>(u)];
+          std::fill(row_counts.begin(), row_counts.end(), 0);
+          rows_in_batch = 0;
+        }
+      }
+      for (int64_t u = 0; u < units; ++u)
+        out[static_cast<std::size_t>(u)] += row_counts[static_cast<std::size_t>(u)];
+      return 0;
+    }
     for (int64_t o = 0; o < outer; ++o) {
       for (int64_t u = 0; u < units; ++u) {
         const T* q = p + (o * units + u) * inner;
