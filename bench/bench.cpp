@@ -156,7 +156,9 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
   Trainer<Model> tr(shape, batch);
   for (int i = 0; i < 3; ++i) tr.step();  // warm-up
   nlohmann::json out;
-  for (const std::string mode : {"detached", "full", "every10"}) {
+  // "idle": attached to a manager with no hook at all, so nothing is ever due: what merely
+  // having tensor hooks on the parameters does to LibTorch's step.
+  for (const std::string mode : {"detached", "full", "every10", "idle"}) {
     std::vector<double> base, mon;
     for (int r = 0; r < a.rounds; ++r) {
       // ABBA: odd rounds run the monitored half first, so drift within a round (allocator,
@@ -166,7 +168,8 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
       };
       if (r % 2 == 0) run_base();
       {
-        Monitor m(mode == "every10", a.health);
+        Monitor m(mode == "every10", a.health && mode != "idle");
+        if (mode == "idle") m.hooks.clear_hooks();
         std::optional<torchdbg::AttachSession> session;
         if (mode != "detached") session.emplace(torchdbg::attach(*tr.model, m.hooks));
         for (int s = 0; s < a.steps; ++s) {
