@@ -293,6 +293,9 @@ inline Diagnosis diagnose(const HealthReport& report) {
   d.step = report.step;
   d.layers_observed = report.layers.size();
   const std::vector<Incident>& inc = report.incidents;
+  auto link_of = [](const Incident& i) {
+    return CausalLink{i.kind, i.layer, i.step, i.phase, i.rank};
+  };
   const std::size_t n = inc.size();
   std::vector<std::size_t> order(n);
   for (std::size_t i = 0; i < n; ++i) order[i] = i;
@@ -446,8 +449,7 @@ inline Diagnosis diagnose(const HealthReport& report) {
 
   // Graph nodes and edges.
   d.nodes.reserve(n);
-  for (std::size_t i = 0; i < n; ++i)
-    d.nodes.push_back({inc[i].kind, inc[i].layer, inc[i].step, inc[i].phase, inc[i].rank});
+  for (std::size_t i = 0; i < n; ++i) d.nodes.push_back(link_of(inc[i]));
   for (std::size_t i = 0; i < n; ++i)
     if (cause[i]) d.edges.emplace_back(*cause[i], i);
 
@@ -485,9 +487,7 @@ inline Diagnosis diagnose(const HealthReport& report) {
     auto it = seen.find(key);
     if (it != seen.end()) {  // a recurrence of a hypothesis already made: more evidence for it
       Hypothesis& h = ranked[it->second].h;
-      for (auto g : sorted)
-        h.causal_chain.push_back(
-            {inc[g].kind, inc[g].layer, inc[g].step, inc[g].phase, inc[g].rank});
+      for (auto g : sorted) h.causal_chain.push_back(link_of(inc[g]));
       h.confidence = 1.0 - (1.0 - h.confidence) * 0.9;
       continue;
     }
@@ -503,7 +503,7 @@ inline Diagnosis diagnose(const HealthReport& report) {
     h.confidence = detail::clamp01(1.0 - (1.0 - std::max(r.confidence, s.confidence)) *
                                              std::pow(0.92, explained));
     for (auto g : sorted) {
-      h.causal_chain.push_back({inc[g].kind, inc[g].layer, inc[g].step, inc[g].phase, inc[g].rank});
+      h.causal_chain.push_back(link_of(inc[g]));
       for (auto id : inc[g].events) {
         auto e = event_by_id.find(id);
         if (e != event_by_id.end() && h.evidence.size() < 64) h.evidence.push_back(*e->second);

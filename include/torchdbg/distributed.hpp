@@ -189,12 +189,9 @@ class BasicDistributedMonitor {
         options_(std::move(options)) {
     if (!group_) throw Error("torchdbg: DistributedMonitor needs a process group");
     if (!store_) throw Error("torchdbg: DistributedMonitor needs a store");
-    if (options_.report_interval() < 1)
-      throw Error("torchdbg: DistributedOptions::report_interval must be >= 1, got " +
-                  std::to_string(options_.report_interval()));
-    if (options_.timeout_ms() < 1)
-      throw Error("torchdbg: DistributedOptions::timeout_ms must be >= 1, got " +
-                  std::to_string(options_.timeout_ms()));
+    detail::require_at_least<int64_t>(options_.report_interval(), 1,
+                                      "DistributedOptions::report_interval");
+    detail::require_at_least<int64_t>(options_.timeout_ms(), 1, "DistributedOptions::timeout_ms");
     rank_ = group_->getRank();
     world_ = group_->getSize();
     callback_ = options_.key_prefix() + ".distributed." +

@@ -14,4 +14,16 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+namespace detail {
+
+/// Throws torchdbg::Error "torchdbg: <what> must be >= <min>, got <value>" (option checks).
+template <typename T>
+inline void require_at_least(T value, T min, const char* what) {
+  if (!(value >= min))
+    throw Error(std::string("torchdbg: ") + what + " must be >= " + std::to_string(min) + ", got " +
+                std::to_string(value));
+}
+
+}  // namespace detail
+
 }  // namespace torchdbg

@@ -480,7 +480,8 @@ struct EventFields {
   void add(const char* key, double v) noexcept {
     if (n < static_cast<int>(nums.size())) nums[static_cast<std::size_t>(n++)] = {key, v};
   }
-  [[nodiscard]] nlohmann::json json(const std::string& activation, const std::string& reason) const {
+  [[nodiscard]] nlohmann::json json(const std::string& activation,
+                                    const std::string& reason) const {
     nlohmann::json j = nlohmann::json::object();
     for (int i = 0; i < n; ++i) {
       const auto& [k, v] = nums[static_cast<std::size_t>(i)];
@@ -902,24 +903,13 @@ class BasicHealthMonitor {
         throw Error(std::string("torchdbg: HealthOptions::") + name + " must be in [0, 1], got " +
                     std::to_string(v));
     };
-    if (o.interval() < 1)
-      throw Error("torchdbg: HealthOptions::interval must be >= 1, got " +
-                  std::to_string(o.interval()));
-    if (o.dead_window_samples() < 1)
-      throw Error("torchdbg: HealthOptions::dead_window_samples must be >= 1, got " +
-                  std::to_string(o.dead_window_samples()));
-    if (o.dead_window() < 1)
-      throw Error("torchdbg: HealthOptions::dead_window must be >= 1, got " +
-                  std::to_string(o.dead_window()));
-    if (o.loss_window() < 2)
-      throw Error("torchdbg: HealthOptions::loss_window must be >= 2, got " +
-                  std::to_string(o.loss_window()));
-    if (o.plateau_window() < 4)
-      throw Error("torchdbg: HealthOptions::plateau_window must be >= 4, got " +
-                  std::to_string(o.plateau_window()));
-    if (o.persistence_steps() < 1)
-      throw Error("torchdbg: HealthOptions::persistence_steps must be >= 1, got " +
-                  std::to_string(o.persistence_steps()));
+    detail::require_at_least<int64_t>(o.interval(), 1, "HealthOptions::interval");
+    detail::require_at_least<int64_t>(o.dead_window_samples(), 1,
+                                      "HealthOptions::dead_window_samples");
+    detail::require_at_least<int64_t>(o.dead_window(), 1, "HealthOptions::dead_window");
+    detail::require_at_least<int64_t>(o.loss_window(), 2, "HealthOptions::loss_window");
+    detail::require_at_least<int64_t>(o.plateau_window(), 4, "HealthOptions::plateau_window");
+    detail::require_at_least<int64_t>(o.persistence_steps(), 1, "HealthOptions::persistence_steps");
     if (o.event_capacity() == 0)
       throw Error("torchdbg: HealthOptions::event_capacity must be >= 1, got 0");
     if (o.max_layers() == 0) throw Error("torchdbg: HealthOptions::max_layers must be >= 1, got 0");

@@ -85,17 +85,14 @@ template <typename Mutex = std::mutex>
 class BasicReporter {
  public:
   explicit BasicReporter(ReporterOptions options = {}) : options_(std::move(options)) {
-    if (options_.interval() < 1)
-      throw Error("torchdbg: ReporterOptions::interval must be >= 1, got " +
-                  std::to_string(options_.interval()));
-    if (options_.histogram_interval() < 0)
-      throw Error("torchdbg: ReporterOptions::histogram_interval must be >= 0, got " +
-                  std::to_string(options_.histogram_interval()));
-    if (options_.histogram_bins() < 1)
-      throw Error("torchdbg: ReporterOptions::histogram_bins must be >= 1, got " +
-                  std::to_string(options_.histogram_bins()));
+    detail::require_at_least<int64_t>(options_.interval(), 1, "ReporterOptions::interval");
+    detail::require_at_least<int64_t>(options_.histogram_interval(), 0,
+                                      "ReporterOptions::histogram_interval");
+    detail::require_at_least<int64_t>(options_.histogram_bins(), 1,
+                                      "ReporterOptions::histogram_bins");
     for (const auto& p : options_.layers())
-      patterns_.push_back(detail::compile_pattern(p, "reporter layer pattern"));
+      (void)detail::compile_pattern(p,
+                                    "reporter layer pattern");  // a bad regex fails here, by name
   }
   BasicReporter(const BasicReporter&) = delete;
   BasicReporter& operator=(const BasicReporter&) = delete;
@@ -277,7 +274,6 @@ class BasicReporter {
 
   static constexpr std::size_t kMaxPending = 4;
   ReporterOptions options_;
-  std::vector<std::regex> patterns_;
   mutable Mutex mutex_;
   std::vector<std::shared_ptr<Exporter>> exporters_;
   std::map<int64_t, StepRecord> pending_;

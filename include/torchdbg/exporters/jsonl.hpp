@@ -33,9 +33,8 @@ class LineStream {
  public:
   LineStream(const std::string& path, StreamOptions o)
       : options_(std::move(o)), file_(path, options_.truncate()) {
-    if (options_.flush_every_steps() < 1)
-      throw Error("torchdbg: StreamOptions::flush_every_steps must be >= 1, got " +
-                  std::to_string(options_.flush_every_steps()));
+    detail::require_at_least<int64_t>(options_.flush_every_steps(), 1,
+                                      "StreamOptions::flush_every_steps");
     last_flush_ = std::chrono::steady_clock::now();
   }
   void add(const std::string& line) {
