@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test suite under sanitizers, for a CI job with a larger budget than the main one
-# (a sanitized build of the suite takes ~2x the compile time of the Release one):
+# The test suite under sanitizers at -O2 (./scripts/test.sh already runs it under
+# ASan+UBSan and the concurrency tests under TSan, at -O0; optimised code can behave
+# differently, and a sanitized -O2 build takes ~2x the compile time of the Release one):
 #   build-asan/: every test under AddressSanitizer + UndefinedBehaviorSanitizer
 #   build-tsan/: the concurrency tests under ThreadSanitizer (tests/tsan.supp: uninstrumented LibTorch)
 # Usage: ./scripts/sanitize.sh [asan|tsan]... (default: both)
