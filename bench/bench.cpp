@@ -6,7 +6,7 @@
 // from one run). Prints one line per model and mode and writes the same figures as JSON.
 //
 //   torchdbg_bench [--threads N] [--rounds R] [--steps S] [--rss-steps N] [--json FILE] [--models
-//   mlp,cnn]
+//   mlp,cnn] [--modes detached,full,every10,idle] [--no-health]
 #include <dlfcn.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -73,6 +73,7 @@ struct Args {
   int rss_steps = 10000;
   std::string json = "torchdbg_bench.json";
   std::string models = "mlp,cnn";
+  std::string modes = "detached,full,every10,idle";
   bool health = true;  // --no-health: statistics hooks only, to see the health monitor's share
 };
 
@@ -95,6 +96,8 @@ Args parse(int argc, char** argv) {
       a.json = next("--json");
     else if (!std::strcmp(argv[i], "--models"))
       a.models = next("--models");
+    else if (!std::strcmp(argv[i], "--modes"))
+      a.modes = next("--modes");
     else if (!std::strcmp(argv[i], "--no-health"))
       a.health = false;
     else
@@ -159,6 +162,7 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
   // "idle": attached to a manager with no hook at all, so nothing is ever due: what merely
   // having tensor hooks on the parameters does to LibTorch's step.
   for (const std::string mode : {"detached", "full", "every10", "idle"}) {
+    if (a.modes.find(mode) == std::string::npos) continue;
     std::vector<double> base, mon;
     for (int r = 0; r < a.rounds; ++r) {
       // ABBA: odd rounds run the monitored half first, so drift within a round (allocator,

@@ -332,3 +332,68 @@ TEST_CASE("the SIMD float path is exact on counts and extrema at every lane and 
     CHECK(s.linf_norm == 5.0);
   }
 }
+
+TEST_CASE("every vector width this CPU runs agrees with the double reference, fast and exact paths", "[stats]") {
+  namespace d = torchdbg::detail;
+  torchdbg_test::SeededRng rng(9);
+  const auto variants = d::block_kernel_variants();
+  REQUIRE(!variants.empty());
+  CHECK(std::string(variants.back().name) == "baseline");
+  // One block's sums relative to `shift`, recomputed in double over the finite values.
+  auto check_block = [](const d::FloatBlock& b, const torch::Tensor& t, float shift) {
+    const Reference r = reference(t);
+    CHECK(b.finite == r.finite);
+    CHECK(b.nan == r.nan);
+    CHECK(b.pos_inf == r.pos_inf);
+    CHECK(b.zeros == r.zeros);
+    CHECK(b.negatives == r.neg);
+    if (r.finite > 0) {
+      CHECK(b.min == r.min);
+      CHECK(b.max == r.max);
+    }
+    double s1 = 0, s2 = 0;
+    const auto acc = t.accessor<float, 1>();
+    for (int64_t i = 0; i < t.size(0); ++i) {
+      if (!std::isfinite(acc[i])) continue;
+      const double dv = static_cast<double>(acc[i]) - shift;
+      s1 += dv;
+      s2 += dv * dv;
+    }
+    CHECK_SCALED(b.s1, s1, r.l1 + 1.0, 1e-5);
+    CHECK_SCALED(b.s2, s2, s2 + 1.0, 1e-5);
+    CHECK_SCALED(b.abs_sum, r.l1, r.l1 + 1.0, 1e-5);
+  };
+  for (const auto& k : variants) {
+    INFO("variant " << k.name);
+    for (int64_t n : {1, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 1000, 2047, 2048}) {
+      INFO("n = " << n);
+      auto t = torch::randn({n}) * 10.0 + 3.0;
+      for (int64_t i : {int64_t{0}, int64_t{15}, int64_t{16}, int64_t{31}, int64_t{32}, n - 1}) {
+        if (i < n) t[i] = i % 2 ? 0.0 : -0.0;  // zeros and -0 (not negative) at lane edges
+      }
+      if (n > 40) t[40] = -7.25;
+      const float* p = t.data_ptr<float>();
+      d::FloatBlock fast, exact;
+      REQUIRE(k.finite(p, n, 0.5f, fast));
+      check_block(fast, t, 0.5f);
+      k.exact(p, n, 0.5f, exact);
+      check_block(exact, t, 0.5f);
+      // NaN or Inf sends the block to the exact path, wherever it sits.
+      for (double bad : {kNaN, kInf, -kInf}) {
+        for (int64_t i : {int64_t{0}, n / 2, n - 1}) {
+          auto u = t.clone();
+          u[i] = bad;
+          INFO("bad " << bad << " at " << i);
+          d::FloatBlock o;
+          CHECK_FALSE(k.finite(u.data_ptr<float>(), n, 0.0f, o));
+          k.exact(u.data_ptr<float>(), n, 0.0f, o);
+          check_block(o, u, 0.0f);
+        }
+      }
+    }
+    // Finite values whose squares overflow float within the vector lanes: sent back too.
+    auto huge = torch::full({2048}, 3.0e38);
+    d::FloatBlock o;
+    CHECK_FALSE(k.finite(huge.data_ptr<float>(), 2048, 0.0f, o));
+  }
+}
