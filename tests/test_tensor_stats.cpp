@@ -1,8 +1,7 @@
 // torchdbg — module hooks and a training debugger for LibTorch.
 // SPDX-License-Identifier: MIT
-#include <torchdbg/tensor_stats.hpp>
-
 #include <limits>
+#include <torchdbg/tensor_stats.hpp>
 
 #include "helpers.hpp"
 
@@ -21,7 +20,8 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 void check_summary(const torchdbg::TensorStats& s, const torch::Tensor& t, double rel = 1e-9) {
   const Reference r = reference(t);
   const auto st = t.scalar_type();
-  if (st == torch::kFloat || st == torch::kHalf || st == torch::kBFloat16) rel = std::max(rel, 1e-6);
+  if (st == torch::kFloat || st == torch::kHalf || st == torch::kBFloat16)
+    rel = std::max(rel, 1e-6);
   const double scale = r.finite > 0 ? r.l1 / static_cast<double>(r.finite) : 0.0;  // mean |x|
   CHECK(s.numel == r.numel);
   CHECK(s.shape == t.sizes().vec());
@@ -46,7 +46,8 @@ void check_summary(const torchdbg::TensorStats& s, const torch::Tensor& t, doubl
   CHECK_CLOSE(s.l1_norm, r.l1, rel);
   CHECK_CLOSE(s.l2_norm, r.l2, rel);
   CHECK_CLOSE(s.linf_norm, r.linf, 0.0);
-  CHECK_CLOSE(s.sparsity, r.numel ? static_cast<double>(r.zeros) / static_cast<double>(r.numel) : kNaN, 1e-15);
+  CHECK_CLOSE(s.sparsity,
+              r.numel ? static_cast<double>(r.zeros) / static_cast<double>(r.numel) : kNaN, 1e-15);
 }
 
 torch::Tensor with_non_finite(torch::Tensor t) {
@@ -61,7 +62,8 @@ torch::Tensor with_non_finite(torch::Tensor t) {
 
 }  // namespace
 
-TEST_CASE("statistics of float data match a double reference, NaN and Inf counted apart", "[stats]") {
+TEST_CASE("statistics of float data match a double reference, NaN and Inf counted apart",
+          "[stats]") {
   torchdbg_test::SeededRng rng(1);
   auto t = with_non_finite(torch::randn({37, 29}) * 3.0 + 1.5);
   const auto s = torchdbg::compute_stats(t);
@@ -77,9 +79,9 @@ TEST_CASE("statistics of float data match a double reference, NaN and Inf counte
 TEST_CASE("every supported dtype gives the reference statistics", "[stats]") {
   torchdbg_test::SeededRng rng(2);
   const auto base = torch::randn({8, 33}) * 20.0;
-  const std::vector<torch::ScalarType> types = {torch::kFloat, torch::kDouble, torch::kHalf,
-                                                torch::kBFloat16, torch::kInt8,  torch::kUInt8,
-                                                torch::kInt16, torch::kInt32,  torch::kInt64};
+  const std::vector<torch::ScalarType> types = {torch::kFloat,    torch::kDouble, torch::kHalf,
+                                                torch::kBFloat16, torch::kInt8,   torch::kUInt8,
+                                                torch::kInt16,    torch::kInt32,  torch::kInt64};
   for (auto st : types) {
     INFO("dtype " << c10::toString(st));
     auto t = st == torch::kUInt8 ? base.abs().to(st) : base.to(st);
@@ -116,7 +118,8 @@ TEST_CASE("empty, 0-d and all-NaN tensors give the documented statistics", "[sta
     CHECK(s.l1_norm == 0.0);
     CHECK(s.l2_norm == 0.0);
     CHECK(s.linf_norm == 0.0);
-    const auto d = torchdbg::compute_stats(torch::empty({0}), torchdbg::StatsOptions().distribution(true));
+    const auto d =
+        torchdbg::compute_stats(torch::empty({0}), torchdbg::StatsOptions().distribution(true));
     REQUIRE(d.distribution);
     CHECK(std::isnan(d.distribution->p50));
     CHECK(d.distribution->bin_counts.size() == 50);
@@ -146,8 +149,9 @@ TEST_CASE("non-contiguous and expanded tensors are read through their strides", 
   torchdbg_test::SeededRng rng(3);
   auto base = with_non_finite(torch::randn({24, 40}));
   auto transposed = base.t();
-  auto strided = base.index({torch::indexing::Slice(1, torch::indexing::None, 3),
-                             torch::indexing::Slice(torch::indexing::None, torch::indexing::None, 2)});
+  auto strided =
+      base.index({torch::indexing::Slice(1, torch::indexing::None, 3),
+                  torch::indexing::Slice(torch::indexing::None, torch::indexing::None, 2)});
   auto expanded = torch::randn({1, 7}).expand({9, 7});
   REQUIRE_FALSE(transposed.is_contiguous());
   REQUIRE_FALSE(strided.is_contiguous());
@@ -175,26 +179,30 @@ TEST_CASE("the on-device reduction path agrees with the CPU kernel", "[stats]") 
   torchdbg_test::SeededRng rng(5);
   for (auto st : {torch::kFloat, torch::kDouble, torch::kHalf, torch::kInt32}) {
     INFO("dtype " << c10::toString(st));
-    auto t = st == torch::kInt32 ? (torch::randn({33, 17}) * 50).to(st) : with_non_finite(torch::randn({33, 17})).to(st);
+    auto t = st == torch::kInt32 ? (torch::randn({33, 17}) * 50).to(st)
+                                 : with_non_finite(torch::randn({33, 17})).to(st);
     const auto m = torchdbg::detail::unpack_moments(torchdbg::detail::pack_moments(t));
     const auto s = torchdbg::stats_from_moments(m, t);
     check_summary(s, t, 1e-9);
   }
-  const auto empty = torchdbg::detail::unpack_moments(torchdbg::detail::pack_moments(torch::empty({0})));
+  const auto empty =
+      torchdbg::detail::unpack_moments(torchdbg::detail::pack_moments(torch::empty({0})));
   CHECK(empty.count == 0);
   CHECK(empty.finite == 0);
 }
 
-TEST_CASE("the distribution matches torch.quantile, a naive histogram and reference moments", "[stats]") {
+TEST_CASE("the distribution matches torch.quantile, a naive histogram and reference moments",
+          "[stats]") {
   torchdbg_test::SeededRng rng(6);
   auto t = with_non_finite(torch::randn({1001}).pow(3));  // skewed, heavy-tailed
   const int64_t bins = 17;
-  const auto s = torchdbg::compute_stats(t, torchdbg::StatsOptions().distribution(true).histogram_bins(bins));
+  const auto s =
+      torchdbg::compute_stats(t, torchdbg::StatsOptions().distribution(true).histogram_bins(bins));
   REQUIRE(s.distribution);
   const auto& d = *s.distribution;
   const Reference r = reference(t);
   const auto finite = torch::tensor(r.sorted, torch::kDouble);
-  const std::vector<std::pair<double, double>> qs = {{0.05, d.p5}, {0.25, d.p25}, {0.5, d.p50},
+  const std::vector<std::pair<double, double>> qs = {{0.05, d.p5},  {0.25, d.p25}, {0.5, d.p50},
                                                      {0.75, d.p75}, {0.95, d.p95}, {0.99, d.p99}};
   for (auto [q, got] : qs) {
     INFO("q = " << q);
@@ -232,7 +240,8 @@ TEST_CASE("the distribution matches torch.quantile, a naive histogram and refere
   CHECK_CLOSE(d.skewness, m3 / std::pow(m2, 1.5), 1e-6);  // around the float-path mean
   CHECK_CLOSE(d.excess_kurtosis, m4 / (m2 * m2) - 3.0, 1e-6);
   CHECK(d.skewness > 0.5);
-  const double q1 = torchdbg_test::ref_quantile(r.sorted, 0.25), q3 = torchdbg_test::ref_quantile(r.sorted, 0.75);
+  const double q1 = torchdbg_test::ref_quantile(r.sorted, 0.25),
+               q3 = torchdbg_test::ref_quantile(r.sorted, 0.75);
   int64_t iqr = 0, sig = 0;
   for (double x : r.sorted) {
     iqr += (x < q1 - 1.5 * (q3 - q1) || x > q3 + 1.5 * (q3 - q1));
@@ -244,7 +253,8 @@ TEST_CASE("the distribution matches torch.quantile, a naive histogram and refere
 }
 
 TEST_CASE("a constant tensor gets a unit-wide histogram range and no shape moments", "[stats]") {
-  const auto s = torchdbg::compute_stats(torch::full({10}, 4.0), torchdbg::StatsOptions().distribution(true).histogram_bins(4));
+  const auto s = torchdbg::compute_stats(
+      torch::full({10}, 4.0), torchdbg::StatsOptions().distribution(true).histogram_bins(4));
   REQUIRE(s.distribution);
   CHECK(s.distribution->bin_edges.front() == 3.0);
   CHECK(s.distribution->bin_edges.back() == 5.0);
@@ -279,18 +289,21 @@ TEST_CASE("unsupported dtypes and undefined tensors are rejected with the dtype 
     CHECK(std::string(e.what()).find("ComplexFloat") != std::string::npos);
   }
   CHECK_THROWS_AS(torchdbg::compute_stats(torch::Tensor()), torchdbg::Error);
-  CHECK_THROWS_AS(torchdbg::compute_stats(torch::randn({3}), torchdbg::StatsOptions().distribution(true).histogram_bins(0)),
-                  torchdbg::Error);
+  CHECK_THROWS_AS(
+      torchdbg::compute_stats(torch::randn({3}),
+                              torchdbg::StatsOptions().distribution(true).histogram_bins(0)),
+      torchdbg::Error);
 }
 
 TEST_CASE("statistics serialise to JSON with NaN as null", "[stats]") {
   auto t = torch::tensor({1.0, 2.0, kNaN});
-  nlohmann::json j = torchdbg::compute_stats(t, torchdbg::StatsOptions().distribution(true).histogram_bins(2));
+  nlohmann::json j =
+      torchdbg::compute_stats(t, torchdbg::StatsOptions().distribution(true).histogram_bins(2));
   CHECK(j["nan_count"] == 1);
   CHECK(j["mean"].get<double>() == 1.5);
   CHECK(j["distribution"]["bin_counts"] == nlohmann::json::array({1, 1}));
   nlohmann::json e = torchdbg::compute_stats(torch::empty({0}));
-  CHECK(std::isnan(e["mean"].get<double>()));                 // in memory: a NaN number
+  CHECK(std::isnan(e["mean"].get<double>()));                // in memory: a NaN number
   CHECK(nlohmann::json::parse(e.dump())["mean"].is_null());  // written: null
 }
 
@@ -306,7 +319,8 @@ TEST_CASE("CUDA tensors are reduced on the device", "[stats][cuda]") {
   CHECK(s.device == "cuda:0");
 }
 
-TEST_CASE("the SIMD float path is exact on counts and extrema at every lane and block boundary", "[stats]") {
+TEST_CASE("the SIMD float path is exact on counts and extrema at every lane and block boundary",
+          "[stats]") {
   torchdbg_test::SeededRng rng(8);
   for (int64_t n : {1, 7, 8, 9, 15, 16, 17, 2047, 2048, 2049, 4096 + 5, 3 * 2048 + 7}) {
     INFO("n = " << n);
@@ -333,7 +347,8 @@ TEST_CASE("the SIMD float path is exact on counts and extrema at every lane and 
   }
 }
 
-TEST_CASE("every vector width this CPU runs agrees with the double reference, fast and exact paths", "[stats]") {
+TEST_CASE("every vector width this CPU runs agrees with the double reference, fast and exact paths",
+          "[stats]") {
   namespace d = torchdbg::detail;
   torchdbg_test::SeededRng rng(9);
   const auto variants = d::block_kernel_variants();
