@@ -186,6 +186,31 @@ struct FloatBlock {
 };
 
 #if defined(TORCHDBG_HAVE_VECTOR_EXT)
+/// One vector lane's float sums, extrema and counts, added to a block's (both paths).
+inline void add_lane(float s1, float s2, float ab, float mn, float mx, int32_t zeros,
+                     int32_t negatives, FloatBlock& o) {
+  o.s1 += s1;
+  o.s2 += s2;
+  o.abs_sum += ab;
+  o.min = std::min(o.min, mn);
+  o.max = std::max(o.max, mx);
+  o.zeros += zeros;
+  o.negatives += negatives;
+}
+
+/// One finite value of a block's scalar tail (both paths), summed in double.
+inline void add_finite(float v, float shift, FloatBlock& o) {
+  const double d = static_cast<double>(v) - shift;
+  o.s1 += d;
+  o.s2 += d * d;
+  o.abs_sum += std::fabs(v);
+  o.min = std::min(o.min, v);
+  o.max = std::max(o.max, v);
+  ++o.finite;
+  o.zeros += v == 0.0f ? 1 : 0;
+  o.negatives += v < 0.0f ? 1 : 0;
+}
+
 // Each width is used only where it is the CPU's native one: GCC splits wider vectors, and
 // scalarises their selects.
 typedef float TorchdbgV4f __attribute__((vector_size(16)));
@@ -238,27 +263,12 @@ __attribute__((always_inline)) inline bool float_block_finite_impl(const float* 
   o = FloatBlock{};
   for (int64_t k = 0; k < kLanes; ++k) {
     if (!(std::fabs(ab[k]) <= FLT_MAX) || !(std::fabs(s2[k]) <= FLT_MAX)) return false;
-    o.s1 += s1[k];
-    o.s2 += s2[k];
-    o.abs_sum += ab[k];
-    o.min = std::min(o.min, mn[k]);
-    o.max = std::max(o.max, mx[k]);
-    o.zeros += zer[k];
-    o.negatives += neg[k];
+    add_lane(s1[k], s2[k], ab[k], mn[k], mx[k], zer[k], neg[k], o);
   }
   o.finite = i;
   for (; i < n; ++i) {
-    const float v = p[i];
-    if (!(std::fabs(v) <= FLT_MAX)) return false;
-    const double d = static_cast<double>(v) - shift;
-    o.s1 += d;
-    o.s2 += d * d;
-    o.abs_sum += std::fabs(v);
-    o.min = std::min(o.min, v);
-    o.max = std::max(o.max, v);
-    ++o.finite;
-    o.zeros += v == 0.0f ? 1 : 0;
-    o.negatives += v < 0.0f ? 1 : 0;
+    if (!(std::fabs(p[i]) <= FLT_MAX)) return false;
+    add_finite(p[i], shift, o);
   }
   return true;
 }
@@ -298,33 +308,19 @@ __attribute__((always_inline)) inline void float_block_exact_impl(const float* p
   }
   o = FloatBlock{};
   for (int64_t k = 0; k < kLanes; ++k) {
-    o.s1 += s1[k];
-    o.s2 += s2[k];
-    o.abs_sum += ab[k];
-    o.min = std::min(o.min, mn[k]);
-    o.max = std::max(o.max, mx[k]);
+    add_lane(s1[k], s2[k], ab[k], mn[k], mx[k], zer[k], neg[k], o);
     o.finite += fin[k];
-    o.zeros += zer[k];
-    o.negatives += neg[k];
     o.nan += nan[k];
     o.pos_inf += pinf[k];
   }
   for (; i < n; ++i) {
     const float v = p[i];
-    if (!(std::fabs(v) <= FLT_MAX)) {
+    if (std::fabs(v) <= FLT_MAX) {
+      add_finite(v, shift, o);
+    } else {
       o.nan += v != v ? 1 : 0;
       o.pos_inf += v == INFINITY ? 1 : 0;
-      continue;
     }
-    const double d = static_cast<double>(v) - shift;
-    o.s1 += d;
-    o.s2 += d * d;
-    o.abs_sum += std::fabs(v);
-    o.min = std::min(o.min, v);
-    o.max = std::max(o.max, v);
-    ++o.finite;
-    o.zeros += v == 0.0f ? 1 : 0;
-    o.negatives += v < 0.0f ? 1 : 0;
   }
 }
 
