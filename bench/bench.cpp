@@ -224,7 +224,8 @@ nlohmann::json bench_kernel() {
              100.0 * stat_gbs / copy_gbs);
   return {{"stats_gbs", stat_gbs},
           {"copy_gbs", copy_gbs},
-          {"percent_of_copy", 100.0 * stat_gbs / copy_gbs}};
+          {"percent_of_copy", 100.0 * stat_gbs / copy_gbs},
+          {"vector_width", torchdbg::detail::block_kernels().name}};  // which fast path ran
 }
 
 nlohmann::json bench_rss(const Args& a) {
