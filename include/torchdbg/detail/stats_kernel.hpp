@@ -30,7 +30,6 @@
 #include <limits>
 #include <string>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "torchdbg/error.hpp"
