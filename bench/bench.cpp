@@ -6,7 +6,11 @@
 // from one run). Prints one line per model and mode and writes the same figures as JSON.
 //
 //   torchdbg_bench [--threads N] [--rounds R] [--steps S] [--rss-steps N] [--json FILE] [--models
-//   mlp,cnn] [--modes detached,full,every10,idle] [--no-health]
+//   mlp,cnn] [--modes detached,full,every10,idle] [--no-health] [--device cpu|cuda]
+//
+// With --device cuda the models train on the GPU, each timed step ends with a device
+// synchronize, and the run also prints how many copies brought statistics to the host per
+// monitored step (StatsBatching::Device: one per step, not one per layer).
 #include <dlfcn.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -75,6 +79,7 @@ struct Args {
   std::string models = "mlp,cnn";
   std::string modes = "detached,full,every10,idle";
   bool health = true;  // --no-health: statistics hooks only, to see the health monitor's share
+  std::string device = "cpu";
 };
 
 Args parse(int argc, char** argv) {
@@ -98,6 +103,8 @@ Args parse(int argc, char** argv) {
       a.models = next("--models");
     else if (!std::strcmp(argv[i], "--modes"))
       a.modes = next("--modes");
+    else if (!std::strcmp(argv[i], "--device"))
+      a.device = next("--device");
     else if (!std::strcmp(argv[i], "--no-health"))
       a.health = false;
     else
@@ -138,10 +145,12 @@ struct Trainer {
   std::shared_ptr<Model> model = std::make_shared<Model>();
   torch::optim::SGD opt{model->parameters(), torch::optim::SGDOptions(0.01)};
   torch::Tensor x, y;
-  Trainer(std::vector<int64_t> shape, int64_t batch) {
+  torch::Device device;
+  Trainer(std::vector<int64_t> shape, int64_t batch, torch::Device dev = torch::kCPU) : device(dev) {
     shape.insert(shape.begin(), batch);
-    x = torch::randn(shape);
-    y = torch::randint(0, 10, {batch});
+    model->to(device);
+    x = torch::randn(shape).to(device);
+    y = torch::randint(0, 10, {batch}).to(device);
   }
   double step() {
     const auto t0 = Clock::now();
@@ -149,6 +158,7 @@ struct Trainer {
     auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);
     loss.backward();
     opt.step();
+    if (device.is_cuda()) torch::cuda::synchronize();
     return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
   }
 };
@@ -156,7 +166,7 @@ struct Trainer {
 template <typename Model>
 nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, int64_t batch,
                            const Args& a) {
-  Trainer<Model> tr(shape, batch);
+  Trainer<Model> tr(shape, batch, torch::Device(a.device));
   for (int i = 0; i < 3; ++i) tr.step();  // warm-up
   nlohmann::json out;
   // "idle": attached to a manager with no hook at all, so nothing is ever due: what merely
@@ -164,6 +174,7 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
   for (const std::string mode : {"detached", "full", "every10", "idle"}) {
     if (a.modes.find(mode) == std::string::npos) continue;
     std::vector<double> base, mon;
+    uint64_t copies = 0;
     // One monitor per mode, kept across rounds (its per-layer state is built once, as in a
     // real run); only the attachment comes and goes, so baseline steps run detached.
     Monitor monitor(mode == "every10", a.health && mode != "idle");
@@ -182,6 +193,7 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
           monitor.hooks.set_step(r * a.steps + s);
           mon.push_back(tr.step());
         }
+        if (session) copies += session->host_transfers();
       }
       if (r % 2 == 1) run_base();
     }
@@ -195,9 +207,13 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
       overhead = 100.0 * (sm / mon.size() - sb / base.size()) / (sb / base.size());
     }
     fmt::print("overhead {} {}: {:.1f}%\n", name, mode, overhead);
+    const double copies_per_step = static_cast<double>(copies) / static_cast<double>(mon.size());
+    if (tr.device.is_cuda()) fmt::print("host copies per step {} {}: {:.2f}\n", name, mode, copies_per_step);
     std::fflush(stdout);
-    out[mode] = {
-        {"overhead_percent", overhead}, {"baseline_median_us", b}, {"monitored_median_us", m}};
+    out[mode] = {{"overhead_percent", overhead},
+                 {"baseline_median_us", b},
+                 {"monitored_median_us", m},
+                 {"host_copies_per_step", copies_per_step}};
   }
   return out;
 }
@@ -263,7 +279,7 @@ int main(int argc, char** argv) {
     set_blas_threads(a.threads);
     torch::manual_seed(0);
     nlohmann::json report{
-        {"threads", a.threads}, {"rounds", a.rounds}, {"steps_per_round", a.steps}};
+        {"threads", a.threads}, {"rounds", a.rounds}, {"steps_per_round", a.steps}, {"device", a.device}};
     if (a.models.find("mlp") != std::string::npos)
       report["mlp"] = bench_model<Mlp>("mlp", {784}, 128, a);
     if (a.models.find("cnn") != std::string::npos)

@@ -1,7 +1,9 @@
 // torchdbg — module hooks and a training debugger for LibTorch.
 // SPDX-License-Identifier: MIT
 #include <torchdbg/attach.hpp>
+#include <torchdbg/health.hpp>
 
+#include <atomic>
 #include <map>
 #include <thread>
 
@@ -473,4 +475,287 @@ TEST_CASE("a parameter used only as a shape template is not a forward output", "
   (void)z;
   (void)n;
   (void)y;
+}
+
+namespace {
+
+/// One delivery as a hook saw it.
+struct Delivery {
+  int64_t step;
+  std::string key;
+  bool forward;
+  torchdbg::TensorStats stats;
+  std::optional<std::string> input_rms;
+};
+
+void record_deliveries(HookManager& hooks, std::vector<Delivery>& out) {
+  hooks.register_callback("deliveries", [&out](const torchdbg::HookContext& c) {
+    std::string key(c.layer_name());
+    if (auto p = c.metadata_value("parameter")) key += "." + std::string(*p);
+    std::optional<std::string> rms;
+    if (auto r = c.metadata_value("input_rms")) rms = std::string(*r);
+    out.push_back({c.step(), key, c.is_forward(), c.stats(), rms});
+  });
+  hooks.register_hook(HookConfig().trigger(HookTrigger::every_n_steps(1)).actions(
+      {HookAction::custom_callback("deliveries")}));
+}
+
+}  // namespace
+
+TEST_CASE("queued deliveries arrive at the end of backward with the statistics of immediate ones", "[attach]") {
+  torchdbg_test::SeededRng rng(31);
+  auto a = std::make_shared<Net>(6);
+  auto b = std::make_shared<Net>(6);
+  {
+    torch::NoGradGuard ng;
+    const auto pa = a->parameters(), pb = b->parameters();
+    for (std::size_t i = 0; i < pa.size(); ++i) pb[i].copy_(pa[i]);
+  }
+  HookManager ha, hb;
+  std::vector<Delivery> da, db;
+  record_deliveries(ha, da);
+  record_deliveries(hb, db);
+  auto sa = torchdbg::attach(*a, ha, AttachOptions().batching(torchdbg::StatsBatching::PerDelivery));
+  auto sb = torchdbg::attach(*b, hb, AttachOptions().batching(torchdbg::StatsBatching::All));
+  torch::optim::SGD oa(a->parameters(), 0.05), ob(b->parameters(), 0.05);
+  for (int64_t step = 0; step < 3; ++step) {
+    ha.set_step(step);
+    hb.set_step(step);
+    auto x = torch::randn({5, 1, 6, 6});
+    if (step == 2) x[1][0][2][3] = std::numeric_limits<float>::quiet_NaN();  // NaN in one sample
+    auto tokens = torch::randint(0, 20, {5});
+    oa.zero_grad();
+    ob.zero_grad();
+    const std::size_t had_a = da.size(), had_b = db.size();
+    auto ya = a->forward(x, tokens), yb = b->forward(x, tokens);
+    CHECK(da.size() > had_a);   // immediate: the forward outputs ran their hooks already
+    CHECK(db.size() == had_b);  // queued: nothing until the end of backward
+    ya.pow(2).mean().backward();
+    yb.pow(2).mean().backward();
+    CHECK(db.size() == da.size());
+    CHECK(sb.host_transfers() == static_cast<uint64_t>(step + 1));  // one copy per step
+    oa.step();
+    ob.step();
+  }
+  CHECK(sa.host_transfers() == 0);
+  REQUIRE(da.size() == db.size());
+  for (std::size_t i = 0; i < da.size(); ++i) {
+    const Delivery &p = da[i], &q = db[i];
+    INFO("delivery " << i << ": " << p.key << " at step " << p.step);
+    REQUIRE(p.key == q.key);
+    CHECK(p.step == q.step);
+    CHECK(p.forward == q.forward);
+    CHECK(p.stats.numel == q.stats.numel);
+    CHECK(p.stats.shape == q.stats.shape);
+    CHECK(p.stats.finite_count == q.stats.finite_count);
+    CHECK(p.stats.nan_count == q.stats.nan_count);
+    CHECK(p.stats.inf_count == q.stats.inf_count);
+    CHECK(p.stats.zero_count == q.stats.zero_count);
+    CHECK(p.stats.negative_count == q.stats.negative_count);
+    CHECK(p.stats.positive_count == q.stats.positive_count);
+    const double scale = p.stats.finite_count > 0 ? p.stats.l1_norm / p.stats.finite_count : 0.0;
+    if (std::isnan(p.stats.mean)) {
+      CHECK(std::isnan(q.stats.mean));  // no finite value
+    } else {
+      CHECK_SCALED(p.stats.mean, q.stats.mean, scale, 1e-6);
+    }
+    CHECK_CLOSE(p.stats.std, q.stats.std, 1e-5);
+    CHECK_CLOSE(p.stats.min, q.stats.min, 0.0);
+    CHECK_CLOSE(p.stats.max, q.stats.max, 0.0);
+    CHECK_CLOSE(p.stats.l2_norm, q.stats.l2_norm, 1e-6);
+    CHECK(p.input_rms.has_value() == q.input_rms.has_value());
+    if (p.input_rms && q.input_rms) CHECK_CLOSE(std::stod(*p.input_rms), std::stod(*q.input_rms), 1e-6);
+  }
+  // The NaN of step 2 reached the deliveries downstream of it through both paths.
+  CHECK(std::any_of(db.begin(), db.end(), [](const Delivery& d) { return d.step == 2 && d.stats.nan_count > 0; }));
+  const auto na = sa.gradient_norms(), nb = sb.gradient_norms();
+  REQUIRE(na.size() == nb.size());
+  for (std::size_t i = 0; i < na.size(); ++i) {
+    CHECK(na[i].first == nb[i].first);
+    CHECK_CLOSE(na[i].second, nb[i].second, 1e-6);
+  }
+}
+
+TEST_CASE("queued deliveries are bounded and arrive at step changes, flush() and detach", "[attach]") {
+  auto net = torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::ReLU(), torch::nn::Linear(3, 2));
+  HookManager hooks;
+  std::vector<std::pair<int64_t, std::string>> seen;
+  hooks.register_callback("s", [&](const torchdbg::HookContext& c) {
+    seen.emplace_back(c.step(), std::string(c.layer_name()));
+  });
+  hooks.register_hook(HookConfig().trigger(HookTrigger::every_forward()).actions({HookAction::custom_callback("s")}));
+  auto session = torchdbg::attach(*net, hooks, AttachOptions().batching(torchdbg::StatsBatching::All).max_deferred(2));
+  hooks.set_step(3);
+  auto y = net->forward(torch::randn({5, 4}));
+  // "0" and "0/relu" filled the queue (2): one early copy; "2" waits for a consumer.
+  CHECK(session.host_transfers() == 1);
+  CHECK(seen == std::vector<std::pair<int64_t, std::string>>{{3, "0"}, {3, "0/relu"}});
+  session.flush();
+  CHECK(session.host_transfers() == 2);
+  CHECK(seen.size() == 3);
+  CHECK(seen.back() == std::pair<int64_t, std::string>{3, "2"});
+  net->forward(torch::randn({5, 4})).sum();  // "0", "0/relu" (a copy), "2" consumed by sum: queued
+  CHECK(seen.size() == 5);
+  hooks.set_step(4);  // the queued "2" belongs to step 3
+  CHECK(seen.size() == 6);
+  CHECK(seen.back() == std::pair<int64_t, std::string>{3, "2"});
+  net->forward(torch::randn({5, 4})).sum();
+  const std::size_t before_detach = seen.size();
+  session.detach();  // what is queued is delivered, then nothing more
+  CHECK(seen.size() == before_detach + 1);
+  CHECK(seen.back() == std::pair<int64_t, std::string>{4, "2"});
+  net->forward(torch::randn({5, 4})).sum();
+  CHECK(seen.size() == before_detach + 1);
+
+  CHECK_THROWS_WITH(torchdbg::attach(*net, hooks, AttachOptions().max_deferred(0)),
+                    Catch::Contains("max_deferred") && Catch::Contains("got 0"));
+}
+
+TEST_CASE("prefetched values of a queued delivery reach its hooks; immediate ones carry none", "[attach]") {
+  for (auto mode : {torchdbg::StatsBatching::All, torchdbg::StatsBatching::PerDelivery}) {
+    const bool queued = mode == torchdbg::StatsBatching::All;
+    INFO("queued " << queued);
+    auto net = torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::Linear(3, 2));
+    HookManager hooks;
+    hooks.add_prefetch("sum", [](std::string_view, const at::Tensor& t, bool, const torchdbg::Metadata&) {
+      return t.detach().to(at::kDouble).sum();
+    });
+    int checked = 0, without = 0;
+    hooks.register_callback("read", [&](const torchdbg::HookContext& c) {
+      const auto* v = c.prefetched("sum");
+      if (v == nullptr) {
+        ++without;
+        return;
+      }
+      REQUIRE(v->size() == 1);
+      CHECK_CLOSE((*v)[0], c.tensor().to(torch::kDouble).sum().item<double>(), 1e-9);
+      ++checked;
+    });
+    hooks.register_hook(HookConfig().trigger(HookTrigger::every_n_steps(1)).actions({HookAction::custom_callback("read")}));
+    auto session = torchdbg::attach(*net, hooks, AttachOptions().batching(mode));
+    net->forward(torch::randn({5, 4})).sum().backward();
+    // forward outputs "0", "1" and four gradients
+    CHECK(checked + without == 6);
+    CHECK(checked == (queued ? 6 : 0));
+    CHECK(session.host_transfers() == (queued ? 1u : 0u));
+  }
+}
+
+TEST_CASE("queued deliveries may be flushed from another thread while steps run", "[attach]") {
+  auto net = torch::nn::Sequential(torch::nn::Linear(8, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
+  HookManager hooks;
+  std::atomic<int> calls{0};
+  hooks.register_callback("count", [&](const torchdbg::HookContext& c) {
+    (void)c.stats();
+    calls.fetch_add(1);
+  });
+  hooks.register_hook(HookConfig().trigger(HookTrigger::every_n_steps(1)).actions({HookAction::custom_callback("count")}));
+  auto session = torchdbg::attach(*net, hooks, AttachOptions().batching(torchdbg::StatsBatching::All));
+  std::atomic<bool> done{false};
+  std::thread flusher([&] {
+    while (!done.load()) session.flush();
+  });
+  for (int i = 0; i < 20; ++i) net->forward(torch::randn({4, 8})).sum().backward();
+  done.store(true);
+  flusher.join();
+  session.flush();
+  CHECK(calls.load() == 20 * (3 + 4));  // "0", "0/relu", "2" and four gradients per step, once each
+  CHECK(session.host_transfers() >= 20);
+}
+
+namespace {
+
+/// Counts device-to-host copies as ATen's RecordFunction (the operator events the profiler
+/// records) sees them: copy_ into a CPU tensor from another device, and item() of a tensor
+/// on another device (_local_scalar_dense). Counts on every thread while alive.
+class HostCopyCounter {
+ public:
+  HostCopyCounter() {
+    count().store(0);
+    handle_ = at::addGlobalCallback(at::RecordFunctionCallback(&on_start).needsInputs(true));
+  }
+  ~HostCopyCounter() { at::removeCallback(handle_); }
+  HostCopyCounter(const HostCopyCounter&) = delete;
+  HostCopyCounter& operator=(const HostCopyCounter&) = delete;
+  [[nodiscard]] int copies() const { return count().load(); }
+
+ private:
+  static std::atomic<int>& count() {
+    static std::atomic<int> c{0};
+    return c;
+  }
+  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+    const std::string_view name = fn.name();
+    const bool copy = name == "aten::copy_", scalar = name == "aten::_local_scalar_dense";
+    if (!copy && !scalar) return nullptr;
+    const auto in = fn.inputs();
+    auto on_device = [&](std::size_t i) {
+      return in.size() > i && in[i].isTensor() && !in[i].toTensor().device().is_cpu();
+    };
+    if (copy && in.size() >= 2 && in[0].isTensor() && in[0].toTensor().device().is_cpu() && on_device(1))
+      count().fetch_add(1);
+    if (scalar && on_device(0)) count().fetch_add(1);
+    return nullptr;
+  }
+  at::CallbackHandle handle_ = 0;
+};
+
+}  // namespace
+
+TEST_CASE("a monitored CUDA training step copies to the host once", "[attach][cuda]") {
+  // Without a GPU the same step runs on the CPU with every delivery queued (StatsBatching::All):
+  // the batching is the same, there is just no device copy to count.
+  const bool cuda = torch::cuda::is_available();
+  if (!cuda) WARN("no CUDA device: the step runs on the CPU with StatsBatching::All");
+  const torch::Device dev = cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
+  torchdbg_test::SeededRng rng(3);
+  auto net = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64),
+                                   torch::nn::Tanh(), torch::nn::Linear(64, 10));
+  net->to(dev);
+  torch::optim::SGD opt(net->parameters(), 0.01);
+  // What the bench's "full" mode installs: statistics of every output and gradient, health.
+  HookManager hooks(torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.0)));
+  torchdbg::HealthMonitor health;
+  auto fed = health.install(hooks);
+  hooks.create_tensor_inspection_hook({});
+  hooks.create_gradient_tracking_hook({});
+  auto session = torchdbg::attach(
+      *net, hooks, AttachOptions().batching(cuda ? torchdbg::StatsBatching::Device : torchdbg::StatsBatching::All));
+  const auto x = torch::randn({16, 32}, dev);
+  const auto y = torch::randint(0, 10, {16}, torch::TensorOptions().dtype(torch::kLong).device(dev));
+  for (int64_t step = 0; step < 3; ++step) {
+    hooks.set_step(step);
+    int copies = 0;
+    {
+      HostCopyCounter counter;
+      opt.zero_grad();
+      torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+      if (step < 2) opt.step();  // the last step's parameters stay for the reference below
+      copies = counter.copies();
+    }
+    INFO("step " << step);
+    CHECK(copies == (cuda ? 1 : 0));
+  }
+  CHECK(session.host_transfers() == 3);
+  CHECK(session.forward_deliveries() == 3 * 5);  // 0, 0/relu, 2, 2/tanh, 4
+  CHECK(session.backward_deliveries() == 3 * 6);
+  // What arrived is right: the last step's first output against its CPU reference.
+  const auto rec = hooks.inspector.latest("0");
+  REQUIRE(rec);
+  hooks.set_enabled(false);
+  torch::Tensor out;
+  {
+    torch::NoGradGuard ng;
+    out = net[0]->as<torch::nn::Linear>()->forward(x).cpu();
+  }
+  const auto r = torchdbg_test::reference(out);
+  CHECK(rec->stats.device == (cuda ? "cuda:0" : "cpu"));
+  CHECK(rec->stats.numel == r.numel);
+  CHECK(rec->stats.positive_count == r.pos);
+  CHECK_SCALED(rec->stats.mean, r.mean, r.scale(), 1e-6);
+  CHECK_CLOSE(rec->stats.std, r.std, 1e-5);
+  REQUIRE(health.layer("0/relu"));
+  CHECK(std::isfinite(health.layer("0/relu")->rms));
+  REQUIRE(hooks.state().gradient_norm);
+  CHECK(std::isfinite(*hooks.state().gradient_norm));
 }

@@ -1,6 +1,7 @@
 // torchdbg — module hooks and a training debugger for LibTorch.
 // SPDX-License-Identifier: MIT
 #include <thread>
+#include <torchdbg/attach.hpp>
 #include <torchdbg/health.hpp>
 
 #include "helpers.hpp"
@@ -361,4 +362,106 @@ TEST_CASE("the monitor takes observations from several threads at once", "[healt
   for (auto& th : threads) th.join();
   CHECK(m.layers().size() == 8);
   CHECK(m.alarm_count() == 0);
+}
+
+TEST_CASE("prefetched counts stand in for the monitor's own only when made for the judged kind",
+          "[health]") {
+  // All units of y are active; prefetched counts claiming none are must be what is judged.
+  auto y = torch::rand({100, 4}) + 0.1;
+  HealthMonitor m(HealthOptions().dead_window_samples(100));
+  const std::vector<double> none_active(4, 0.0), wrong_width(3, 0.0);
+  ActivationInfo info = act("relu");
+  info.unit_counts = &none_active;
+  m.observe_activation("fc/relu", y, 0, info);
+  CHECK(m.layer("fc/relu")->dead_fraction == 1.0);
+  info.unit_counts = &wrong_width;  // not this output's units: counted here instead
+  HealthMonitor m2(HealthOptions().dead_window_samples(100));
+  m2.observe_activation("fc/relu", y, 0, info);
+  CHECK(m2.layer("fc/relu")->dead_fraction == 0.0);
+
+  // Saturation: a prefetched count for a tanh output is used; for a module output without a
+  // known kind it is ignored.
+  auto t = torch::tanh(torch::randn({10, 10}) * 0.1);  // nothing saturated
+  const std::vector<double> half{50.0};
+  ActivationInfo ti = act("tanh");
+  ti.saturated_count = &half;
+  HealthMonitor m3;
+  m3.observe_activation("a/tanh", t, 0, ti);
+  CHECK(m3.layer("a/tanh")->saturated_fraction == 0.5);
+  ActivationInfo plain;
+  plain.saturated_count = &half;
+  m3.observe_activation("a", t, 0, plain);
+  CHECK(std::isnan(m3.layer("a")->saturated_fraction));
+}
+
+TEST_CASE("queued deliveries bring the monitor's counts with the batch and judge the same", "[health]") {
+  struct Net : torch::nn::Module {
+    Net()
+        : fc1(register_module("fc1", torch::nn::Linear(6, 16))),
+          fc2(register_module("fc2", torch::nn::Linear(16, 16))),
+          fc3(register_module("fc3", torch::nn::Linear(16, 3))) {}
+    torch::Tensor forward(const torch::Tensor& x) {
+      return fc3(torch::tanh(fc2(torch::relu(fc1(x)))));
+    }
+    torch::nn::Linear fc1, fc2, fc3;
+  };
+  torchdbg_test::SeededRng rng(5);
+  auto a = std::make_shared<Net>();
+  auto b = std::make_shared<Net>();
+  {
+    torch::NoGradGuard ng;
+    const auto pa = a->parameters(), pb = b->parameters();
+    for (std::size_t i = 0; i < pa.size(); ++i) pb[i].copy_(pa[i]);
+    for (auto* n : {a.get(), b.get()}) {
+      n->fc1->bias.narrow(0, 0, 8).fill_(-50.0);  // fc1 units 0..7 never fire
+      n->fc2->weight.mul_(40.0);                   // fc2's tanh saturates
+    }
+  }
+  torchdbg::HookManager ha, hb;
+  HealthMonitor ma(HealthOptions().dead_window_samples(64)), mb(HealthOptions().dead_window_samples(64));
+  auto ia = ma.install(ha);
+  auto ib = mb.install(hb);
+  auto sa = torchdbg::attach(*a, ha, torchdbg::AttachOptions().batching(torchdbg::StatsBatching::PerDelivery));
+  auto sb = torchdbg::attach(*b, hb, torchdbg::AttachOptions().batching(torchdbg::StatsBatching::All));
+  // A probe hook sees what the monitor's prefetches brought.
+  int with_units = 0, with_saturation = 0;
+  hb.register_callback("probe", [&](const torchdbg::HookContext& c) {
+    const std::string cb = "torchdbg.health." + std::to_string(reinterpret_cast<std::uintptr_t>(&mb));
+    if (const auto* u = c.prefetched(cb + ".units")) {
+      ++with_units;
+      CHECK(c.layer_name() == "fc1/relu");
+      int64_t per_unit = 0;
+      const auto ref = torchdbg::detail::count_above_per_unit(c.tensor(), 1, 0.0, per_unit);
+      REQUIRE(u->size() == ref.size());
+      for (std::size_t i = 0; i < ref.size(); ++i) CHECK((*u)[i] == static_cast<double>(ref[i]));
+    }
+    if (const auto* s = c.prefetched(cb + ".saturation")) {
+      ++with_saturation;
+      CHECK(c.layer_name() == "fc2/tanh");
+      REQUIRE(s->size() == 1);
+      CHECK((*s)[0] == static_cast<double>(torchdbg::detail::count_outside(c.tensor(), -0.97, 0.97)));
+    }
+  });
+  hb.register_hook(torchdbg::HookConfig().trigger(torchdbg::HookTrigger::every_forward()).actions(
+      {torchdbg::HookAction::custom_callback("probe")}));
+  for (int64_t step = 0; step < 4; ++step) {
+    ha.set_step(step);
+    hb.set_step(step);
+    auto x = torch::randn({16, 6});
+    a->forward(x).pow(2).mean().backward();
+    b->forward(x).pow(2).mean().backward();
+  }
+  CHECK(with_units == 4);
+  CHECK(with_saturation == 4);
+  for (const std::string layer : {"fc1", "fc1/relu", "fc2", "fc2/tanh", "fc3"}) {
+    INFO("layer " << layer);
+    const auto la = ma.layer(layer), lb = mb.layer(layer);
+    REQUIRE(la);
+    REQUIRE(lb);
+    CHECK(la->activation == lb->activation);
+    CHECK(torchdbg_test::near(la->dead_fraction, lb->dead_fraction));
+    CHECK(torchdbg_test::near(la->saturated_fraction, lb->saturated_fraction));
+  }
+  CHECK(mb.layer("fc1/relu")->dead_fraction >= 0.5);
+  CHECK(mb.layer("fc2/tanh")->saturated_fraction > 0.0);
 }

@@ -422,3 +422,49 @@ TEST_CASE("every kind of bad tensor gives a documented result through every acti
   CHECK(hooks.get_all_stats()[0].second.errors == 4);
   CHECK(hooks.execute_hooks("after", torch::ones({2}), true)[0].second.ok());  // still working
 }
+
+TEST_CASE("prefetches run on a tensor and their values reach the hooks of that call", "[manager]") {
+  HookManager hooks;
+  CHECK_THROWS_WITH(hooks.add_prefetch("", [](std::string_view, const at::Tensor& t, bool, const torchdbg::Metadata&) { return t; }),
+                    Catch::Contains("non-empty key"));
+  CHECK_THROWS_WITH(hooks.add_prefetch("k", nullptr), Catch::Contains("'k'"));
+  hooks.add_prefetch("sum", [](std::string_view layer, const at::Tensor& t, bool fwd, const torchdbg::Metadata&) {
+    return layer == "skip" || !fwd ? at::Tensor() : t.sum().to(at::kDouble);
+  });
+  hooks.add_prefetch("boom", [](std::string_view, const at::Tensor&, bool, const torchdbg::Metadata&) -> at::Tensor {
+    throw std::runtime_error("prefetch failed");
+  });
+  const auto t = torch::arange(6, torch::kFloat).reshape({2, 3});
+  auto got = hooks.run_prefetches("fc", t, true, {});
+  REQUIRE(got.size() == 1);  // the throwing one is left out
+  CHECK(got[0].first == "sum");
+  CHECK(got[0].second.dim() == 1);
+  CHECK(got[0].second.item<double>() == 15.0);
+  CHECK(hooks.run_prefetches("skip", t, true, {}).empty());
+  CHECK(hooks.run_prefetches("fc", t, false, {}).empty());
+  // Replacing under the same key keeps one; removing reports whether it existed.
+  hooks.add_prefetch("sum", [](std::string_view, const at::Tensor& x, bool, const torchdbg::Metadata&) {
+    return x.max().to(at::kDouble);
+  });
+  got = hooks.run_prefetches("fc", t, true, {});
+  REQUIRE(got.size() == 1);
+  CHECK(got[0].second.item<double>() == 5.0);
+  CHECK(hooks.remove_prefetch("boom"));
+  CHECK_FALSE(hooks.remove_prefetch("boom"));
+
+  // The values given to execute_hooks are what ctx.prefetched returns; absent keys are null.
+  std::vector<double> seen;
+  bool absent_is_null = false;
+  hooks.register_callback("read", [&](const torchdbg::HookContext& c) {
+    if (const auto* v = c.prefetched("sum")) seen = *v;
+    absent_is_null = c.prefetched("other") == nullptr;
+  });
+  hooks.register_hook(callback_hook("read", "read"));
+  const torchdbg::Prefetched values{{"sum", {1.5, 2.5}}};
+  hooks.execute_hooks("fc", t, true, {}, nullptr, &values);
+  CHECK(seen == std::vector<double>{1.5, 2.5});
+  CHECK(absent_is_null);
+  seen.clear();
+  hooks.execute_hooks("fc", t, true);  // delivered at once: no prefetched values
+  CHECK(seen.empty());
+}

@@ -26,6 +26,15 @@
 //   outputs carry {"module_type": "torch::nn::LinearImpl"}; the first module output after a
 //   step change also carries {"input_rms": "<RMS of its data input>"}. Operators inside
 //   backward are ignored.
+// * Tensors on a device (StatsBatching::Device, the default): a delivery never syncs. Its
+//   statistics are reduced on the device into 14 doubles and queued; at the end of the
+//   backward pass (or at the next step change, `flush()`, or when `max_deferred` deliveries
+//   are queued) every queued vector of a device is stacked and copied to the host at once,
+//   and the queued deliveries run their hooks then, in arrival order, with those statistics.
+//   The gradient norms come from the same copy. A queued tensor is held until then: hooks see
+//   its data as it is at that time (an in-place change made later in the step shows), and a
+//   gradient held this way is copied, not stolen, by AccumulateGrad. CPU tensors are handled
+//   at once (StatsBatching::All queues them too, StatsBatching::PerDelivery queues nothing).
 // * Cost: the observer is registered only while some hook could fire for a forward call at
 //   the current step (HookManager::may_fire, re-evaluated on every set_step and hook change)
 //   and removed otherwise, so a step with no hook due runs no torchdbg code in the forward.
@@ -75,6 +84,18 @@
 
 namespace torchdbg {
 
+/// When an attachment computes statistics and runs hooks (AttachOptions::batching).
+enum class StatsBatching {
+  /// Every delivery runs its hooks at once; a tensor on a device costs one small copy to the
+  /// host (a sync) per delivery.
+  PerDelivery,
+  /// Tensors not on the CPU are reduced on their device and queued; the step's results come to
+  /// the host in one copy per device, and their hooks run then. CPU tensors run at once.
+  Device,
+  /// As Device, for CPU tensors too: every hook of a step runs when the step's batch arrives.
+  All,
+};
+
 /// What `attach` observes.
 ///
 /// ```cpp
@@ -98,6 +119,11 @@ struct AttachOptions {
   /// evaluation). Off by default because optimizers update parameters under no-grad, and
   /// an update such as SGD's weight decay `grad + wd * param` is not a forward output.
   TORCH_ARG(bool, no_grad_forward) = false;
+  /// When statistics come to the host and hooks run; see StatsBatching.
+  TORCH_ARG(StatsBatching, batching) = StatsBatching::Device;
+  /// Queued deliveries that force an early copy (bounds the tensors held when no backward pass
+  /// or step change comes, e.g. in inference). At least 1.
+  TORCH_ARG(int64_t, max_deferred) = 1024;
 };
 
 namespace detail {
@@ -105,6 +131,23 @@ namespace detail {
 using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
 inline WeakImpl weak_of(const at::Tensor& t) { return WeakImpl(t.getIntrusivePtr()); }
+
+/// Marks this thread as running torchdbg's own work (deliveries, hooks, statistics): the
+/// forward observer ignores the operators run meanwhile.
+class DeliveringScope {
+ public:
+  DeliveringScope() { ++depth(); }
+  ~DeliveringScope() { --depth(); }
+  DeliveringScope(const DeliveringScope&) = delete;
+  DeliveringScope& operator=(const DeliveringScope&) = delete;
+  static bool active() { return depth() > 0; }
+
+ private:
+  static int& depth() {
+    thread_local int d = 0;
+    return d;
+  }
+};
 
 /// State shared by a session, its gradient hooks and the forward observer. Held by
 /// shared_ptr so that a hook still running while the session detaches finds it alive.
@@ -137,14 +180,41 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
   std::atomic<bool> input_due{true};
   std::atomic<uint64_t> forward_deliveries{0};
   std::atomic<uint64_t> backward_deliveries{0};
+  /// Copies that brought queued statistics to the host (one per device per flush).
+  std::atomic<uint64_t> host_transfers{0};
 
-  std::function<void(std::string_view, const at::Tensor&, bool, const Metadata&, const TensorStats*)> deliver;
+  std::function<void(std::string_view, const at::Tensor&, bool, const Metadata&, const TensorStats*,
+                     const Prefetched*)>
+      deliver;
+  /// The manager's prefetches for a delivery being queued (BasicHookManager::run_prefetches).
+  std::function<std::vector<std::pair<std::string, at::Tensor>>(std::string_view, const at::Tensor&, bool,
+                                                                const Metadata&)>
+      prefetch;
   std::function<void(double)> report_gradient_norm;
   std::function<void()> advance_step;
 
-  /// Sends one tensor to the manager; never throws.
+  /// Whether a delivery of `t` is queued for the step's batch rather than run at once.
+  [[nodiscard]] bool defers(const at::Tensor& t) const {
+    switch (options.batching()) {
+      case StatsBatching::PerDelivery:
+        return false;
+      case StatsBatching::Device:
+        return !t.device().is_cpu();
+      default:
+        return true;
+    }
+  }
+
+  /// The moments of a module's data input, reported as "input_rms": on the host, or packed
+  /// on the input's device (not synced yet).
+  struct InputMoments {
+    std::optional<Moments> host;
+    at::Tensor packed;
+  };
+
+  /// Sends one tensor to the manager, or queues it (see StatsBatching); never throws.
   void send(std::size_t module, std::string_view name, const at::Tensor& t, bool is_forward,
-            const Metadata& md, const TensorStats* precomputed = nullptr) {
+            Metadata md, const TensorStats* precomputed = nullptr, InputMoments input = {}) {
     if (!active.load()) return;
     if (is_forward) {
       note_order(module);
@@ -152,11 +222,98 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
     } else {
       backward_deliveries.fetch_add(1);
     }
+    DeliveringScope scope;  // the statistics' operators and the hooks' are not forward outputs
     try {
-      deliver(name, t, is_forward, md, precomputed);
+      if (input.host) add_input_rms(md, *input.host);
+    } catch (...) {
+    }
+    if (precomputed == nullptr && defers(t)) {
+      try {
+        Deferred d{module, std::string(name), t, is_forward, md, pack_moments(t.detach()),
+                   input.packed, {}};
+        if (prefetch) d.extras = prefetch(name, t, is_forward, md);
+        bool full = false;
+        {
+          std::lock_guard<std::mutex> lock(defer_mutex_);
+          deferred_.push_back(std::move(d));
+          full = static_cast<int64_t>(deferred_.size()) >= options.max_deferred();
+        }
+        if (full) flush_deferred();
+        return;
+      } catch (...) {
+        // could not reduce on the device: deliver at once, the hooks compute what they need
+      }
+    }
+    try {
+      if (input.packed.defined()) add_input_rms(md, unpack_moments(input.packed.to(at::kCPU)));
+      deliver(name, t, is_forward, md, precomputed, nullptr);
     } catch (...) {
       // execute_hooks turns hook failures into results; anything else (bad_alloc) is
       // dropped rather than thrown into an operator or the autograd engine.
+    }
+  }
+
+  /// Brings every queued delivery's statistics to the host (one copy per device) and runs
+  /// their hooks in arrival order; never throws.
+  void flush_deferred() {
+    std::vector<Deferred> batch;
+    {
+      std::lock_guard<std::mutex> lock(defer_mutex_);
+      batch.swap(deferred_);
+    }
+    if (batch.empty()) return;
+    DeliveringScope scope;
+    const std::size_t n = batch.size();
+    std::vector<std::optional<Moments>> stats(n), inputs(n);
+    std::vector<Prefetched> extras(n);
+    try {
+      std::vector<at::Device> devices;
+      for (const auto& d : batch)
+        if (std::find(devices.begin(), devices.end(), d.packed.device()) == devices.end())
+          devices.push_back(d.packed.device());
+      for (const at::Device& dev : devices) {
+        // Everything queued on `dev`, laid end to end: moments, input moments, prefetches.
+        std::vector<at::Tensor> parts;
+        for (const auto& d : batch) {
+          if (d.packed.device() != dev) continue;
+          parts.push_back(d.packed);
+          if (d.input_packed.defined()) parts.push_back(d.input_packed.to(dev));
+          for (const auto& e : d.extras) parts.push_back(e.second.to(dev, at::kDouble));
+        }
+        const at::Tensor host = at::cat(parts).to(at::kCPU, at::kDouble).contiguous();
+        host_transfers.fetch_add(1);
+        const double* v = host.data_ptr<double>();
+        for (std::size_t i = 0; i < n; ++i) {
+          if (batch[i].packed.device() != dev) continue;
+          stats[i] = unpack_moments(v);
+          v += kPackedMoments;
+          if (batch[i].input_packed.defined()) {
+            inputs[i] = unpack_moments(v);
+            v += kPackedMoments;
+          }
+          for (const auto& e : batch[i].extras) {
+            const auto len = static_cast<std::size_t>(e.second.numel());
+            extras[i][e.first].assign(v, v + len);
+            v += len;
+          }
+        }
+      }
+    } catch (...) {
+      // the copy failed (a device error): the deliveries still run and compute their own
+      for (auto& s : stats) s.reset();
+      for (auto& s : inputs) s.reset();
+      for (auto& e : extras) e.clear();
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      Deferred& d = batch[i];
+      try {
+        std::optional<TensorStats> s;
+        if (stats[i]) s = stats_from_moments(*stats[i], d.tensor);
+        if (inputs[i]) add_input_rms(d.md, *inputs[i]);
+        if (!d.is_forward && s) add_gradient_square(d.module, s->l2_norm * s->l2_norm);
+        if (active.load()) deliver(d.name, d.tensor, d.is_forward, d.md, s ? &*s : nullptr, &extras[i]);
+      } catch (...) {
+      }
     }
   }
 
@@ -174,6 +331,32 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
   }
 
  private:
+  struct Deferred {
+    std::size_t module;
+    std::string name;
+    at::Tensor tensor;
+    bool is_forward;
+    Metadata md;
+    at::Tensor packed;        // kPackedMoments doubles, on the tensor's device
+    at::Tensor input_packed;  // the data input's, or undefined
+    std::vector<std::pair<std::string, at::Tensor>> extras;  // the manager's prefetches
+  };
+
+  static void add_input_rms(Metadata& md, const Moments& m) {
+    if (m.finite <= 0) return;
+    char buf[40];
+    std::snprintf(buf, sizeof buf, "%.17g", std::sqrt(m.sum_squares() / static_cast<double>(m.finite)));
+    md.emplace("input_rms", buf);
+  }
+
+  void add_gradient_square(std::size_t m, double sq) {
+    if (!options.gradient_norms()) return;
+    std::lock_guard<std::mutex> lock(grad_mutex_);
+    if (grad_sq_.size() < modules.size()) grad_sq_.resize(modules.size());
+    grad_sq_[m].seen = true;
+    grad_sq_[m].sum += sq;
+  }
+
   void note_order(std::size_t m) {
     std::lock_guard<std::mutex> lock(order_mutex_);
     if (seen_.size() < modules.size()) seen_.assign(modules.size(), 0);
@@ -185,45 +368,25 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
 
   void on_backward_end() {
     end_queued_.store(false);
+    flush_deferred();  // the step's queued statistics, gradients' included: one copy per device
     if (active.load() && options.gradient_norms()) {
-      std::vector<std::size_t> idx;
-      std::vector<double> sq;
-      std::vector<std::size_t> dev_idx;  // positions in idx/sq whose sum is on a device
-      std::vector<at::Tensor> dev;
+      std::vector<std::pair<std::string, double>> norms;
+      double total = 0.0;
       {
         std::lock_guard<std::mutex> lock(grad_mutex_);
         for (std::size_t i = 0; i < grad_sq_.size(); ++i) {
-          GradSq& g = grad_sq_[i];
-          if (!g.seen) continue;
-          idx.push_back(i);
-          sq.push_back(g.host);
-          if (g.device.defined()) {
-            dev_idx.push_back(sq.size() - 1);
-            dev.push_back(g.device.reshape({1}));
-          }
-          g = GradSq{};
+          if (!grad_sq_[i].seen) continue;
+          norms.emplace_back(modules[i].name, std::sqrt(grad_sq_[i].sum));
+          total += grad_sq_[i].sum;
+          grad_sq_[i] = GradSq{};
         }
+        if (!norms.empty()) last_norms_ = norms;
       }
-      try {
-        if (!dev.empty()) {  // every module's device sum comes back in one copy
-          const at::Tensor all = at::cat(dev).to(at::kCPU, at::kDouble).contiguous();
-          const double* v = all.data_ptr<double>();
-          for (std::size_t k = 0; k < dev_idx.size(); ++k) sq[dev_idx[k]] += v[k];
+      if (!norms.empty() && report_gradient_norm) {
+        try {
+          report_gradient_norm(std::sqrt(total));
+        } catch (...) {
         }
-        if (!idx.empty()) {
-          std::vector<std::pair<std::string, double>> norms;
-          double total = 0.0;
-          for (std::size_t k = 0; k < idx.size(); ++k) {
-            norms.emplace_back(modules[idx[k]].name, std::sqrt(sq[k]));
-            total += sq[k];
-          }
-          {
-            std::lock_guard<std::mutex> lock(grad_mutex_);
-            last_norms_ = std::move(norms);
-          }
-          if (report_gradient_norm) report_gradient_norm(std::sqrt(total));
-        }
-      } catch (...) {
       }
     }
     if (active.load() && options.auto_step() && advance_step) {
@@ -238,22 +401,22 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
   std::vector<std::size_t> order_;
   std::vector<char> seen_;
   mutable std::mutex grad_mutex_;
-  /// A module's squared gradient norm during one backward pass: a double for CPU gradients
-  /// (no allocation), a device tensor for the others (no host sync until the end).
+  /// A module's squared gradient norm during one backward pass.
   struct GradSq {
     bool seen = false;
-    double host = 0.0;
-    at::Tensor device;
+    double sum = 0.0;
   };
   std::vector<GradSq> grad_sq_;
   std::vector<std::pair<std::string, double>> last_norms_;
   std::atomic<bool> end_queued_{false};
+  std::mutex defer_mutex_;
+  std::vector<Deferred> deferred_;
 };
 
 inline void AttachCore::on_grad(std::size_t m, const std::string& pname, const at::Tensor& g) {
   if (!active.load()) return;
-  // The end-of-backward callback is needed for norms (when hooks are due) and auto_step only:
-  // a step with nothing due costs this one check per gradient.
+  // The end-of-backward callback is needed for norms and queued deliveries (when hooks are
+  // due) and auto_step only: a step with nothing due costs this one check per gradient.
   const bool due = backward_due.load();
   if ((due || options.auto_step()) && !end_queued_.exchange(true)) {
     try {
@@ -266,28 +429,21 @@ inline void AttachCore::on_grad(std::size_t m, const std::string& pname, const a
     }
   }
   if (!due || !g.defined()) return;
+  Metadata md{{"parameter", pname}};
+  if (defers(g)) {  // the norm comes with the batch
+    send(m, modules[m].name, g, false, std::move(md));
+    return;
+  }
   std::optional<TensorStats> stats;
   if (options.gradient_norms()) {
-    double host_sq = 0.0;
-    at::Tensor device_sq;
-    if (g.device().is_cpu()) {
-      // One pass: the same statistics serve the norm and every hook of this delivery.
-      try {
-        stats = compute_stats(g);
-        host_sq = stats->l2_norm * stats->l2_norm;
-      } catch (...) {
-      }
-    } else {
-      device_sq = g.detach().to(at::kDouble).pow(2).sum();  // stays on the device: no host sync here
+    // One pass: the same statistics serve the norm and every hook of this delivery.
+    try {
+      stats = compute_stats(g);
+      add_gradient_square(m, stats->l2_norm * stats->l2_norm);
+    } catch (...) {
     }
-    std::lock_guard<std::mutex> lock(grad_mutex_);
-    if (grad_sq_.size() < modules.size()) grad_sq_.resize(modules.size());
-    GradSq& acc = grad_sq_[m];
-    acc.seen = true;
-    acc.host += host_sq;
-    if (device_sq.defined()) acc.device = acc.device.defined() ? acc.device + device_sq : device_sq;
   }
-  send(m, modules[m].name, g, false, Metadata{{"parameter", pname}}, stats ? &*stats : nullptr);
+  send(m, modules[m].name, g, false, std::move(md), stats ? &*stats : nullptr);
 }
 
 /// The process-wide ATen observer behind forward attachment. RecordFunction callbacks are
@@ -352,7 +508,7 @@ class ForwardObserver {
     std::shared_ptr<AttachCore> core;
     std::size_t module = 0;
     at::Tensor out;
-    double input_rms = -1.0;  // >= 0 when measured
+    AttachCore::InputMoments input;
   };
   struct Derived {
     const AttachCore* core = nullptr;
@@ -362,7 +518,6 @@ class ForwardObserver {
   struct Tls {
     int backward_depth = 0;
     int skip_depth = 0;
-    bool delivering = false;
     Pending pending;
     std::array<Derived, 16> derived;
     std::size_t next_derived = 0;
@@ -373,7 +528,7 @@ class ForwardObserver {
     std::size_t module = 0;
     std::string act;
     bool math = false;
-    double input_rms = -1.0;
+    std::optional<AttachCore::InputMoments> input;
   };
 
   static Tls& tls() {
@@ -389,16 +544,9 @@ class ForwardObserver {
     Pending p = std::move(t.pending);
     t.pending = {};
     if (!p.core || !p.out.defined()) return;
-    t.delivering = true;
     const auto& mod = p.core->modules[p.module];
-    Metadata md{{"module_type", mod.type_name}};
-    if (p.input_rms >= 0.0) {
-      char buf[40];
-      std::snprintf(buf, sizeof buf, "%.17g", p.input_rms);
-      md.emplace("input_rms", buf);
-    }
-    p.core->send(p.module, mod.name, p.out, true, md);
-    t.delivering = false;
+    p.core->send(p.module, mod.name, p.out, true, Metadata{{"module_type", mod.type_name}}, nullptr,
+                 std::move(p.input));
   }
 
   static at::ArrayRef<const c10::IValue> safe_inputs(const at::RecordFunction& fn) {
@@ -464,7 +612,7 @@ class ForwardObserver {
 
   static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     Tls& t = tls();
-    if (t.delivering) return nullptr;
+    if (DeliveringScope::active()) return nullptr;
     if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {
       if (t.backward_depth == 0 && t.pending.core) flush_pending(t);
       ++t.backward_depth;
@@ -553,9 +701,15 @@ class ForwardObserver {
       } else {
         ctx->kind = OpCtx::Forward;
         if (owner->input_due.exchange(false) && data_in.is_floating_point()) {
+          DeliveringScope scope;
           try {
-            const detail::Moments m = detail::compute_moments(data_in.detach());
-            if (m.finite > 0) ctx->input_rms = std::sqrt(m.sum_squares() / static_cast<double>(m.finite));
+            AttachCore::InputMoments in;
+            if (owner->defers(data_in)) {
+              in.packed = pack_moments(data_in.detach());  // no sync: comes with the batch
+            } else {
+              in.host = compute_moments(data_in.detach());
+            }
+            ctx->input = std::move(in);
           } catch (...) {
           }
         }
@@ -604,17 +758,14 @@ class ForwardObserver {
         break;
       }
       case OpCtx::Forward:
-        if (t.pending.core == ctx->core && t.pending.module == ctx->module && ctx->input_rms < 0.0)
-          ctx->input_rms = t.pending.input_rms;  // a later op of the same module keeps it
-        t.pending = Pending{ctx->core, ctx->module, out, ctx->input_rms};
+        if (!ctx->input && t.pending.core == ctx->core && t.pending.module == ctx->module)
+          ctx->input = std::move(t.pending.input);  // a later op of the same module keeps it
+        t.pending = Pending{ctx->core, ctx->module, out, ctx->input.value_or(AttachCore::InputMoments{})};
         break;
-      case OpCtx::Activation: {
-        t.delivering = true;
+      case OpCtx::Activation:
         ctx->core->send(ctx->module, ctx->core->modules[ctx->module].name + "/" + ctx->act, out,
                         true, Metadata{{ctx->math ? "op" : "activation", ctx->act}});
-        t.delivering = false;
         break;
-      }
       default:
         break;
     }
@@ -640,6 +791,7 @@ class BasicAttachSession {
  public:
   BasicAttachSession(torch::nn::Module& model, BasicHookManager<Mutex>& hooks, AttachOptions options)
       : hooks_(&hooks), core_(std::make_shared<detail::AttachCore>()) {
+    detail::require_at_least<int64_t>(options.max_deferred(), 1, "AttachOptions::max_deferred");
     core_->options = std::move(options);
     std::vector<std::regex> patterns;
     for (const auto& p : core_->options.patterns()) patterns.push_back(detail::compile_pattern(p, "attach pattern"));
@@ -673,7 +825,12 @@ class BasicAttachSession {
     }
     BasicHookManager<Mutex>* mgr = hooks_;
     core_->deliver = [mgr](std::string_view layer, const at::Tensor& t, bool fwd, const Metadata& md,
-                           const TensorStats* stats) { (void)mgr->execute_hooks(layer, t, fwd, md, stats); };
+                           const TensorStats* stats, const Prefetched* extra) {
+      (void)mgr->execute_hooks(layer, t, fwd, md, stats, extra);
+    };
+    core_->prefetch = [mgr](std::string_view layer, const at::Tensor& t, bool fwd, const Metadata& md) {
+      return mgr->run_prefetches(layer, t, fwd, md);
+    };
     core_->report_gradient_norm = [mgr](double n) { mgr->set_gradient_norm(n); };
     core_->advance_step = [mgr] { mgr->set_step(mgr->step() + 1); };
     if (core_->options.backward()) {
@@ -695,6 +852,7 @@ class BasicAttachSession {
       using Change = typename BasicHookManager<Mutex>::Change;
       if (change == Change::Before) {
         detail::ForwardObserver::flush(c.get());  // an output pending under the old state
+        c->flush_deferred();                      // and what is queued, under the old step
       } else if (change == Change::After) {
         update(c, *mgr);
       }
@@ -722,7 +880,9 @@ class BasicAttachSession {
 
   /// Removes every hook and observer this session installed; idempotent.
   void detach() noexcept {
-    if (!core_ || !core_->active.exchange(false)) return;
+    if (!core_ || !core_->active.load()) return;
+    core_->flush_deferred();  // queued deliveries run before the hooks go
+    if (!core_->active.exchange(false)) return;
     try {
       hooks_->remove_listener(listener_);
       detail::ForwardObserver::instance().set(core_, false);
@@ -761,8 +921,16 @@ class BasicAttachSession {
   [[nodiscard]] uint64_t backward_deliveries() const noexcept { return core_->backward_deliveries.load(); }
 
   /// Delivers the calling thread's last module output now if it has not been consumed yet
-  /// (e.g. after an inference-only forward whose result is not used by another operator).
-  void flush() { detail::ForwardObserver::flush(core_.get()); }
+  /// (e.g. after an inference-only forward whose result is not used by another operator),
+  /// then brings every queued delivery's statistics to the host and runs their hooks.
+  void flush() {
+    detail::ForwardObserver::flush(core_.get());
+    core_->flush_deferred();
+  }
+
+  /// Copies that brought queued statistics to the host: one per device per flush (normally
+  /// one per step), never one per delivery.
+  [[nodiscard]] uint64_t host_transfers() const noexcept { return core_->host_transfers.load(); }
 
  private:
   static void update(const std::shared_ptr<detail::AttachCore>& c, BasicHookManager<Mutex>& mgr) {

@@ -179,6 +179,11 @@ struct ActivationInfo {
   std::string_view module_type;     ///< the module's class ("torch::nn::BatchNorm2dImpl")
   std::string_view pre_activation;  ///< the unobserved activation this output feeds ("tanh")
   std::optional<double> input_rms;  ///< RMS of the layer's input when known
+  /// Elements above 0 per index of the unit dimension, reduced where the tensor lives when
+  /// attach queued it (`install`'s prefetch); null: the monitor counts them itself.
+  const std::vector<double>* unit_counts = nullptr;
+  /// Elements outside the saturation bounds, prefetched the same way; null: counted here.
+  const std::vector<double>* saturated_count = nullptr;
 };
 
 /// What the monitor does when a failure listed in `HealthOptions::pause_on` starts.
@@ -548,6 +553,8 @@ class HealthInstallation {
       mgr_->remove_listener(listener_);
       (void)mgr_->remove_hook(hook_);
       (void)mgr_->remove_callback(callback_);
+      (void)mgr_->remove_prefetch(callback_ + ".units");
+      (void)mgr_->remove_prefetch(callback_ + ".saturation");
     } catch (...) {
     }
     mgr_ = nullptr;
@@ -597,9 +604,29 @@ class BasicHealthMonitor {
   /// destroy it (or call remove()) before the monitor or the manager.
   template <typename M>
   [[nodiscard]] HealthInstallation<Mutex, M> install(BasicHookManager<M>& hooks) {
-    const std::string cb =
-        "torchdbg.health." + std::to_string(reinterpret_cast<std::uintptr_t>(this));
+    const std::string cb = callback_name();
     hooks.register_callback(cb, [this](const HookContext& ctx) { on_hook(ctx); });
+    // Queued device deliveries (attach's StatsBatching) bring the counts the judgement needs
+    // in the step's one copy instead of a sync per layer.
+    BasicHookManager<M>* owner = &hooks;
+    auto due = [this, owner](std::string_view layer, bool is_forward) {
+      return is_forward && watched(layer) && owner->step() % options_.interval() == 0;
+    };
+    hooks.add_prefetch(cb + ".units", [this, due](std::string_view layer, const at::Tensor& t, bool fwd,
+                                                   const Metadata& md) -> at::Tensor {
+      if (!due(layer, fwd) || t.dim() == 0) return {};
+      const Kind k = kind_of(layer, activation_info(md));
+      if (!k.known || !detail::is_dead_capable(k.name)) return {};
+      return detail::count_above_per_unit_on_device(t, t.dim() == 1 ? 0 : options_.unit_dim(), 0.0);
+    });
+    hooks.add_prefetch(cb + ".saturation", [this, due](std::string_view layer, const at::Tensor& t,
+                                                        bool fwd, const Metadata& md) -> at::Tensor {
+      if (!due(layer, fwd)) return {};
+      const Kind k = kind_of(layer, activation_info(md));
+      if (!k.known || !saturating_kind(k.name, k.pre)) return {};
+      const auto [lo, hi] = saturation_bounds(k.name, k.pre);
+      return detail::count_outside_on_device(t, lo, hi);
+    });
     HookConfig config = HookConfig()
                             .name("torchdbg.health")
                             .trigger(HookTrigger::every_n_steps(options_.interval()))
@@ -632,6 +659,8 @@ class BasicHealthMonitor {
     } catch (...) {
       hooks.remove_listener(listener);
       (void)hooks.remove_callback(cb);
+      (void)hooks.remove_prefetch(cb + ".units");
+      (void)hooks.remove_prefetch(cb + ".saturation");
       throw;
     }
     return HealthInstallation<Mutex, M>(mgr, id, cb, listener);
@@ -931,19 +960,33 @@ class BasicHealthMonitor {
       throw Error("torchdbg: HealthOptions::sigmoid_low must be below sigmoid_high");
   }
 
+  std::string callback_name() const {
+    return "torchdbg.health." + std::to_string(reinterpret_cast<std::uintptr_t>(this));
+  }
+
+  /// What attach's metadata tells about a forward output.
+  static ActivationInfo activation_info(const Metadata& metadata) {
+    auto md = [&](std::string_view k) {
+      auto it = metadata.find(k);
+      return it == metadata.end() ? std::string_view{} : std::string_view(it->second);
+    };
+    ActivationInfo info{md("activation"), md("op"), md("module_type"), md("pre_activation"),
+                        std::nullopt};
+    if (auto it = metadata.find("input_rms"); it != metadata.end()) {
+      try {
+        info.input_rms = std::stod(it->second);
+      } catch (...) {
+      }
+    }
+    return info;
+  }
+
   void on_hook(const HookContext& ctx) {
     if (ctx.is_forward()) {
-      auto md = [&](std::string_view k) {
-        return ctx.metadata_value(k).value_or(std::string_view{});
-      };
-      ActivationInfo info{md("activation"), md("op"), md("module_type"), md("pre_activation"),
-                          std::nullopt};
-      if (auto r = ctx.metadata_value("input_rms")) {
-        try {
-          info.input_rms = std::stod(std::string(*r));
-        } catch (...) {
-        }
-      }
+      ActivationInfo info = activation_info(ctx.metadata());
+      const std::string cb = callback_name();
+      info.unit_counts = ctx.prefetched(cb + ".units");
+      info.saturated_count = ctx.prefetched(cb + ".saturation");
       observe_activation(ctx.layer_name(), ctx.tensor(), ctx.step(), info, &ctx.stats());
     } else {
       observe_gradient(ctx.layer_name(),
@@ -1040,7 +1083,7 @@ class BasicHealthMonitor {
   void on_activation(Layer& L, const at::Tensor& y, const TensorStats& s, int64_t step,
                      const ActivationInfo& info, Pauses& pauses) {
     const std::string_view activation = info.activation, op = info.op,
-                           module_type = info.module_type, pre_activation = info.pre_activation;
+                           module_type = info.module_type;
     L.last_step = step;
     // Forward order: the position of the layer's output within the step (the module of an
     // activation takes the position of its first output).
@@ -1049,25 +1092,16 @@ class BasicHealthMonitor {
       L.order = pos;
       L.order_from_forward = true;
     }
-    if (!activation.empty()) {
-      L.act_kind = std::string(activation);
-      L.pre_activation = false;
-      L.gain_checked = false;
-    } else if (!op.empty()) {
-      L.act_kind = std::string(op);
-      L.gain_checked = false;
-    } else {
-      std::string pre(pre_activation);
-      if (pre.empty()) {
-        for (const auto& [re, act] : pre_acts_)
-          if (std::regex_match(L.name, re)) pre = act;
-      }
-      if (!pre.empty()) {
-        L.act_kind = pre;
-        L.pre_activation = true;
-      }
-      L.gain_checked = module_type.find("Norm") == std::string_view::npos;
+    const Kind k = kind_of(L.name, info);
+    if (k.known) {
+      L.act_kind = k.name;
+      L.pre_activation = k.pre;
     }
+    // The gain is judged on module outputs that are not normalisations.
+    L.gain_checked = activation.empty() && op.empty() &&
+                     module_type.find("Norm") == std::string_view::npos;
+    // Counts prefetched for this output hold when they were made for the kind judged here.
+    const bool prefetch_valid = k.known && k.name == L.act_kind && k.pre == L.pre_activation;
 
     const double numel = static_cast<double>(s.numel);
     L.nonfinite_frac = numel > 0 ? static_cast<double>(s.nan_count + s.inf_count) / numel : 0.0;
@@ -1093,7 +1127,15 @@ class BasicHealthMonitor {
       const int64_t dim = y.dim() == 1 ? 0 : options_.unit_dim();
       int64_t per_unit = 0;
       try {
-        std::vector<int64_t> counts = detail::count_above_per_unit(y, dim, 0.0, per_unit);
+        std::vector<int64_t> counts;
+        const int64_t units = y.size(detail::unit_dim_of(y, dim));
+        if (prefetch_valid && info.unit_counts != nullptr &&
+            static_cast<int64_t>(info.unit_counts->size()) == units) {
+          for (double c : *info.unit_counts) counts.push_back(static_cast<int64_t>(c));
+          per_unit = units == 0 ? 0 : y.numel() / units;
+        } else {
+          counts = detail::count_above_per_unit(y, dim, 0.0, per_unit);
+        }
         push_units(L, std::move(counts), per_unit);
       } catch (const Error&) {
         // the unit dimension does not exist for this output: no dead-unit judgement
@@ -1120,8 +1162,12 @@ class BasicHealthMonitor {
       md.add("dead_fraction", static_cast<double>(value));
       reason = "units active in fewer than " + fmt_pct(options_.dead_activity()) + " of samples";
       kind = FailureKind::DeadUnits;
-    } else if (saturating_kind(L)) {
-      L.sat_frac = saturated_fraction(L, y, s);
+    } else if (saturating_kind(L.act_kind, L.pre_activation)) {
+      L.sat_frac = saturated_fraction(L, y, s,
+                                      prefetch_valid && info.saturated_count != nullptr &&
+                                              info.saturated_count->size() == 1
+                                          ? std::optional<double>((*info.saturated_count)[0])
+                                          : std::nullopt);
       if (L.sat_frac > options_.saturated_fraction()) {
         state = ActivationHealth::Saturated;
         value = L.sat_frac;
@@ -1202,16 +1248,35 @@ class BasicHealthMonitor {
     }
   }
 
-  bool saturating_kind(const Layer& L) const {
-    if (L.pre_activation) return L.act_kind == "tanh" || L.act_kind == "sigmoid";
-    return detail::is_saturating(L.act_kind);
+  /// An output's activation kind as the judgement sees it: from attach's metadata, or from
+  /// `pre_activations` for a module output. `known == false`: the layer keeps its kind.
+  struct Kind {
+    std::string name;
+    bool pre = false;
+    bool known = false;
+  };
+  Kind kind_of(std::string_view layer, const ActivationInfo& info) const {
+    if (!info.activation.empty()) return {std::string(info.activation), false, true};
+    if (!info.op.empty()) return {std::string(info.op), false, true};
+    std::string pre(info.pre_activation);
+    if (pre.empty()) {
+      const std::string name(layer);
+      for (const auto& [re, act] : pre_acts_)
+        if (std::regex_match(name, re)) pre = act;
+    }
+    if (!pre.empty()) return {pre, true, true};
+    return {};
   }
 
-  double saturated_fraction(const Layer& L, const at::Tensor& y, const TensorStats& s) const {
-    if (s.numel == 0) return 0.0;
+  static bool saturating_kind(const std::string& kind, bool pre) {
+    if (pre) return kind == "tanh" || kind == "sigmoid";
+    return detail::is_saturating(kind);
+  }
+
+  /// The values outside which an output of `kind` counts as saturated.
+  std::pair<double, double> saturation_bounds(const std::string& k, bool pre) const {
     double lo = 0.0, hi = 0.0;
-    const std::string& k = L.act_kind;
-    if (L.pre_activation) {
+    if (pre) {
       const double t = k == "tanh"
                            ? std::atanh(options_.tanh_saturation())
                            : std::log(options_.sigmoid_high() / (1.0 - options_.sigmoid_high()));
@@ -1232,7 +1297,21 @@ class BasicHealthMonitor {
       lo = 1e-6;
       hi = 1.0 - 1e-6;
     }
-    return static_cast<double>(detail::count_outside(y, lo, hi)) / static_cast<double>(s.numel);
+    return {lo, hi};
+  }
+
+  /// `prefetched`: the count of outside values when attach brought it with the step's batch.
+  double saturated_fraction(const Layer& L, const at::Tensor& y, const TensorStats& s,
+                            std::optional<double> prefetched) const {
+    if (s.numel == 0) return 0.0;
+    double outside = 0.0;
+    if (prefetched) {
+      outside = *prefetched;
+    } else {
+      const auto [lo, hi] = saturation_bounds(L.act_kind, L.pre_activation);
+      outside = static_cast<double>(detail::count_outside(y, lo, hi));
+    }
+    return outside / static_cast<double>(s.numel);
   }
 
   void push_units(Layer& L, std::vector<int64_t> counts, int64_t per_unit) {

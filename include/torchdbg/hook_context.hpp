@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "torchdbg/tensor_stats.hpp"
 
@@ -16,6 +17,11 @@ namespace torchdbg {
 
 /// Free-form key/value pairs passed with `execute_hooks` (e.g. {"parameter", "weight"}).
 using Metadata = std::map<std::string, std::string, std::less<>>;
+
+/// Values reduced from a queued tensor where it lives, by the prefetches registered with
+/// BasicHookManager::add_prefetch, and brought to the host with the step's batch: key ->
+/// values.
+using Prefetched = std::map<std::string, std::vector<double>, std::less<>>;
 
 /// The training state the loop reported through `set_step`/`set_loss`/... . A value never
 /// reported is empty, and conditions on it are false.
@@ -33,15 +39,16 @@ struct TrainingState {
 class HookContext {
  public:
   /// `precomputed`, when given, is the caller's statistics of `tensor` (used instead of a
-  /// second pass over the data).
+  /// second pass over the data); `prefetched`, the values its prefetches brought.
   HookContext(std::string_view layer_name, bool is_forward, TrainingState state,
               const Metadata& metadata, const at::Tensor& tensor,
-              const TensorStats* precomputed = nullptr)
+              const TensorStats* precomputed = nullptr, const Prefetched* prefetched = nullptr)
       : layer_name_(layer_name),
         is_forward_(is_forward),
         state_(std::move(state)),
         metadata_(metadata),
-        tensor_(tensor) {
+        tensor_(tensor),
+        prefetched_(prefetched) {
     if (precomputed != nullptr) stats_ = *precomputed;
   }
 
@@ -66,6 +73,14 @@ class HookContext {
     return std::string_view(it->second);
   }
 
+  /// The values prefetch `key` computed for this tensor, or null when there are none (the
+  /// delivery was not queued, or the prefetch declined it).
+  [[nodiscard]] const std::vector<double>* prefetched(std::string_view key) const {
+    if (prefetched_ == nullptr) return nullptr;
+    auto it = prefetched_->find(key);
+    return it == prefetched_->end() ? nullptr : &it->second;
+  }
+
   /// One-pass statistics of the tensor, computed on first use.
   [[nodiscard]] const TensorStats& stats() const {
     if (!stats_) stats_ = compute_stats(tensor_);
@@ -88,6 +103,7 @@ class HookContext {
   TrainingState state_;
   const Metadata& metadata_;
   const at::Tensor& tensor_;
+  const Prefetched* prefetched_;
   mutable std::optional<TensorStats> stats_;
   mutable int64_t distribution_bins_ = 0;
 };

@@ -155,6 +155,58 @@ class BasicHookManager {
     return callbacks_.erase(std::string(name)) > 0;
   }
 
+  /// Computes, where `tensor` lives and without a host sync, values a consumer will want when
+  /// the tensor's hooks run; returns a 1-D tensor on the tensor's device (any real dtype), or
+  /// an undefined tensor for none.
+  using Prefetch = std::function<at::Tensor(std::string_view layer, const at::Tensor& tensor,
+                                            bool is_forward, const Metadata& metadata)>;
+
+  /// Registers (or replaces) prefetch `key`. A delivery that attach queues (StatsBatching)
+  /// runs every prefetch when it is queued; the values come to the host in the step's one
+  /// copy and reach the hooks as `HookContext::prefetched(key)`. Deliveries run at once get
+  /// none, so a consumer must also work without them.
+  void add_prefetch(std::string key, Prefetch fn) {
+    if (key.empty()) throw Error("torchdbg: add_prefetch needs a non-empty key");
+    if (!fn) throw Error("torchdbg: prefetch '" + key + "' is empty");
+    std::lock_guard<Mutex> lock(mutex_);
+    auto next = std::make_shared<PrefetchList>();
+    for (const auto& p : *prefetches_)
+      if (p.first != key) next->push_back(p);
+    next->emplace_back(std::move(key), std::move(fn));
+    prefetches_ = std::move(next);
+  }
+
+  /// Removes prefetch `key`; false if there was none.
+  bool remove_prefetch(std::string_view key) {
+    std::lock_guard<Mutex> lock(mutex_);
+    auto next = std::make_shared<PrefetchList>();
+    for (const auto& p : *prefetches_)
+      if (p.first != key) next->push_back(p);
+    const bool removed = next->size() != prefetches_->size();
+    prefetches_ = std::move(next);
+    return removed;
+  }
+
+  /// Runs every prefetch on `tensor` (attach calls this for a queued delivery): key and
+  /// device tensor for each that produced one. One that throws is left out.
+  [[nodiscard]] std::vector<std::pair<std::string, at::Tensor>> run_prefetches(
+      std::string_view layer, const at::Tensor& tensor, bool is_forward, const Metadata& metadata) const {
+    std::shared_ptr<const PrefetchList> list;
+    {
+      std::lock_guard<Mutex> lock(mutex_);
+      list = prefetches_;
+    }
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (const auto& [key, fn] : *list) {
+      try {
+        at::Tensor v = fn(layer, tensor, is_forward, metadata);
+        if (v.defined()) out.emplace_back(key, v.reshape({-1}));
+      } catch (...) {
+      }
+    }
+    return out;
+  }
+
   /// Removes a hook and returns its configuration, or nullopt for an unknown id.
   std::optional<HookConfig> remove_hook(const HookId& id) {
     std::optional<HookConfig> removed;
@@ -363,9 +415,11 @@ class BasicHookManager {
   /// Runs the hooks that match `layer_name` on `tensor` (any device, dtype and strides).
   /// Never throws for anything a hook does or for bad data: see the class comment.
   /// `precomputed`: statistics of `tensor` the caller already has (from compute_stats),
-  /// used instead of computing them again.
+  /// used instead of computing them again; `prefetched`: the values of this manager's
+  /// prefetches for `tensor` (see add_prefetch).
   Results execute_hooks(std::string_view layer_name, const at::Tensor& tensor, bool is_forward,
-                        const Metadata& metadata = {}, const TensorStats* precomputed = nullptr) {
+                        const Metadata& metadata = {}, const TensorStats* precomputed = nullptr,
+                        const Prefetched* prefetched = nullptr) {
     std::optional<std::string> input_error;
     if (!tensor.defined()) {
       input_error = "torchdbg: execute_hooks got an undefined tensor";
@@ -376,7 +430,7 @@ class BasicHookManager {
         input_error = e.what();
       }
     }
-    return run_all(layer_name, tensor, is_forward, metadata, input_error, precomputed);
+    return run_all(layer_name, tensor, is_forward, metadata, input_error, precomputed, prefetched);
   }
 
   /// Raw-data form: `size` elements of T at `data` laid out with `shape`. A size/shape
@@ -506,6 +560,7 @@ class BasicHookManager {
     }
   };
   using HookList = std::vector<std::shared_ptr<Entry>>;
+  using PrefetchList = std::vector<std::pair<std::string, Prefetch>>;
 
   static HookConfig current_config(const Entry& e) {
     HookConfig c = e.config;
@@ -544,12 +599,13 @@ class BasicHookManager {
 
   Results run_all(std::string_view layer, const at::Tensor& tensor, bool is_forward,
                   const Metadata& metadata, const std::optional<std::string>& input_error,
-                  const TensorStats* precomputed = nullptr) {
+                  const TensorStats* precomputed = nullptr, const Prefetched* prefetched = nullptr) {
     Results out;
     if (!enabled_.load(std::memory_order_relaxed)) return out;
     const std::shared_ptr<const HookList> hooks = snapshot();
     if (hooks->empty()) return out;
-    HookContext ctx(layer, is_forward, state(), metadata, tensor, input_error ? nullptr : precomputed);
+    HookContext ctx(layer, is_forward, state(), metadata, tensor, input_error ? nullptr : precomputed,
+                    prefetched);
     for (const auto& e : *hooks) {
       if (!e->enabled.load(std::memory_order_relaxed)) continue;
       bool match = false;
@@ -719,8 +775,9 @@ class BasicHookManager {
   }
 
   HookManagerOptions options_;
-  mutable Mutex mutex_;  // hooks_ and callbacks_
+  mutable Mutex mutex_;  // hooks_, callbacks_ and prefetches_
   std::shared_ptr<const HookList> hooks_;
+  std::shared_ptr<const PrefetchList> prefetches_ = std::make_shared<const PrefetchList>();
   std::unordered_map<std::string, std::shared_ptr<const Callback>> callbacks_;
   std::atomic<bool> enabled_{true};
 

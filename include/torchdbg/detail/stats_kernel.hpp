@@ -222,21 +222,25 @@ typedef int32_t TorchdbgV16i __attribute__((vector_size(64)));
 
 /// The common case, a block with no NaN/Inf and no float overflow, in about half the vector
 /// operations of the exact path below: nothing is masked and NaN/Inf counts are known to be zero;
-/// two vectors per iteration keep two independent chains per accumulator. Returns false,
-/// with `o` unspecified, when the block holds a value it cannot handle; the caller then
-/// reads the block with the exact path. Written once for any vector width (VF/VI: float and
-/// int32 vectors of the same lane count); the wrappers below pick the width per CPU.
+/// two vectors per iteration keep two independent chains per accumulator. The L1 norm comes
+/// from the sum and the sum of the negative values (|v| summed = sum - 2 * negative sum), so
+/// the negative compare serves two accumulators. Returns false, with `o` unspecified, when
+/// the block holds a value it cannot handle; the caller then reads the block with the exact
+/// path. Written once for any vector width (VF/VI: float and int32 vectors of the same lane
+/// count); the wrappers below pick the width per CPU.
 template <typename VF, typename VI>
 __attribute__((always_inline)) inline bool float_block_finite_impl(const float* p, int64_t n,
                                                                    float shift, FloatBlock& o) {
   constexpr int64_t kLanes = sizeof(VF) / sizeof(float);
+  // AVX-512 compares yield mask registers, and `mask ? acc + x : acc` is one masked add;
+  // narrower ISAs get all-ones lanes, which are added directly.
+  constexpr bool kMaskRegisters = sizeof(VF) == 64;
   const VF zero = {};
-  const VI izero = {};
+  const VI izero = {}, one = izero + 1;
   const VF sh = zero + shift;
-  const VI absmask = izero + 0x7fffffff;
-  VF s1a = zero, s2a = zero, aba = zero, mna = zero + INFINITY, mxa = zero - INFINITY;
-  VF s1b = zero, s2b = zero, abb = zero, mnb = mna, mxb = mxa;
-  VI zer = izero, neg = izero;
+  VF s1a = zero, s2a = zero, nsa = zero, mna = zero + INFINITY, mxa = zero - INFINITY;
+  VF s1b = zero, s2b = zero, nsb = zero, mnb = mna, mxb = mxa;
+  VI zera = izero, nega = izero, zerb = izero, negb = izero;
   int64_t i = 0;
   for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
     VF v, w;
@@ -245,26 +249,41 @@ __attribute__((always_inline)) inline bool float_block_finite_impl(const float* 
     const VF d = v - sh, e = w - sh;
     s1a += d;
     s1b += e;
+    // A NaN or Inf (or an overflowing square) makes the square sums non-finite: checked once,
+    // after the loop.
     s2a += d * d;
     s2b += e * e;
-    // A NaN or Inf makes the |v| sums non-finite: checked once, after the loop.
-    aba += (VF)((VI)v & absmask);
-    abb += (VF)((VI)w & absmask);
     mna = v < mna ? v : mna;
     mnb = w < mnb ? w : mnb;
     mxa = v > mxa ? v : mxa;
     mxb = w > mxb ? w : mxb;
-    zer -= (v == zero) + (w == zero);
-    neg -= (v < zero) + (w < zero);
+    const VI zv = v == zero, zw = w == zero, nv = v < zero, nw = w < zero;
+    if constexpr (kMaskRegisters) {
+      zera = zv ? zera + one : zera;
+      zerb = zw ? zerb + one : zerb;
+      nega = nv ? nega + one : nega;
+      negb = nw ? negb + one : negb;
+      nsa = nv ? nsa + v : nsa;
+      nsb = nw ? nsb + w : nsb;
+    } else {
+      zera -= zv + zw;  // one accumulator each: 16 registers are few
+      nega -= nv + nw;
+      nsa += (VF)((VI)v & nv);
+      nsb += (VF)((VI)w & nw);
+    }
   }
-  const VF s1 = s1a + s1b, s2 = s2a + s2b, ab = aba + abb;
+  const VF s1 = s1a + s1b, s2 = s2a + s2b, ns = nsa + nsb;
+  const VI zer = zera + zerb, neg = nega + negb;
   const VF mn = mna < mnb ? mna : mnb, mx = mxa > mxb ? mxa : mxb;
   o = FloatBlock{};
+  double neg_sum = 0.0;
   for (int64_t k = 0; k < kLanes; ++k) {
-    if (!(std::fabs(ab[k]) <= FLT_MAX) || !(std::fabs(s2[k]) <= FLT_MAX)) return false;
-    add_lane(s1[k], s2[k], ab[k], mn[k], mx[k], zer[k], neg[k], o);
+    if (!(std::fabs(s2[k]) <= FLT_MAX) || !(std::fabs(ns[k]) <= FLT_MAX)) return false;
+    add_lane(s1[k], s2[k], 0.0f, mn[k], mx[k], zer[k], neg[k], o);
+    neg_sum += ns[k];
   }
   o.finite = i;
+  o.abs_sum = o.s1 + static_cast<double>(i) * shift - 2.0 * neg_sum;
   for (; i < n; ++i) {
     if (!(std::fabs(p[i]) <= FLT_MAX)) return false;
     add_finite(p[i], shift, o);
@@ -557,10 +576,8 @@ inline at::Tensor pack_moments(const at::Tensor& t) {
   return at::stack(parts);
 }
 
-/// Inverse of pack_moments for a host copy of the packed vector.
-inline Moments unpack_moments(const at::Tensor& packed_cpu) {
-  const at::Tensor c = packed_cpu.to(at::kDouble).contiguous();
-  const double* v = c.data_ptr<double>();
+/// Inverse of pack_moments for kPackedMoments host doubles (one row of a packed batch).
+inline Moments unpack_moments(const double* v) {
   Moments m;
   m.count = static_cast<int64_t>(v[0]);
   m.finite = static_cast<int64_t>(v[1]);
@@ -579,6 +596,12 @@ inline Moments unpack_moments(const at::Tensor& packed_cpu) {
   return m;
 }
 
+/// Inverse of pack_moments for a host copy of the packed vector.
+inline Moments unpack_moments(const at::Tensor& packed_cpu) {
+  const at::Tensor c = packed_cpu.to(at::kDouble).contiguous();
+  return unpack_moments(c.data_ptr<double>());
+}
+
 /// The one-pass summary of any tensor. CPU tensors are read in place (a strided tensor is
 /// first made contiguous); other devices reduce on the device and copy 14 doubles back.
 inline Moments compute_moments(const at::Tensor& t) {
@@ -592,6 +615,14 @@ inline Moments compute_moments(const at::Tensor& t) {
   });
 }
 
+/// count_outside reduced with tensor operators where `t` lives: a 1-element float64 tensor
+/// on t's device (no host sync).
+inline at::Tensor count_outside_on_device(const at::Tensor& t, double lo, double hi) {
+  check_supported_dtype(t.scalar_type());
+  const at::Tensor x = t.detach().to(at::kDouble);
+  return (x < lo).logical_or(x > hi).sum().to(at::kDouble).reshape({1});
+}
+
 /// Elements of `t` below `lo` or above `hi` (NaN is neither): one pass, no allocation for
 /// CPU tensors; other devices count on the device and copy one number back.
 inline int64_t count_outside(const at::Tensor& t, double lo, double hi) {
@@ -599,8 +630,7 @@ inline int64_t count_outside(const at::Tensor& t, double lo, double hi) {
   check_supported_dtype(t.scalar_type());
   if (t.numel() == 0) return 0;
   if (!t.device().is_cpu()) {
-    const at::Tensor x = t.to(at::kDouble);
-    return ((x < lo).logical_or(x > hi)).sum().to(at::kCPU).item<int64_t>();
+    return static_cast<int64_t>(count_outside_on_device(t, lo, hi).to(at::kCPU).item<double>());
   }
   const at::Tensor c = t.contiguous();
   return dispatch_dtype(c.scalar_type(), [&](auto tag) {
@@ -621,29 +651,44 @@ inline int64_t count_outside(const at::Tensor& t, double lo, double hi) {
   });
 }
 
+/// `dim` of a tensor of `t`'s rank made non-negative; throws torchdbg::Error naming it when
+/// it does not exist.
+inline int64_t unit_dim_of(const at::Tensor& t, int64_t dim) {
+  if (t.dim() == 0) throw Error("torchdbg: a 0-d tensor has no unit dimension");
+  const int64_t d = dim < 0 ? dim + t.dim() : dim;
+  if (d < 0 || d >= t.dim())
+    throw Error("torchdbg: unit dimension " + std::to_string(dim) + " out of range for a " +
+                std::to_string(t.dim()) + "-d tensor");
+  return d;
+}
+
+/// count_above_per_unit reduced with tensor operators where `t` lives: t.size(dim) float64
+/// counts on t's device (no host sync).
+inline at::Tensor count_above_per_unit_on_device(const at::Tensor& t, int64_t dim, double threshold) {
+  check_supported_dtype(t.scalar_type());
+  const int64_t d = unit_dim_of(t, dim);
+  std::vector<int64_t> dims;
+  for (int64_t i = 0; i < t.dim(); ++i)
+    if (i != d) dims.push_back(i);
+  const at::Tensor above = t.detach().to(at::kDouble) > threshold;
+  return (dims.empty() ? above : above.sum(dims)).to(at::kDouble);
+}
+
 /// For each index along `dim` (a unit: a feature or channel), how many elements of `t` are
 /// above `threshold`; `per_unit` receives the number of elements each unit has (the samples).
 inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t dim, double threshold,
                                                  int64_t& per_unit) {
   if (!t.defined()) throw Error("torchdbg: cannot count values of an undefined tensor");
   check_supported_dtype(t.scalar_type());
-  if (t.dim() == 0) throw Error("torchdbg: a 0-d tensor has no unit dimension");
-  const int64_t d = dim < 0 ? dim + t.dim() : dim;
-  if (d < 0 || d >= t.dim())
-    throw Error("torchdbg: unit dimension " + std::to_string(dim) + " out of range for a " +
-                std::to_string(t.dim()) + "-d tensor");
+  const int64_t d = unit_dim_of(t, dim);
   const int64_t units = t.size(d);
   per_unit = units == 0 ? 0 : t.numel() / units;
   std::vector<int64_t> out(static_cast<std::size_t>(units), 0);
   if (t.numel() == 0) return out;
   if (!t.device().is_cpu()) {
-    std::vector<int64_t> dims;
-    for (int64_t i = 0; i < t.dim(); ++i)
-      if (i != d) dims.push_back(i);
-    at::Tensor above = t.to(at::kDouble) > threshold;
-    at::Tensor counts = dims.empty() ? above.to(at::kLong) : above.sum(dims);
-    counts = counts.to(at::kCPU, at::kLong).contiguous();
-    std::copy(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + units, out.begin());
+    const at::Tensor counts = count_above_per_unit_on_device(t, d, threshold).to(at::kCPU).contiguous();
+    for (int64_t u = 0; u < units; ++u)
+      out[static_cast<std::size_t>(u)] = static_cast<int64_t>(counts.data_ptr<double>()[u]);
     return out;
   }
   const at::Tensor c = t.contiguous();
