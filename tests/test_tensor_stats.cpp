@@ -412,3 +412,32 @@ TEST_CASE("every vector width this CPU runs agrees with the double reference, fa
     CHECK_FALSE(k.finite(huge.data_ptr<float>(), 2048, 0.0f, o));
   }
 }
+
+TEST_CASE("every vector width counts values above a threshold per column like a naive loop",
+          "[stats]") {
+  namespace d = torchdbg::detail;
+  torchdbg_test::SeededRng rng(10);
+  for (const auto& k : d::block_kernel_variants()) {
+    INFO("variant " << k.name);
+    for (int64_t units : {1, 3, 4, 15, 16, 17, 63, 64, 65, 130}) {
+      for (int64_t rows : {0, 1, 7, 33}) {
+        INFO("rows " << rows << " units " << units);
+        auto t = torch::randn({rows, units});
+        if (rows > 0) {
+          for (int64_t u = 0; u < units; u += 5) t[0][u] = 0.25;  // equal to the threshold: not above
+          t[rows - 1][units - 1] = std::numeric_limits<float>::quiet_NaN();
+          if (units > 16) t[0][16] = std::numeric_limits<float>::infinity();
+          if (units > 2) t[rows - 1][2] = -std::numeric_limits<float>::infinity();
+        }
+        std::vector<int32_t> counts(static_cast<std::size_t>(units), 5);  // added to, not set
+        k.rows_above(t.data_ptr<float>(), rows, units, 0.25f, counts.data());
+        const auto acc = t.accessor<float, 2>();
+        for (int64_t u = 0; u < units; ++u) {
+          int32_t ref = 5;
+          for (int64_t r = 0; r < rows; ++r) ref += acc[r][u] > 0.25f ? 1 : 0;
+          CHECK(counts[static_cast<std::size_t>(u)] == ref);
+        }
+      }
+    }
+  }
+}

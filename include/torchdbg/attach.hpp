@@ -132,6 +132,25 @@ using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorIm
 
 inline WeakImpl weak_of(const at::Tensor& t) { return WeakImpl(t.getIntrusivePtr()); }
 
+#ifndef NDEBUG
+// In a translation unit built without NDEBUG (a Debug build), RecordFunction::inputs()
+// asserts on `inputs_valid_`, a member that exists only in such builds: LibTorch, built with
+// NDEBUG, never sets it, and the assert reads a padding byte of LibTorch's object. It fails
+// at random, each failure building a c10::Error with a backtrace (milliseconds), and the
+// operator's inputs are lost. The observer sets the member before reading the inputs; in
+// LibTorch's layout the byte is padding after `called_start_callbacks_` (1.13 and 2.x).
+// The member is reached through an explicit instantiation (which ignores access), per
+// translation unit (unnamed namespace).
+namespace {
+template <bool at::RecordFunction::*Member>
+struct RecordFunctionInputsValid {
+  friend bool at::RecordFunction::*record_function_inputs_valid() { return Member; }
+};
+bool at::RecordFunction::*record_function_inputs_valid();
+template struct RecordFunctionInputsValid<&at::RecordFunction::inputs_valid_>;
+}  // namespace
+#endif
+
 /// Marks this thread as running torchdbg's own work (deliveries, hooks, statistics): the
 /// forward observer ignores the operators run meanwhile.
 class DeliveringScope {
@@ -550,8 +569,11 @@ class ForwardObserver {
   }
 
   static at::ArrayRef<const c10::IValue> safe_inputs(const at::RecordFunction& fn) {
+#ifndef NDEBUG
+    const_cast<at::RecordFunction&>(fn).*record_function_inputs_valid() = true;  // see above
+#endif
     try {
-      return fn.inputs();  // asserts in builds without NDEBUG for ops recorded without inputs
+      return fn.inputs();
     } catch (...) {
       return {};
     }

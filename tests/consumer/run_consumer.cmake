@@ -4,6 +4,9 @@ file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
 set(_prefix_path "${PREFIX_PATH}")
 set(_extra "")
+# The installed package is used from a Release build, the subdirectory from a Debug one
+# (no NDEBUG: some LibTorch inline code differs there).
+set(_build_type Release)
 if(MODE STREQUAL "find_package")
   execute_process(COMMAND ${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix"
                   RESULT_VARIABLE rc OUTPUT_QUIET)
@@ -13,11 +16,12 @@ if(MODE STREQUAL "find_package")
   list(PREPEND _prefix_path "${WORK_DIR}/prefix")
 else()
   set(_extra "-DTORCHDBG_SOURCE_DIR=${SOURCE_DIR}")
+  set(_build_type Debug)
 endif()
 string(REPLACE ";" "\\;" _prefix_arg "${_prefix_path}")
 execute_process(
   COMMAND ${CMAKE_COMMAND} -S "${SOURCE_DIR}/tests/consumer" -B "${WORK_DIR}/build"
-          -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=${CXX}
+          -DCMAKE_BUILD_TYPE=${_build_type} -DCMAKE_CXX_COMPILER=${CXX}
           "-DCMAKE_PREFIX_PATH=${_prefix_arg}" "-DTorch_DIR=${Torch_DIR}"
           -DTORCHDBG_CONSUMER_MODE=${MODE} ${_extra}
   RESULT_VARIABLE rc)

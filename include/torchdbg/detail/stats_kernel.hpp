@@ -342,37 +342,71 @@ __attribute__((always_inline)) inline void float_block_exact_impl(const float* p
   }
 }
 
-/// One vector width's block readers.
+/// Adds to `counts[u]` how many of `rows` rows of `units` contiguous floats have a value
+/// above `threshold` in column u (per-unit activity of an [N, F] output). Columns go in
+/// groups of four vectors whose counters stay in registers while the rows stream by; the
+/// caller keeps `rows` below 2^31.
+template <typename VF, typename VI>
+__attribute__((always_inline)) inline void float_rows_above_impl(const float* p, int64_t rows,
+                                                                 int64_t units, float threshold,
+                                                                 int32_t* counts) {
+  constexpr int64_t kLanes = sizeof(VF) / sizeof(float);
+  const VF th = VF{} + threshold;
+  int64_t u = 0;
+  for (; u + 4 * kLanes <= units; u += 4 * kLanes) {
+    VI a = {}, b = {}, c = {}, d = {};
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* q = p + r * units + u;
+      VF v0, v1, v2, v3;
+      std::memcpy(&v0, q, sizeof v0);
+      std::memcpy(&v1, q + kLanes, sizeof v1);
+      std::memcpy(&v2, q + 2 * kLanes, sizeof v2);
+      std::memcpy(&v3, q + 3 * kLanes, sizeof v3);
+      a -= v0 > th;
+      b -= v1 > th;
+      c -= v2 > th;
+      d -= v3 > th;
+    }
+    const VI* acc[4] = {&a, &b, &c, &d};
+    for (int k = 0; k < 4; ++k)
+      for (int64_t l = 0; l < kLanes; ++l) counts[u + k * kLanes + l] += (*acc[k])[l];
+  }
+  for (; u < units; ++u) {
+    int32_t k = 0;
+    for (int64_t r = 0; r < rows; ++r) k += p[r * units + u] > threshold ? 1 : 0;
+    counts[u] += k;
+  }
+}
+
+/// One vector width's kernels.
 struct BlockKernels {
   const char* name;
   bool (*finite)(const float*, int64_t, float, FloatBlock&);
   void (*exact)(const float*, int64_t, float, FloatBlock&);
+  void (*rows_above)(const float*, int64_t, int64_t, float, int32_t*);
 };
 
+/// The kernels of one vector width compiled for one target: `<kernel>_<suffix>` functions.
+#define TORCHDBG_DEFINE_KERNELS(suffix, target_attr, VF, VI)                                   \
+  target_attr inline bool block_finite_##suffix(const float* p, int64_t n, float shift,        \
+                                                FloatBlock& o) {                               \
+    return float_block_finite_impl<VF, VI>(p, n, shift, o);                                    \
+  }                                                                                            \
+  target_attr inline void block_exact_##suffix(const float* p, int64_t n, float shift,         \
+                                               FloatBlock& o) {                                \
+    float_block_exact_impl<VF, VI>(p, n, shift, o);                                            \
+  }                                                                                            \
+  target_attr inline void rows_above_##suffix(const float* p, int64_t rows, int64_t units,     \
+                                              float threshold, int32_t* counts) {              \
+    float_rows_above_impl<VF, VI>(p, rows, units, threshold, counts);                          \
+  }
+
 #if defined(TORCHDBG_X86_DISPATCH)
-__attribute__((target("avx512f"))) inline bool block_finite_avx512(const float* p, int64_t n,
-                                                                   float shift, FloatBlock& o) {
-  return float_block_finite_impl<TorchdbgV16f, TorchdbgV16i>(p, n, shift, o);
-}
-__attribute__((target("avx512f"))) inline void block_exact_avx512(const float* p, int64_t n,
-                                                                  float shift, FloatBlock& o) {
-  float_block_exact_impl<TorchdbgV16f, TorchdbgV16i>(p, n, shift, o);
-}
-__attribute__((target("avx2,fma"))) inline bool block_finite_avx2(const float* p, int64_t n,
-                                                                  float shift, FloatBlock& o) {
-  return float_block_finite_impl<TorchdbgV8f, TorchdbgV8i>(p, n, shift, o);
-}
-__attribute__((target("avx2,fma"))) inline void block_exact_avx2(const float* p, int64_t n,
-                                                                 float shift, FloatBlock& o) {
-  float_block_exact_impl<TorchdbgV8f, TorchdbgV8i>(p, n, shift, o);
-}
+TORCHDBG_DEFINE_KERNELS(avx512, __attribute__((target("avx512f"))), TorchdbgV16f, TorchdbgV16i)
+TORCHDBG_DEFINE_KERNELS(avx2, __attribute__((target("avx2,fma"))), TorchdbgV8f, TorchdbgV8i)
 #endif
-inline bool block_finite_baseline(const float* p, int64_t n, float shift, FloatBlock& o) {
-  return float_block_finite_impl<TorchdbgV4f, TorchdbgV4i>(p, n, shift, o);
-}
-inline void block_exact_baseline(const float* p, int64_t n, float shift, FloatBlock& o) {
-  float_block_exact_impl<TorchdbgV4f, TorchdbgV4i>(p, n, shift, o);
-}
+TORCHDBG_DEFINE_KERNELS(baseline, , TorchdbgV4f, TorchdbgV4i)
+#undef TORCHDBG_DEFINE_KERNELS
 
 /// Every vector width this CPU can run, widest first: `block_kernels()` takes the first;
 /// tests check them all.
@@ -381,11 +415,11 @@ inline std::vector<BlockKernels> block_kernel_variants() {
 #if defined(TORCHDBG_X86_DISPATCH)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f"))
-    out.push_back({"avx512f", &block_finite_avx512, &block_exact_avx512});
+    out.push_back({"avx512f", &block_finite_avx512, &block_exact_avx512, &rows_above_avx512});
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    out.push_back({"avx2+fma", &block_finite_avx2, &block_exact_avx2});
+    out.push_back({"avx2+fma", &block_finite_avx2, &block_exact_avx2, &rows_above_avx2});
 #endif
-  out.push_back({"baseline", &block_finite_baseline, &block_exact_baseline});
+  out.push_back({"baseline", &block_finite_baseline, &block_exact_baseline, &rows_above_baseline});
   return out;
 }
 
@@ -700,6 +734,20 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
     const T* p = static_cast<const T*>(c.data_ptr());
     if (inner == 1) {  // [N, F]: rows of units; a branch-free pass per row vectorizes
       std::vector<int32_t> row_counts(static_cast<std::size_t>(units), 0);
+#if defined(TORCHDBG_HAVE_VECTOR_EXT)
+      if constexpr (std::is_same_v<T, float>) {
+        const float ft = static_cast<float>(threshold);
+        const auto& k = block_kernels();
+        for (int64_t o = 0; o < outer; o += int64_t{1} << 30) {  // int32 counters
+          const int64_t rows = std::min(outer - o, int64_t{1} << 30);
+          k.rows_above(p + o * units, rows, units, ft, row_counts.data());
+          for (int64_t u = 0; u < units; ++u)
+            out[static_cast<std::size_t>(u)] += row_counts[static_cast<std::size_t>(u)];
+          std::fill(row_counts.begin(), row_counts.end(), 0);
+        }
+        return 0;
+      }
+#endif
       int64_t rows_in_batch = 0;
       for (int64_t o = 0; o < outer; ++o) {
         const T* row = p + o * units;
