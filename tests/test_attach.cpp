@@ -759,3 +759,31 @@ TEST_CASE("a monitored CUDA training step copies to the host once", "[attach][cu
   REQUIRE(hooks.state().gradient_norm);
   CHECK(std::isfinite(*hooks.state().gradient_norm));
 }
+
+TEST_CASE("the observer is off while a backward pass runs and back for the next forward", "[attach]") {
+  auto& observer = torchdbg::detail::ForwardObserver::instance();
+  for (bool concurrent : {false, true}) {
+    INFO("concurrent_forward " << concurrent);
+    auto net = torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
+    HookManager hooks;
+    std::vector<std::string> names;
+    hooks.register_callback("n", [&](const torchdbg::HookContext& c) { names.emplace_back(c.layer_name()); });
+    hooks.register_hook(HookConfig().trigger(HookTrigger::every_forward()).actions({HookAction::custom_callback("n")}));
+    auto session = torchdbg::attach(*net, hooks, AttachOptions().concurrent_forward(concurrent));
+    // Seen from inside the backward pass: a tensor hook on the first layer's weight runs late
+    // in the pass, after the first backward node.
+    std::vector<bool> during;
+    auto w = net[0]->as<torch::nn::Linear>()->weight;
+    const auto h = w.register_hook([&](const torch::Tensor&) { during.push_back(observer.registered()); });
+    // No set_step between iterations: the observer must come back on its own.
+    for (int i = 0; i < 3; ++i) {
+      names.clear();
+      CHECK(observer.registered());
+      net->forward(torch::randn({5, 4})).sum().backward();
+      CHECK(names == std::vector<std::string>{"0", "0/relu", "2"});
+      CHECK(observer.registered());
+    }
+    w.remove_hook(h);
+    CHECK(during == std::vector<bool>(3, concurrent));
+  }
+}
