@@ -341,6 +341,10 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
       } catch (...) {
       }
     }
+    // The queue's buffer serves the next step: no reallocation per step.
+    batch.clear();
+    std::lock_guard<std::mutex> lock(defer_mutex_);
+    if (deferred_.empty() && deferred_.capacity() < batch.capacity()) deferred_.swap(batch);
   }
 
   void on_grad(std::size_t m, const std::string& pname, const at::Tensor& g);
