@@ -8,6 +8,7 @@
 #include <torchdbg/torchdbg.hpp>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join
 
 namespace {
 
