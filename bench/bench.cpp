@@ -6,7 +6,9 @@
 // from one run). Prints one line per model and mode and writes the same figures as JSON.
 //
 //   torchdbg_bench [--threads N] [--rounds R] [--steps S] [--rss-steps N] [--json FILE] [--models
-//   mlp,cnn] [--modes detached,full,every10,idle] [--no-health] [--device cpu|cuda]
+//   mlp,cnn,tiny] [--modes detached,full,every10,idle] [--no-health] [--device cpu|cuda]
+//
+// `tiny` is the MLP at 16 features: it prints what one delivery costs outside the kernel.
 //
 // With --device cuda the models train on the GPU, each timed step ends with a device
 // synchronize, and the run also prints how many copies brought statistics to the host per
@@ -33,11 +35,11 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct Mlp : torch::nn::Module {
-  Mlp() {
-    layers.push_back(register_module("fc0", torch::nn::Linear(784, 512)));
+  explicit Mlp(int64_t in = 784, int64_t width = 512) {
+    layers.push_back(register_module("fc0", torch::nn::Linear(in, width)));
     for (int i = 1; i <= 6; ++i)
-      layers.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(512, 512)));
-    out = register_module("out", torch::nn::Linear(512, 10));
+      layers.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(width, width)));
+    out = register_module("out", torch::nn::Linear(width, 10));
   }
   torch::Tensor forward(torch::Tensor x) {
     for (auto& l : layers) x = torch::relu(l(x));
@@ -45,6 +47,12 @@ struct Mlp : torch::nn::Module {
   }
   std::vector<torch::nn::Linear> layers;
   torch::nn::Linear out{nullptr};
+};
+
+/// The MLP's topology at 16 features and batch 4: its step is mostly fixed costs, so the
+/// monitored difference is what torchdbg spends per delivery outside the statistics kernel.
+struct TinyMlp : Mlp {
+  TinyMlp() : Mlp(16, 16) {}
 };
 
 struct Cnn : torch::nn::Module {
@@ -76,7 +84,7 @@ struct Args {
   int steps = 5;
   int rss_steps = 10000;
   std::string json = "torchdbg_bench.json";
-  std::string models = "mlp,cnn";
+  std::string models = "mlp,cnn,tiny";  // tiny: the per-delivery cost
   std::string modes = "detached,full,every10,idle";
   bool health = true;  // --no-health: statistics hooks only, to see the health monitor's share
   std::string device = "cpu";
@@ -165,7 +173,7 @@ struct Trainer {
 
 template <typename Model>
 nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, int64_t batch,
-                           const Args& a) {
+                           const Args& a, bool print = true) {
   Trainer<Model> tr(shape, batch, torch::Device(a.device));
   for (int i = 0; i < 3; ++i) tr.step();  // warm-up
   nlohmann::json out;
@@ -174,7 +182,7 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
   for (const std::string mode : {"detached", "full", "every10", "idle"}) {
     if (a.modes.find(mode) == std::string::npos) continue;
     std::vector<double> base, mon;
-    uint64_t copies = 0;
+    uint64_t copies = 0, deliveries = 0;
     // One monitor per mode, kept across rounds (its per-layer state is built once, as in a
     // real run); only the attachment comes and goes, so baseline steps run detached.
     Monitor monitor(mode == "every10", a.health && mode != "idle");
@@ -193,7 +201,10 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
           monitor.hooks.set_step(r * a.steps + s);
           mon.push_back(tr.step());
         }
-        if (session) copies += session->host_transfers();
+        if (session) {
+          copies += session->host_transfers();
+          deliveries += session->forward_deliveries() + session->backward_deliveries();
+        }
       }
       if (r % 2 == 1) run_base();
     }
@@ -206,16 +217,37 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
       for (double v : mon) sm += v;
       overhead = 100.0 * (sm / mon.size() - sb / base.size()) / (sb / base.size());
     }
-    fmt::print("overhead {} {}: {:.1f}%\n", name, mode, overhead);
     const double copies_per_step = static_cast<double>(copies) / static_cast<double>(mon.size());
-    if (tr.device.is_cuda()) fmt::print("host copies per step {} {}: {:.2f}\n", name, mode, copies_per_step);
-    std::fflush(stdout);
+    if (print) {
+      fmt::print("overhead {} {}: {:.1f}%\n", name, mode, overhead);
+      if (tr.device.is_cuda()) fmt::print("host copies per step {} {}: {:.2f}\n", name, mode, copies_per_step);
+      std::fflush(stdout);
+    }
     out[mode] = {{"overhead_percent", overhead},
                  {"baseline_median_us", b},
                  {"monitored_median_us", m},
-                 {"host_copies_per_step", copies_per_step}};
+                 {"host_copies_per_step", copies_per_step},
+                 {"deliveries_per_step", static_cast<double>(deliveries) / static_cast<double>(mon.size())}};
   }
   return out;
+}
+
+/// What one delivery (a forward output or a gradient reaching the hooks) costs besides the
+/// statistics kernel: the tiny MLP's monitored minus baseline median step, per delivery.
+nlohmann::json bench_delivery(const Args& a) {
+  Args tiny = a;
+  tiny.modes = "full";
+  tiny.steps = 20;  // ~0.2 ms steps: more per round for the same share of round overhead
+  const nlohmann::json r = bench_model<TinyMlp>("tiny", {16}, 4, tiny, /*print=*/false)["full"];
+  const double per_step = r["deliveries_per_step"].get<double>();
+  const double us = (r["monitored_median_us"].get<double>() - r["baseline_median_us"].get<double>()) /
+                    std::max(per_step, 1.0);
+  fmt::print("delivery cost full: {:.2f} us per delivery ({:.0f} per step, 16-wide MLP, {:.0f} us step)\n",
+             us, per_step, r["baseline_median_us"].get<double>());
+  return {{"us_per_delivery", us},
+          {"deliveries_per_step", per_step},
+          {"baseline_median_us", r["baseline_median_us"]},
+          {"monitored_median_us", r["monitored_median_us"]}};
 }
 
 nlohmann::json bench_kernel() {
@@ -284,6 +316,7 @@ int main(int argc, char** argv) {
       report["mlp"] = bench_model<Mlp>("mlp", {784}, 128, a);
     if (a.models.find("cnn") != std::string::npos)
       report["cnn"] = bench_model<Cnn>("cnn", {3, 32, 32}, 32, a);
+    if (a.models.find("tiny") != std::string::npos) report["delivery"] = bench_delivery(a);
     report["kernel"] = bench_kernel();
     if (a.rss_steps > 0) report["rss"] = bench_rss(a);
     std::ofstream(a.json) << report.dump(2) << "\n";

@@ -238,6 +238,40 @@ TEST_CASE("the observer runs only on steps where a forward hook is due", "[attac
   CHECK(session.backward_deliveries() > 0);
 }
 
+TEST_CASE("hooks reached through attach count runs, skips and errors like execute_hooks", "[attach]") {
+  auto net = std::make_shared<Net>(4);
+  HookManager hooks;
+  std::vector<torchdbg::HookError> errors;
+  hooks.set_error_handler([&](const torchdbg::HookError& e) { errors.push_back(e); });
+  hooks.register_callback("throw", [](const torchdbg::HookContext& c) {
+    if (c.layer_name() == "fc") throw std::runtime_error("fc rejected");
+  });
+  const auto fwd = hooks.register_hook(
+      HookConfig().name("fwd").trigger(HookTrigger::every_forward()).actions({HookAction::inspect_tensor()}));
+  const auto bwd = hooks.register_hook(
+      HookConfig().name("bwd").trigger(HookTrigger::every_backward()).actions({HookAction::track_gradients()}));
+  const auto thr = hooks.register_hook(
+      HookConfig().name("thr").trigger(HookTrigger::every_forward()).actions({HookAction::custom_callback("throw")}));
+  auto session = torchdbg::attach(*net, hooks);
+  for (int64_t step = 0; step < 2; ++step) {
+    hooks.set_step(step);
+    net->forward(torch::randn({2, 1, 6, 6}), torch::randint(0, 20, {2})).sum().backward();
+  }
+  const uint64_t nf = session.forward_deliveries(), nb = session.backward_deliveries();
+  REQUIRE(nf > 0);
+  REQUIRE(nb > 0);
+  const auto sf = *hooks.get_hook_stats(fwd), sb = *hooks.get_hook_stats(bwd), st = *hooks.get_hook_stats(thr);
+  CHECK(sf.executions == nf);
+  CHECK(sf.skipped == nb);
+  CHECK(sb.executions == nb);
+  CHECK(sb.skipped == nf);
+  CHECK(st.errors == 2);  // "fc" once per step; the handler saw each with its message
+  REQUIRE(errors.size() == 2);
+  CHECK(errors[0].layer == "fc");
+  CHECK_THAT(errors[0].message, Catch::Contains("fc rejected"));
+  CHECK(hooks.inspector.history("fc").size() == 2);
+}
+
 TEST_CASE("detaching stops every callback and removes the observer", "[attach]") {
   auto net = std::make_shared<Net>(4);
   HookManager hooks;

@@ -465,3 +465,19 @@ TEST_CASE("queued deliveries bring the monitor's counts with the batch and judge
   CHECK(mb.layer("fc1/relu")->dead_fraction >= 0.5);
   CHECK(mb.layer("fc2/tanh")->saturated_fraction > 0.0);
 }
+
+TEST_CASE("layers keep their own records when deliveries change order between steps", "[health]") {
+  HealthMonitor mon;
+  const std::vector<std::string> names = {"a", "b", "c", "d"};
+  auto out = [](std::size_t i) { return torch::full({8, 4}, static_cast<double>(i + 1)); };
+  const std::vector<std::vector<std::size_t>> orders = {{0, 1, 2, 3}, {3, 0, 2, 1}, {1, 1, 0, 3}};
+  for (std::size_t step = 0; step < orders.size(); ++step)
+    for (std::size_t i : orders[step]) mon.observe_activation(names[i], out(i), static_cast<int64_t>(step));
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    const auto L = mon.layer(names[i]);
+    REQUIRE(L);
+    CHECK(L->rms == Approx(static_cast<double>(i + 1)));  // its own output, not a neighbour's
+  }
+  CHECK(mon.layer("c")->last_step == 1);  // not observed at step 2
+  CHECK(mon.layer("b")->last_step == 2);
+}

@@ -27,3 +27,19 @@ TEST_CASE("context computes statistics once and adds the distribution on demand"
   CHECK(full.distribution->bin_counts.size() == 4);
   CHECK(full.median == 2.5);
 }
+
+TEST_CASE("precomputed statistics are read in place and never extended in place", "[context]") {
+  torchdbg::Metadata md;
+  auto t = torch::tensor({1.0, 2.0, 3.0, 4.0});
+  torchdbg::TensorStats given = torchdbg::compute_stats(t);
+  given.mean = 42.0;  // marks the caller's object: the context must not recompute
+  torchdbg::HookContext ctx("fc1", true, torchdbg::TrainingState{}, md, t, &given);
+  CHECK(&ctx.stats() == &given);
+  CHECK(ctx.stats().mean == 42.0);
+  const auto& full = ctx.stats_with_distribution(4);
+  REQUIRE(full.distribution);
+  CHECK(full.mean == 42.0);  // a copy of the caller's statistics, extended
+  CHECK(&full != &given);
+  CHECK_FALSE(given.distribution);
+  CHECK(&ctx.stats() == &full);  // later readers see the extended copy
+}

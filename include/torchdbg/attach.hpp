@@ -69,6 +69,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -159,7 +160,9 @@ template struct RecordFunctionInputsValid<&at::RecordFunction::inputs_valid_>;
 #endif
 
 /// Marks this thread as running torchdbg's own work (deliveries, hooks, statistics): the
-/// forward observer ignores the operators run meanwhile.
+/// forward observer ignores the operators run meanwhile. (RecordFunction stays on: turning it
+/// off per scope copies its thread-local state in LibTorch 1.13, which costs more than the
+/// boxing it saves.)
 class DeliveringScope {
  public:
   DeliveringScope() { ++depth(); }
@@ -175,6 +178,35 @@ class DeliveringScope {
   }
 };
 
+/// Operators whose output, when they consume a module's output, is delivered too: activations
+/// ("<module>/relu") and elementwise functions that can turn finite values into NaN/Inf
+/// ("<module>/log"). Indices into this table identify them.
+struct FollowUpOps {
+  static constexpr const char* kNames[] = {
+      "relu",     "relu6",      "leaky_relu",  "elu",       "selu",       "celu",     "gelu",
+      "silu",     "mish",       "tanh",        "sigmoid",   "softplus",   "softmax",  "log_softmax",
+      "hardtanh", "hardsigmoid", "hardswish",  "threshold", "softsign",   "tanhshrink", "logsigmoid",
+      // math: the first index of the elementwise functions
+      "log",      "log2",       "log10",       "log1p",     "sqrt",       "rsqrt",    "reciprocal",
+      "exp",      "exp2",       "expm1",       "pow",       "acos",       "asin",     "atanh",
+      "acosh",    "lgamma",     "digamma",     "erfinv"};
+  static constexpr int kFirstMath = 21;
+  static constexpr int kCount = static_cast<int>(sizeof(kNames) / sizeof(kNames[0]));
+
+  /// "aten::relu_" -> index of "relu", "aten::_softmax" -> index of "softmax"; -1 for any
+  /// other operator.
+  static int find(std::string_view op) {
+    if (op.substr(0, 6) != "aten::") return -1;
+    op.remove_prefix(6);
+    if (!op.empty() && op.front() == '_') op.remove_prefix(1);
+    if (!op.empty() && op.back() == '_') op.remove_suffix(1);
+    for (int i = 0; i < kCount; ++i)
+      if (op == kNames[i]) return i;
+    return -1;
+  }
+  static bool is_math(int i) { return i >= kFirstMath; }
+};
+
 /// State shared by a session, its gradient hooks and the forward observer. Held by
 /// shared_ptr so that a hook still running while the session detaches finds it alive.
 class AttachCore : public std::enable_shared_from_this<AttachCore> {
@@ -184,11 +216,13 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
     WeakImpl impl;
     unsigned hook = 0;
     bool hooked = false;
+    Metadata grad_md;  // {"parameter", name}: built once, sent with every gradient
   };
   struct Module {
     std::string name;
     std::string type_name;
     std::vector<Param> params;
+    Metadata forward_md;  // {"module_type", type_name}
   };
 
   AttachOptions options;
@@ -239,8 +273,9 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
   };
 
   /// Sends one tensor to the manager, or queues it (see StatsBatching); never throws.
+  /// `base_md` is copied only when the input's RMS is added to it.
   void send(std::size_t module, std::string_view name, const at::Tensor& t, bool is_forward,
-            Metadata md, const TensorStats* precomputed = nullptr, InputMoments input = {}) {
+            const Metadata& base_md, const TensorStats* precomputed = nullptr, InputMoments input = {}) {
     if (!active.load()) return;
     if (is_forward) {
       note_order(module);
@@ -249,10 +284,16 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
       backward_deliveries.fetch_add(1);
     }
     DeliveringScope scope;  // the statistics' operators and the hooks' are not forward outputs
+    std::optional<Metadata> own;  // base_md plus "input_rms", once a step
+    const auto md_with_input = [&](const Moments& m) {
+      if (!own) own = base_md;
+      add_input_rms(*own, m);
+    };
     try {
-      if (input.host) add_input_rms(md, *input.host);
+      if (input.host) md_with_input(*input.host);
     } catch (...) {
     }
+    const Metadata& md = own ? *own : base_md;
     if (precomputed == nullptr && defers(t)) {
       try {
         Deferred d{module, std::string(name), t, is_forward, md, pack_moments(t.detach()),
@@ -271,8 +312,8 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
       }
     }
     try {
-      if (input.packed.defined()) add_input_rms(md, unpack_moments(input.packed.to(at::kCPU)));
-      deliver(name, t, is_forward, md, precomputed, nullptr);
+      if (input.packed.defined()) md_with_input(unpack_moments(input.packed.to(at::kCPU)));
+      deliver(name, t, is_forward, own ? *own : base_md, precomputed, nullptr);
     } catch (...) {
       // execute_hooks turns hook failures into results; anything else (bad_alloc) is
       // dropped rather than thrown into an operator or the autograd engine.
@@ -347,7 +388,7 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
     if (deferred_.empty() && deferred_.capacity() < batch.capacity()) deferred_.swap(batch);
   }
 
-  void on_grad(std::size_t m, const std::string& pname, const at::Tensor& g);
+  void on_grad(std::size_t m, std::size_t param, const at::Tensor& g);
 
   [[nodiscard]] std::vector<std::string> execution_order() const {
     std::lock_guard<std::mutex> lock(order_mutex_);
@@ -358,6 +399,22 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
   [[nodiscard]] std::vector<std::pair<std::string, double>> gradient_norms() const {
     std::lock_guard<std::mutex> lock(grad_mutex_);
     return last_norms_;
+  }
+
+  /// A follow-up operator's delivery: "<module>/<op>" and {"activation"|"op", op}. Built on
+  /// first use and kept (map nodes do not move), so a step builds no strings for them.
+  struct FollowUp {
+    std::string name;
+    Metadata md;
+  };
+  const FollowUp& follow_up(std::size_t module, int op) {
+    std::lock_guard<std::mutex> lock(follow_mutex_);
+    auto it = follow_ups_.find({module, op});
+    if (it != follow_ups_.end()) return it->second;
+    const char* n = FollowUpOps::kNames[op];
+    FollowUp f{modules[module].name + "/" + n,
+               Metadata{{FollowUpOps::is_math(op) ? "op" : "activation", n}}};
+    return follow_ups_.emplace(std::make_pair(module, op), std::move(f)).first->second;
   }
 
  private:
@@ -439,11 +496,13 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
   std::vector<GradSq> grad_sq_;
   std::vector<std::pair<std::string, double>> last_norms_;
   std::atomic<bool> end_queued_{false};
+  std::mutex follow_mutex_;
+  std::map<std::pair<std::size_t, int>, FollowUp> follow_ups_;
   std::mutex defer_mutex_;
   std::vector<Deferred> deferred_;
 };
 
-inline void AttachCore::on_grad(std::size_t m, const std::string& pname, const at::Tensor& g) {
+inline void AttachCore::on_grad(std::size_t m, std::size_t param, const at::Tensor& g) {
   if (!active.load()) return;
   // The end-of-backward callback is needed for norms and queued deliveries (when hooks are
   // due) and auto_step only: a step with nothing due costs this one check per gradient.
@@ -459,9 +518,9 @@ inline void AttachCore::on_grad(std::size_t m, const std::string& pname, const a
     }
   }
   if (!due || !g.defined()) return;
-  Metadata md{{"parameter", pname}};
+  const Metadata& md = modules[m].params[param].grad_md;
   if (defers(g)) {  // the norm comes with the batch
-    send(m, modules[m].name, g, false, std::move(md));
+    send(m, modules[m].name, g, false, md);
     return;
   }
   std::optional<TensorStats> stats;
@@ -473,7 +532,7 @@ inline void AttachCore::on_grad(std::size_t m, const std::string& pname, const a
     } catch (...) {
     }
   }
-  send(m, modules[m].name, g, false, std::move(md), stats ? &*stats : nullptr);
+  send(m, modules[m].name, g, false, md, stats ? &*stats : nullptr);
 }
 
 /// The process-wide ATen observer behind forward attachment. RecordFunction callbacks are
@@ -580,13 +639,13 @@ class ForwardObserver {
     Pending pending;
     std::array<Derived, 16> derived;
     std::size_t next_derived = 0;
+    std::vector<const c10::TensorImpl*> grads_of_owned;  // on_start's scratch, kept allocated
   };
   struct OpCtx : at::ObserverContext {
     enum Kind { Backward, Forward, Weights, Activation } kind = Backward;
     std::shared_ptr<AttachCore> core;
     std::size_t module = 0;
-    std::string act;
-    bool math = false;
+    int follow_up = -1;  // Activation: index in FollowUpOps
     std::optional<AttachCore::InputMoments> input;
   };
 
@@ -604,8 +663,7 @@ class ForwardObserver {
     t.pending = {};
     if (!p.core || !p.out.defined()) return;
     const auto& mod = p.core->modules[p.module];
-    p.core->send(p.module, mod.name, p.out, true, Metadata{{"module_type", mod.type_name}}, nullptr,
-                 std::move(p.input));
+    p.core->send(p.module, mod.name, p.out, true, mod.forward_md, nullptr, std::move(p.input));
   }
 
   static at::ArrayRef<const c10::IValue> safe_inputs(const at::RecordFunction& fn) {
@@ -644,34 +702,6 @@ class ForwardObserver {
     return first;
   }
 
-  /// "aten::relu_" -> "relu", "aten::_softmax" -> "softmax"; empty when the operator is
-  /// neither an activation nor (with `math`) an elementwise function that can turn finite
-  /// values into NaN/Inf, such as log or sqrt. `math` tells which of the two it is.
-  static std::string follow_up_name(std::string_view op, bool& math) {
-    static const char* const kActs[] = {"relu",      "relu6",    "leaky_relu", "elu",    "selu",
-                                        "celu",      "gelu",     "silu",       "mish",   "tanh",
-                                        "sigmoid",   "softplus", "softmax",    "log_softmax",
-                                        "hardtanh",  "hardsigmoid", "hardswish", "threshold",
-                                        "softsign",  "tanhshrink", "logsigmoid"};
-    static const char* const kMath[] = {"log",   "log2",  "log10", "log1p",  "sqrt",   "rsqrt",
-                                        "reciprocal", "exp", "exp2", "expm1", "pow",   "acos",
-                                        "asin",  "atanh", "acosh", "lgamma", "digamma", "erfinv"};
-    math = false;
-    if (op.substr(0, 6) != "aten::") return {};
-    op.remove_prefix(6);
-    if (!op.empty() && op.front() == '_') op.remove_prefix(1);
-    if (!op.empty() && op.back() == '_') op.remove_suffix(1);
-    for (const char* a : kActs)
-      if (op == a) return std::string(op);
-    for (const char* a : kMath) {
-      if (op == a) {
-        math = true;
-        return std::string(op);
-      }
-    }
-    return {};
-  }
-
   static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     Tls& t = tls();
     if (DeliveringScope::active()) return nullptr;
@@ -706,7 +736,8 @@ class ForwardObserver {
     const at::ArrayRef<const c10::IValue> inputs = safe_inputs(fn);
     // An operator taking a parameter together with that parameter's own gradient is an
     // optimizer's (weight decay `grad + wd * p`, ...), whatever the grad mode.
-    std::vector<const c10::TensorImpl*> grads_of_owned;
+    std::vector<const c10::TensorImpl*>& grads_of_owned = t.grads_of_owned;
+    grads_of_owned.clear();
     for (const c10::IValue& v : inputs) {
       for_each_tensor(v, [&](const at::Tensor& x) {
         if (!x.defined() || !x.requires_grad()) return;
@@ -785,15 +816,13 @@ class ForwardObserver {
       const std::size_t m = t.pending.module;
       flush_pending(t);
       if (core->options.activations()) {
-        bool math = false;
-        std::string act = follow_up_name(fn.name(), math);
-        if (!act.empty()) {
+        const int op = FollowUpOps::find(fn.name());
+        if (op >= 0) {
           auto ctx = std::make_unique<OpCtx>();
           ctx->kind = OpCtx::Activation;
           ctx->core = std::move(core);
           ctx->module = m;
-          ctx->act = std::move(act);
-          ctx->math = math;
+          ctx->follow_up = op;
           ++t.skip_depth;
           return ctx;
         }
@@ -824,10 +853,11 @@ class ForwardObserver {
           ctx->input = std::move(t.pending.input);  // a later op of the same module keeps it
         t.pending = Pending{ctx->core, ctx->module, out, ctx->input.value_or(AttachCore::InputMoments{})};
         break;
-      case OpCtx::Activation:
-        ctx->core->send(ctx->module, ctx->core->modules[ctx->module].name + "/" + ctx->act, out,
-                        true, Metadata{{ctx->math ? "op" : "activation", ctx->act}});
+      case OpCtx::Activation: {
+        const AttachCore::FollowUp& f = ctx->core->follow_up(ctx->module, ctx->follow_up);
+        ctx->core->send(ctx->module, f.name, out, true, f.md);
         break;
+      }
       default:
         break;
     }
@@ -882,8 +912,10 @@ class BasicAttachSession {
       detail::AttachCore::Module info;
       info.name = name;
       info.type_name = m.name();
+      info.forward_md = Metadata{{"module_type", info.type_name}};
       for (const auto& p : params) {
-        info.params.push_back({p.key(), detail::weak_of(p.value()), 0, false});
+        info.params.push_back(
+            {p.key(), detail::weak_of(p.value()), 0, false, Metadata{{"parameter", p.key()}}});
         core_->owner.emplace(p.value().unsafeGetTensorImpl(), idx);
         core_->keep.push_back(detail::weak_of(p.value()));
       }
@@ -897,7 +929,7 @@ class BasicAttachSession {
     BasicHookManager<Mutex>* mgr = hooks_;
     core_->deliver = [mgr](std::string_view layer, const at::Tensor& t, bool fwd, const Metadata& md,
                            const TensorStats* stats, const Prefetched* extra) {
-      (void)mgr->execute_hooks(layer, t, fwd, md, stats, extra);
+      mgr->run_checked(layer, t, fwd, md, stats, extra, /*out=*/nullptr);
     };
     core_->prefetch = [mgr](std::string_view layer, const at::Tensor& t, bool fwd, const Metadata& md) {
       return mgr->run_prefetches(layer, t, fwd, md);
@@ -906,12 +938,13 @@ class BasicAttachSession {
     core_->advance_step = [mgr] { mgr->set_step(mgr->step() + 1); };
     if (core_->options.backward()) {
       for (std::size_t m = 0; m < core_->modules.size(); ++m) {
-        for (auto& p : core_->modules[m].params) {
+        auto& params = core_->modules[m].params;
+        for (std::size_t i = 0; i < params.size(); ++i) {
+          auto& p = params[i];
           at::Tensor t(p.impl.lock());
           if (!t.defined() || !t.requires_grad()) continue;
           std::shared_ptr<detail::AttachCore> core = core_;
-          const std::string pname = p.name;
-          p.hook = t.register_hook([core, m, pname](const at::Tensor& g) { core->on_grad(m, pname, g); });
+          p.hook = t.register_hook([core, m, i](const at::Tensor& g) { core->on_grad(m, i, g); });
           p.hooked = true;
         }
       }

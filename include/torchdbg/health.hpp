@@ -612,14 +612,14 @@ class BasicHealthMonitor {
     auto due = [this, owner](std::string_view layer, bool is_forward) {
       return is_forward && watched(layer) && owner->step() % options_.interval() == 0;
     };
-    hooks.add_prefetch(cb + ".units", [this, due](std::string_view layer, const at::Tensor& t, bool fwd,
+    hooks.add_prefetch(units_key_, [this, due](std::string_view layer, const at::Tensor& t, bool fwd,
                                                    const Metadata& md) -> at::Tensor {
       if (!due(layer, fwd) || t.dim() == 0) return {};
       const Kind k = kind_of(layer, activation_info(md));
       if (!k.known || !detail::is_dead_capable(k.name)) return {};
       return detail::count_above_per_unit_on_device(t, t.dim() == 1 ? 0 : options_.unit_dim(), 0.0);
     });
-    hooks.add_prefetch(cb + ".saturation", [this, due](std::string_view layer, const at::Tensor& t,
+    hooks.add_prefetch(saturation_key_, [this, due](std::string_view layer, const at::Tensor& t,
                                                         bool fwd, const Metadata& md) -> at::Tensor {
       if (!due(layer, fwd)) return {};
       const Kind k = kind_of(layer, activation_info(md));
@@ -659,8 +659,8 @@ class BasicHealthMonitor {
     } catch (...) {
       hooks.remove_listener(listener);
       (void)hooks.remove_callback(cb);
-      (void)hooks.remove_prefetch(cb + ".units");
-      (void)hooks.remove_prefetch(cb + ".saturation");
+      (void)hooks.remove_prefetch(units_key_);
+      (void)hooks.remove_prefetch(saturation_key_);
       throw;
     }
     return HealthInstallation<Mutex, M>(mgr, id, cb, listener);
@@ -984,9 +984,8 @@ class BasicHealthMonitor {
   void on_hook(const HookContext& ctx) {
     if (ctx.is_forward()) {
       ActivationInfo info = activation_info(ctx.metadata());
-      const std::string cb = callback_name();
-      info.unit_counts = ctx.prefetched(cb + ".units");
-      info.saturated_count = ctx.prefetched(cb + ".saturation");
+      info.unit_counts = ctx.prefetched(units_key_);
+      info.saturated_count = ctx.prefetched(saturation_key_);
       observe_activation(ctx.layer_name(), ctx.tensor(), ctx.step(), info, &ctx.stats());
     } else {
       observe_gradient(ctx.layer_name(),
@@ -1008,9 +1007,20 @@ class BasicHealthMonitor {
   }
 
   Layer* layer_rec(std::string_view name) {
+    // Deliveries come in the same order every step: the last layer (a module's next
+    // parameter) or the one after it is almost always the one asked for.
+    for (const std::size_t i : {last_rec_, last_rec_ + 1}) {
+      if (i < layers_.size() && layers_[i].name == name) {
+        last_rec_ = i;
+        return &layers_[i];
+      }
+    }
     const std::string key(name);
     auto it = index_.find(key);
-    if (it != index_.end()) return &layers_[it->second];
+    if (it != index_.end()) {
+      last_rec_ = it->second;
+      return &layers_[it->second];
+    }
     if (layers_.size() >= options_.max_layers()) {
       ++ignored_;
       return nullptr;
@@ -1020,6 +1030,7 @@ class BasicHealthMonitor {
     L.module = key.substr(0, key.find('/'));
     L.order = kUnordered + static_cast<int64_t>(layers_.size());
     index_.emplace(key, layers_.size());
+    last_rec_ = layers_.size();
     layers_.push_back(std::move(L));
     return &layers_.back();
   }
@@ -1711,6 +1722,10 @@ class BasicHealthMonitor {
   mutable Mutex mutex_;
   std::vector<Layer> layers_;
   std::unordered_map<std::string, std::size_t> index_;
+  std::size_t last_rec_ = 0;  // layer_rec's guess
+  /// The prefetch keys install() registers, once (they name this monitor).
+  const std::string units_key_ = callback_name() + ".units";
+  const std::string saturation_key_ = callback_name() + ".saturation";
   std::vector<Incident> incidents_;
   uint64_t dropped_incidents_ = 0;
   detail::RingBuffer<SemanticEvent> events_;

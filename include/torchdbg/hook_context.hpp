@@ -48,9 +48,8 @@ class HookContext {
         state_(std::move(state)),
         metadata_(metadata),
         tensor_(tensor),
-        prefetched_(prefetched) {
-    if (precomputed != nullptr) stats_ = *precomputed;
-  }
+        prefetched_(prefetched),
+        precomputed_(precomputed) {}
 
   [[nodiscard]] std::string_view layer_name() const noexcept { return layer_name_; }
   [[nodiscard]] bool is_forward() const noexcept { return is_forward_; }
@@ -83,13 +82,16 @@ class HookContext {
 
   /// One-pass statistics of the tensor, computed on first use.
   [[nodiscard]] const TensorStats& stats() const {
-    if (!stats_) stats_ = compute_stats(tensor_);
+    if (stats_) return *stats_;
+    if (precomputed_ != nullptr) return *precomputed_;
+    stats_ = compute_stats(tensor_);
     return *stats_;
   }
 
   /// Statistics with the distribution part, computed on first use (reusing the summary).
   [[nodiscard]] const TensorStats& stats_with_distribution(int64_t histogram_bins) const {
-    const TensorStats& s = stats();
+    if (!stats_) stats_ = stats();  // the caller's statistics are not ours to extend
+    const TensorStats& s = *stats_;
     if (!s.distribution || distribution_bins_ != histogram_bins) {
       add_distribution(*stats_, tensor_, histogram_bins);
       distribution_bins_ = histogram_bins;
@@ -104,6 +106,7 @@ class HookContext {
   const Metadata& metadata_;
   const at::Tensor& tensor_;
   const Prefetched* prefetched_;
+  const TensorStats* precomputed_;  // the caller's, valid during the call
   mutable std::optional<TensorStats> stats_;
   mutable int64_t distribution_bins_ = 0;
 };

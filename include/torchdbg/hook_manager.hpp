@@ -420,17 +420,9 @@ class BasicHookManager {
   Results execute_hooks(std::string_view layer_name, const at::Tensor& tensor, bool is_forward,
                         const Metadata& metadata = {}, const TensorStats* precomputed = nullptr,
                         const Prefetched* prefetched = nullptr) {
-    std::optional<std::string> input_error;
-    if (!tensor.defined()) {
-      input_error = "torchdbg: execute_hooks got an undefined tensor";
-    } else {
-      try {
-        detail::check_supported_dtype(tensor.scalar_type());
-      } catch (const std::exception& e) {
-        input_error = e.what();
-      }
-    }
-    return run_all(layer_name, tensor, is_forward, metadata, input_error, precomputed, prefetched);
+    Results out;
+    run_checked(layer_name, tensor, is_forward, metadata, precomputed, prefetched, &out);
+    return out;
   }
 
   /// Raw-data form: `size` elements of T at `data` laid out with `shape`. A size/shape
@@ -445,7 +437,9 @@ class BasicHookManager {
     } catch (const std::exception& e) {
       input_error = e.what();
     }
-    return run_all(layer_name, t, is_forward, metadata, input_error);
+    Results out;
+    run_all(layer_name, t, is_forward, metadata, input_error, nullptr, nullptr, &out);
+    return out;
   }
 
   template <typename T>
@@ -507,6 +501,8 @@ class BasicHookManager {
   }
 
  private:
+  template <typename>
+  friend class BasicAttachSession;  // delivers through run_checked without wanting results
   struct Entry {
     HookId id;
     HookConfig config;
@@ -597,13 +593,31 @@ class BasicHookManager {
                                                                      : AlertSeverity::Warning;
   }
 
-  Results run_all(std::string_view layer, const at::Tensor& tensor, bool is_forward,
-                  const Metadata& metadata, const std::optional<std::string>& input_error,
-                  const TensorStats* precomputed = nullptr, const Prefetched* prefetched = nullptr) {
-    Results out;
-    if (!enabled_.load(std::memory_order_relaxed)) return out;
+  /// execute_hooks for a tensor: checks it, then runs the hooks. `out` null: the results are
+  /// not wanted (the attachment's deliveries), so skipped hooks build no message; counters,
+  /// alerts and the error handler are the same.
+  void run_checked(std::string_view layer, const at::Tensor& tensor, bool is_forward,
+                   const Metadata& metadata, const TensorStats* precomputed,
+                   const Prefetched* prefetched, Results* out) {
+    std::optional<std::string> input_error;
+    if (!tensor.defined()) {
+      input_error = "torchdbg: execute_hooks got an undefined tensor";
+    } else {
+      try {
+        detail::check_supported_dtype(tensor.scalar_type());
+      } catch (const std::exception& e) {
+        input_error = e.what();
+      }
+    }
+    run_all(layer, tensor, is_forward, metadata, input_error, precomputed, prefetched, out);
+  }
+
+  void run_all(std::string_view layer, const at::Tensor& tensor, bool is_forward,
+               const Metadata& metadata, const std::optional<std::string>& input_error,
+               const TensorStats* precomputed, const Prefetched* prefetched, Results* out) {
+    if (!enabled_.load(std::memory_order_relaxed)) return;
     const std::shared_ptr<const HookList> hooks = snapshot();
-    if (hooks->empty()) return out;
+    if (hooks->empty()) return;
     HookContext ctx(layer, is_forward, state(), metadata, tensor, input_error ? nullptr : precomputed,
                     prefetched);
     for (const auto& e : *hooks) {
@@ -612,27 +626,32 @@ class BasicHookManager {
       try {
         match = e->matches(layer);
       } catch (const std::exception& ex) {
-        out.emplace_back(e->id, fail(*e, ctx, "layer pattern: " + exception_text(ex)));
+        HookResult r = fail(*e, ctx, "layer pattern: " + exception_text(ex));
+        if (out) out->emplace_back(e->id, std::move(r));
         continue;
       }
       if (!match) continue;
-      out.emplace_back(e->id, run_one(*e, ctx, input_error));
+      HookResult r = run_one(*e, ctx, input_error, out != nullptr);
+      if (out) out->emplace_back(e->id, std::move(r));
     }
-    return out;
   }
 
-  HookResult run_one(Entry& e, const HookContext& ctx, const std::optional<std::string>& input_error) {
+  HookResult run_one(Entry& e, const HookContext& ctx, const std::optional<std::string>& input_error,
+                     bool explain) {
     if (input_error) return fail(e, ctx, *input_error);
-    const auto t0 = std::chrono::steady_clock::now();
+    std::chrono::steady_clock::time_point t0;  // read only when the actions run
     bool executed = false;
     std::optional<HookResult> result;
     try {
       if (!e.config.trigger().is_due(ctx)) {
-        result = HookResult::skipped("trigger not due (" + e.config.trigger().describe() + ")");
+        result = HookResult::skipped(
+            explain ? "trigger not due (" + e.config.trigger().describe() + ")" : std::string());
       } else if (!e.claim()) {
-        result = HookResult::skipped("max_executions (" + std::to_string(e.limit) + ") reached");
+        result = HookResult::skipped(
+            explain ? "max_executions (" + std::to_string(e.limit) + ") reached" : std::string());
       } else {
         executed = true;
+        t0 = std::chrono::steady_clock::now();
         std::string details;
         for (const auto& action : e.config.actions()) {
           std::string d = run_action(e, action, ctx);

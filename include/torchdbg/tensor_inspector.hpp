@@ -260,27 +260,27 @@ class BasicTensorInspector {
   [[nodiscard]] std::vector<TensorAlert> alerts_for(std::string_view name, const TensorStats& s,
                                                     int64_t step, bool is_gradient) const {
     std::vector<TensorAlert> out;
-    const std::string n(name);
+    const std::string_view n = name;  // copied only into an alert
     if (s.nan_count > 0) {
-      out.push_back({TensorAlertKind::NaN, n, step, static_cast<double>(s.nan_count),
+      out.push_back({TensorAlertKind::NaN, std::string(n), step, static_cast<double>(s.nan_count),
                      fmt::format("'{}' has {} NaN of {} values", n, s.nan_count, s.numel)});
     }
     if (s.inf_count > 0) {
-      out.push_back({TensorAlertKind::Inf, n, step, static_cast<double>(s.inf_count),
+      out.push_back({TensorAlertKind::Inf, std::string(n), step, static_cast<double>(s.inf_count),
                      fmt::format("'{}' has {} Inf of {} values", n, s.inf_count, s.numel)});
     }
     if (s.finite_count > 0 && s.linf_norm > options_.extreme_magnitude()) {
-      out.push_back({TensorAlertKind::ExtremeMagnitude, n, step, s.linf_norm,
+      out.push_back({TensorAlertKind::ExtremeMagnitude, std::string(n), step, s.linf_norm,
                      fmt::format("'{}' max |x| = {:.4g} exceeds {:.4g}", n, s.linf_norm,
                                  options_.extreme_magnitude())});
     }
     if (is_gradient && s.finite_count > 0) {
       if (s.l2_norm < options_.vanishing_gradient_norm()) {
-        out.push_back({TensorAlertKind::VanishingGradient, n, step, s.l2_norm,
+        out.push_back({TensorAlertKind::VanishingGradient, std::string(n), step, s.l2_norm,
                        fmt::format("gradient '{}' L2 norm {:.4g} below {:.4g} (vanishing)", n,
                                    s.l2_norm, options_.vanishing_gradient_norm())});
       } else if (s.l2_norm > options_.exploding_gradient_norm()) {
-        out.push_back({TensorAlertKind::ExplodingGradient, n, step, s.l2_norm,
+        out.push_back({TensorAlertKind::ExplodingGradient, std::string(n), step, s.l2_norm,
                        fmt::format("gradient '{}' L2 norm {:.4g} above {:.4g} (exploding)", n,
                                    s.l2_norm, options_.exploding_gradient_norm())});
       }

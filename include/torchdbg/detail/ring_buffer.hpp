@@ -20,11 +20,22 @@ class RingBuffer {
     items_.reserve(capacity < 1024 ? capacity : 1024);
   }
 
-  void push(T value) {
+  void push(T&& value) {
     if (items_.size() < capacity_) {
       items_.push_back(std::move(value));
     } else {
       items_[head_] = std::move(value);
+      head_ = (head_ + 1) % capacity_;
+    }
+    ++total_pushed_;
+  }
+  /// Copy-assigns into the oldest slot once full, so an element's buffers (a vector's
+  /// capacity) are reused instead of freed and allocated again every push.
+  void push(const T& value) {
+    if (items_.size() < capacity_) {
+      items_.push_back(value);
+    } else {
+      items_[head_] = value;
       head_ = (head_ + 1) % capacity_;
     }
     ++total_pushed_;
