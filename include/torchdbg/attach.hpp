@@ -207,6 +207,13 @@ struct FollowUpOps {
   static bool is_math(int i) { return i >= kFirstMath; }
 };
 
+constexpr bool same_name(const char* a, const char* b) {
+  return *a == *b && (*a == '\0' || same_name(a + 1, b + 1));
+}
+static_assert(same_name(FollowUpOps::kNames[FollowUpOps::kFirstMath - 1], "logsigmoid") &&
+                  same_name(FollowUpOps::kNames[FollowUpOps::kFirstMath], "log"),
+              "kFirstMath must point at the first elementwise function");
+
 /// State shared by a session, its gradient hooks and the forward observer. Held by
 /// shared_ptr so that a hook still running while the session detaches finds it alive.
 class AttachCore : public std::enable_shared_from_this<AttachCore> {

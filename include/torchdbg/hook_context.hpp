@@ -90,7 +90,8 @@ class HookContext {
 
   /// Statistics with the distribution part, computed on first use (reusing the summary).
   [[nodiscard]] const TensorStats& stats_with_distribution(int64_t histogram_bins) const {
-    if (!stats_) stats_ = stats();  // the caller's statistics are not ours to extend
+    // The caller's statistics are not ours to extend: they are copied first.
+    if (!stats_) stats_ = precomputed_ != nullptr ? *precomputed_ : compute_stats(tensor_);
     const TensorStats& s = *stats_;
     if (!s.distribution || distribution_bins_ != histogram_bins) {
       add_distribution(*stats_, tensor_, histogram_bins);
