@@ -250,6 +250,18 @@ nlohmann::json bench_delivery(const Args& a) {
           {"monitored_median_us", r["monitored_median_us"]}};
 }
 
+/// Median seconds of `reps` runs of f.
+template <typename F>
+double median_seconds(int reps, F&& f) {
+  std::vector<double> s;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = Clock::now();
+    f();
+    s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return median(s);
+}
+
 nlohmann::json bench_kernel() {
   const int64_t n = (64ll << 20) / 4;  // 64 MiB of float32
   auto t = torch::randn({n});
@@ -270,9 +282,21 @@ nlohmann::json bench_kernel() {
   const double stat_gbs = bytes / median(stat_s) / 1e9;
   fmt::print("stats kernel float32 64MiB: {:.2f} GB/s ({:.0f}% of copy bandwidth)\n", stat_gbs,
              100.0 * stat_gbs / copy_gbs);
+  // What a delivery sees: a tensor just written, still in cache (1 MiB, a 512x512 weight's
+  // gradient). The kernel is compute-bound there; moments only (no sign counts) is what
+  // gradient checks ask for.
+  auto hot = torch::randn({(1 << 20) / 4});
+  const double hot_bytes = static_cast<double>(hot.numel()) * 4.0;
+  const auto full_s = median_seconds(101, [&] { (void)torchdbg::detail::compute_moments(hot); });
+  const auto moments_s =
+      median_seconds(101, [&] { (void)torchdbg::detail::compute_moments(hot, /*signs=*/false); });
+  fmt::print("stats kernel float32 1MiB in cache: {:.2f} GB/s, moments only {:.2f} GB/s\n",
+             hot_bytes / full_s / 1e9, hot_bytes / moments_s / 1e9);
   return {{"stats_gbs", stat_gbs},
           {"copy_gbs", copy_gbs},
           {"percent_of_copy", 100.0 * stat_gbs / copy_gbs},
+          {"cached_gbs", hot_bytes / full_s / 1e9},
+          {"cached_moments_gbs", hot_bytes / moments_s / 1e9},
           {"vector_width", torchdbg::detail::block_kernels().name}};  // which fast path ran
 }
 

@@ -821,3 +821,53 @@ TEST_CASE("the observer is off while a backward pass runs and back for the next 
     CHECK(during == std::vector<bool>(3, concurrent));
   }
 }
+
+TEST_CASE("gradient statistics skip the sign counts unless a due hook reads them", "[attach]") {
+  torchdbg_test::SeededRng rng(21);
+  auto net = torch::nn::Sequential(torch::nn::Linear(64, 48), torch::nn::ReLU(), torch::nn::Linear(48, 5));
+  HookManager hooks;
+  hooks.create_gradient_tracking_hook({});
+  std::map<std::string, torchdbg::TensorStats> moments;  // "<module>.<parameter>"
+  hooks.register_callback(
+      "moments",
+      [&](const torchdbg::HookContext& c) {
+        if (!c.is_forward()) moments[std::string(c.layer_name()) + "." + std::string(*c.metadata_value("parameter"))] = c.moment_stats();
+      },
+      torchdbg::CallbackStats::Moments);
+  hooks.register_hook(HookConfig().name("m").trigger(HookTrigger::every_backward()).actions(
+      {HookAction::custom_callback("moments")}));
+  auto session = torchdbg::attach(*net, hooks);
+  auto x = torch::randn({16, 64});
+  x.select(1, 0).zero_();  // the first layer's weight gradient gets a zero column
+  auto step = [&] {
+    net->zero_grad();
+    net->forward(x).pow(2).mean().backward();
+  };
+  step();
+  REQUIRE(moments.size() == 4);
+  for (const auto& [key, s] : moments) {
+    INFO(key);
+    CHECK_FALSE(s.sign_counts);  // shared by the norm, the tracking hook and the callback
+    CHECK(s.zero_count == -1);
+  }
+  const auto w = net->named_parameters()["0.weight"].grad();
+  CHECK_CLOSE(moments["0.weight"].l2_norm, w.to(torch::kDouble).norm().item<double>(), 1e-6);
+
+  // A hook that reads every count, registered after attaching: the next backward computes
+  // them once for everyone.
+  std::map<std::string, int64_t> zeros;
+  hooks.register_callback("full", [&](const torchdbg::HookContext& c) {
+    if (!c.is_forward()) zeros[std::string(c.layer_name()) + "." + std::string(*c.metadata_value("parameter"))] = c.stats().zero_count;
+  });
+  hooks.register_hook(HookConfig().name("f").trigger(HookTrigger::every_backward()).actions(
+      {HookAction::custom_callback("full")}));
+  moments.clear();
+  step();
+  REQUIRE(zeros.size() == 4);
+  for (const auto& p : net->named_parameters()) {
+    INFO(p.key());
+    CHECK(zeros[p.key()] == (p.value().grad() == 0).sum().item<int64_t>());
+    CHECK(moments[p.key()].sign_counts);
+  }
+  CHECK(zeros["0.weight"] >= 48);
+}

@@ -43,3 +43,45 @@ TEST_CASE("precomputed statistics are read in place and never extended in place"
   CHECK_FALSE(given.distribution);
   CHECK(&ctx.stats() == &full);  // later readers see the extended copy
 }
+
+TEST_CASE("moment statistics skip the sign counts until a reader of stats() needs them", "[context]") {
+  torchdbg::Metadata md;
+  auto t = torch::relu(torch::randn({4096}));  // float32: the kernel's moments-only path
+  const auto ref = torchdbg::compute_stats(t);
+  REQUIRE(ref.zero_count > 0);
+  {
+    torchdbg::HookContext ctx("fc1", false, torchdbg::TrainingState{}, md, t);
+    const auto& m = ctx.moment_stats();
+    CHECK_FALSE(m.sign_counts);
+    CHECK(m.l2_norm == ref.l2_norm);
+    CHECK(&ctx.moment_stats() == &m);  // computed once
+    const auto& s = ctx.stats();  // completes them: a second pass
+    CHECK(s.sign_counts);
+    CHECK(s.zero_count == ref.zero_count);
+    CHECK(&ctx.moment_stats() == &s);  // later moment readers get the full ones
+  }
+  {
+    torchdbg::HookContext ctx("fc1", false, torchdbg::TrainingState{}, md, t);
+    CHECK(ctx.stats().zero_count == ref.zero_count);
+    CHECK(ctx.moment_stats().sign_counts);  // already at hand: returned as they are
+  }
+  {  // the caller's moments-only statistics serve moment readers in place, not stats()
+    const auto given = torchdbg::compute_stats(t, torchdbg::StatsOptions().sign_counts(false));
+    torchdbg::HookContext ctx("fc1", false, torchdbg::TrainingState{}, md, t, &given);
+    CHECK(&ctx.moment_stats() == &given);
+    const auto& s = ctx.stats();
+    CHECK(&s != &given);
+    CHECK(s.zero_count == ref.zero_count);
+    const auto& d = ctx.stats_with_distribution(8);
+    CHECK(d.sign_counts);
+    CHECK(d.zero_count == ref.zero_count);
+    REQUIRE(d.distribution);
+  }
+  {  // a moments-only precomputed summary, then a distribution: the counts are computed too
+    const auto given = torchdbg::compute_stats(t, torchdbg::StatsOptions().sign_counts(false));
+    torchdbg::HookContext ctx("fc1", false, torchdbg::TrainingState{}, md, t, &given);
+    const auto& d = ctx.stats_with_distribution(8);
+    CHECK(d.zero_count == ref.zero_count);
+    CHECK(d.sparsity == ref.sparsity);
+  }
+}

@@ -468,3 +468,65 @@ TEST_CASE("prefetches run on a tensor and their values reach the hooks of that c
   hooks.execute_hooks("fc", t, true);  // delivered at once: no prefetched values
   CHECK(seen.empty());
 }
+
+TEST_CASE("hooks say whether they read sign counts; one pass serves moment and full readers", "[manager]") {
+  HookManager hooks;
+  CHECK_FALSE(hooks.reads_sign_counts(false, 0));  // no hooks
+  hooks.create_gradient_tracking_hook({"fc"});       // norms only
+  CHECK_FALSE(hooks.reads_sign_counts(false, 0));
+  std::optional<torchdbg::TensorStats> moment_seen;
+  hooks.register_callback(
+      "moments", [&](const torchdbg::HookContext& c) { moment_seen = c.moment_stats(); },
+      torchdbg::CallbackStats::Moments);
+  hooks.register_hook(HookConfig().name("m").trigger(HookTrigger::every_backward()).actions(
+      {HookAction::custom_callback("moments")}));
+  CHECK_FALSE(hooks.reads_sign_counts(false, 0));
+  // Moment readers alone: the statistics skip the sign counts.
+  auto g = torch::relu(torch::randn({4096}));
+  hooks.execute_hooks("fc1", g, false, {{"parameter", "weight"}});
+  REQUIRE(moment_seen);
+  CHECK_FALSE(moment_seen->sign_counts);
+  CHECK(moment_seen->l2_norm == torchdbg::compute_stats(g).l2_norm);
+  CHECK(hooks.inspector.gradient_history("fc1.weight/grad").size() == 1);
+
+  int64_t zeros_seen = -2;
+  hooks.register_callback("full", [&](const torchdbg::HookContext& c) { zeros_seen = c.stats().zero_count; });
+  hooks.register_hook(HookConfig().name("f").trigger(HookTrigger::every_backward()).actions(
+      {HookAction::custom_callback("full")}));
+  CHECK(hooks.reads_sign_counts(false, 0));  // a callback registered without a declaration
+  CHECK_FALSE(hooks.reads_sign_counts(true, 0));  // ... runs on gradients only
+  hooks.execute_hooks("fc1", g, false, {{"parameter", "weight"}});
+  CHECK(zeros_seen == (g == 0).sum().item<int64_t>());
+  CHECK(moment_seen->sign_counts);  // the moment reader ran first and already got them
+  // The same callback re-registered as a moment reader, then removed: no reader is left.
+  hooks.register_callback("full", [&](const torchdbg::HookContext&) {}, torchdbg::CallbackStats::Moments);
+  CHECK_FALSE(hooks.reads_sign_counts(false, 0));
+  hooks.remove_callback("full");
+  CHECK(hooks.reads_sign_counts(false, 0));  // a missing callback is assumed to read them
+  hooks.clear_hooks();
+  hooks.create_tensor_inspection_hook({"fc"});  // records full statistics of forward outputs
+  CHECK(hooks.reads_sign_counts(true, 0));
+  CHECK_FALSE(hooks.reads_sign_counts(false, 0));
+  hooks.register_hook(HookConfig().name("every3").trigger(HookTrigger::every_n_steps(3)).actions(
+      {HookAction::inspect_tensor()}));  // both directions, on its steps only
+  CHECK(hooks.reads_sign_counts(false, 3));
+  CHECK_FALSE(hooks.reads_sign_counts(false, 4));
+  hooks.set_enabled(false);
+  CHECK_FALSE(hooks.reads_sign_counts(true, 0));
+}
+
+TEST_CASE("a moment reader before a full reader in one call computes the statistics once", "[manager]") {
+  HookManager hooks;
+  std::vector<const torchdbg::TensorStats*> seen;
+  hooks.register_callback(
+      "moments", [&](const torchdbg::HookContext& c) { seen.push_back(&c.moment_stats()); },
+      torchdbg::CallbackStats::Moments);
+  hooks.register_callback("full", [&](const torchdbg::HookContext& c) { seen.push_back(&c.stats()); });
+  hooks.register_hook(callback_hook("m", "moments"));
+  hooks.register_hook(callback_hook("f", "full"));
+  auto y = torch::relu(torch::randn({4096}));
+  hooks.execute_hooks("fc1", y, true);
+  REQUIRE(seen.size() == 2);
+  // One object: the moment reader already got the full statistics, since a full reader followed.
+  CHECK(seen[0] == seen[1]);
+}

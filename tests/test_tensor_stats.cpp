@@ -388,9 +388,17 @@ TEST_CASE("every vector width this CPU runs agrees with the double reference, fa
       }
       if (n > 40) t[40] = -7.25;
       const float* p = t.data_ptr<float>();
-      d::FloatBlock fast, exact;
+      d::FloatBlock fast, exact, moments;
       REQUIRE(k.finite(p, n, 0.5f, fast));
       check_block(fast, t, 0.5f);
+      // Moments only: the same sums and extrema, bit for bit (the same operations in the same
+      // order), no sign counts.
+      REQUIRE(k.finite_moments(p, n, 0.5f, moments));
+      CHECK(moments.s1 == fast.s1);
+      CHECK(moments.s2 == fast.s2);
+      CHECK(moments.min == fast.min);
+      CHECK(moments.max == fast.max);
+      CHECK(moments.finite == fast.finite);
       k.exact(p, n, 0.5f, exact);
       check_block(exact, t, 0.5f);
       // NaN or Inf sends the block to the exact path, wherever it sits.
@@ -401,6 +409,7 @@ TEST_CASE("every vector width this CPU runs agrees with the double reference, fa
           INFO("bad " << bad << " at " << i);
           d::FloatBlock o;
           CHECK_FALSE(k.finite(u.data_ptr<float>(), n, 0.0f, o));
+          CHECK_FALSE(k.finite_moments(u.data_ptr<float>(), n, 0.0f, o));
           k.exact(u.data_ptr<float>(), n, 0.0f, o);
           check_block(o, u, 0.0f);
         }
@@ -410,7 +419,66 @@ TEST_CASE("every vector width this CPU runs agrees with the double reference, fa
     auto huge = torch::full({2048}, 3.0e38);
     d::FloatBlock o;
     CHECK_FALSE(k.finite(huge.data_ptr<float>(), 2048, 0.0f, o));
+    CHECK_FALSE(k.finite_moments(huge.data_ptr<float>(), 2048, 0.0f, o));
   }
+}
+
+TEST_CASE("statistics without sign counts equal the full ones and mark what they skip", "[stats]") {
+  torchdbg_test::SeededRng rng(11);
+  const auto skipped = torchdbg::StatsOptions().sign_counts(false);
+  auto relu_like = torch::relu(torch::randn({3, 5000}) * 4.0 + 1.0);  // zeros and positives
+  auto offset = torch::randn({7000}) * 0.01 + 1000.0;  // large mean: the shifted sums matter
+  auto strided = torch::randn({64, 96}).t();
+  for (const torch::Tensor& t :
+       {relu_like, offset, strided, torch::randn({5000}).to(torch::kHalf),
+        torch::randn({5000}).to(torch::kBFloat16)}) {
+    INFO("dtype " << t.scalar_type() << ", numel " << t.numel());
+    const auto full = torchdbg::compute_stats(t);
+    const auto fast = torchdbg::compute_stats(t, skipped);
+    CHECK(full.sign_counts);
+    CHECK_FALSE(fast.sign_counts);
+    CHECK(fast.zero_count == -1);
+    CHECK(fast.negative_count == -1);
+    CHECK(fast.positive_count == -1);
+    CHECK(std::isnan(fast.l1_norm));
+    CHECK(std::isnan(fast.sparsity));
+    CHECK(fast.numel == full.numel);
+    CHECK(fast.finite_count == full.finite_count);
+    CHECK(fast.nan_count == full.nan_count);
+    CHECK(fast.inf_count == full.inf_count);
+    // The same block sums in the same order: equal, not merely close.
+    CHECK(((fast.mean == full.mean) || (std::isnan(fast.mean) && std::isnan(full.mean))));
+    CHECK(((fast.std == full.std) || (std::isnan(fast.std) && std::isnan(full.std))));
+    CHECK(((fast.min == full.min) || (std::isnan(fast.min) && std::isnan(full.min))));
+    CHECK(((fast.max == full.max) || (std::isnan(fast.max) && std::isnan(full.max))));
+    CHECK(fast.l2_norm == full.l2_norm);
+    CHECK(fast.linf_norm == full.linf_norm);
+    // ... and both match the double reference
+    const Reference r = reference(t);
+    CHECK_CLOSE(fast.l2_norm, r.l2, 1e-6);
+    CHECK_CLOSE(fast.std, r.std, 1e-6);
+    const auto j = nlohmann::json::parse(nlohmann::json(fast).dump());
+    CHECK(j["zero_count"].is_null());
+    CHECK(j["l1_norm"].is_null());
+    CHECK(nlohmann::json(full)["zero_count"] == full.zero_count);
+  }
+  // A NaN/Inf block takes the exact path, which counts everything; float64 and integer data
+  // always have their counts, and an empty tensor's are known.
+  for (const torch::Tensor& t : {with_non_finite(torch::randn({1000})), torch::randn({100}).to(torch::kDouble),
+                                 torch::arange(-50, 50, torch::kInt), torch::empty({0})}) {
+    INFO("dtype " << t.scalar_type());
+    const auto fast = torchdbg::compute_stats(t, skipped);
+    CHECK(fast.sign_counts);
+    check_summary(fast, t);
+  }
+  // Mixed: one block with NaN, the others finite: the result cannot claim the counts.
+  auto mixed = torch::randn({3 * 2048});
+  mixed[5] = kNaN;
+  CHECK_FALSE(torchdbg::compute_stats(mixed, skipped).sign_counts);
+  // The distribution's readers want the counts: asking for it computes them.
+  const auto dist = torchdbg::compute_stats(relu_like, torchdbg::StatsOptions().sign_counts(false).distribution(true));
+  CHECK(dist.sign_counts);
+  check_summary(dist, relu_like);
 }
 
 TEST_CASE("every vector width counts values above a threshold per column like a naive loop",

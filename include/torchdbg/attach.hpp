@@ -242,6 +242,9 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
   std::atomic<bool> active{true};
   std::atomic<bool> forward_due{false};
   std::atomic<bool> backward_due{false};
+  /// Whether a hook due for gradients reads sign counts (BasicHookManager::reads_sign_counts):
+  /// the gradient statistics computed here for the norms are shared with the hooks.
+  std::atomic<bool> gradient_signs{true};
   /// Set at each step change: the next module output also reports the RMS of its data input
   /// (the model's input), so the first layer's gain is known too.
   std::atomic<bool> input_due{true};
@@ -534,7 +537,7 @@ inline void AttachCore::on_grad(std::size_t m, std::size_t param, const at::Tens
   if (options.gradient_norms()) {
     // One pass: the same statistics serve the norm and every hook of this delivery.
     try {
-      stats = compute_stats(g);
+      stats = compute_stats(g, StatsOptions().sign_counts(gradient_signs.load()));
       add_gradient_square(m, stats->l2_norm * stats->l2_norm);
     } catch (...) {
     }
@@ -1051,6 +1054,7 @@ class BasicAttachSession {
     const bool bwd = c->options.backward() && mgr.may_fire(false, step);
     c->forward_due.store(fwd);
     c->backward_due.store(bwd);
+    c->gradient_signs.store(bwd && mgr.reads_sign_counts(false, step));
     c->input_due.store(true);
     detail::ForwardObserver::instance().set(c, fwd);
   }

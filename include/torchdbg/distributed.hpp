@@ -196,7 +196,7 @@ class BasicDistributedMonitor {
     world_ = group_->getSize();
     callback_ = options_.key_prefix() + ".distributed." +
                 std::to_string(reinterpret_cast<std::uintptr_t>(this));
-    hooks_->register_callback(callback_, [this](const HookContext& ctx) { on_hook(ctx); });
+    hooks_->register_callback(callback_, [this](const HookContext& ctx) { on_hook(ctx); }, CallbackStats::Moments);
     hook_ =
         hooks_->register_hook(HookConfig()
                                   .name("torchdbg.distributed")
@@ -421,7 +421,7 @@ class BasicDistributedMonitor {
       const auto p = ctx.metadata_value("parameter");
       name += "." + std::string(p ? *p : "?") + "/grad";
     }
-    const TensorStats& s = ctx.stats();
+    const TensorStats& s = ctx.moment_stats();
     LayerMoments m;
     m.finite = s.finite_count;
     m.nan = s.nan_count;

@@ -605,7 +605,7 @@ class BasicHealthMonitor {
   template <typename M>
   [[nodiscard]] HealthInstallation<Mutex, M> install(BasicHookManager<M>& hooks) {
     const std::string cb = callback_name();
-    hooks.register_callback(cb, [this](const HookContext& ctx) { on_hook(ctx); });
+    hooks.register_callback(cb, [this](const HookContext& ctx) { on_hook(ctx); }, CallbackStats::Moments);
     // Queued device deliveries (attach's StatsBatching) bring the counts the judgement needs
     // in the step's one copy instead of a sync per layer.
     BasicHookManager<M>* owner = &hooks;
@@ -717,7 +717,7 @@ class BasicHealthMonitor {
                   std::string(layer) + "'");
     std::optional<TensorStats> own;
     if (stats == nullptr) {
-      own = compute_stats(output);
+      own = compute_stats(output, StatsOptions().sign_counts(false));  // not read here
       stats = &*own;
     }
     Pauses pauses;
@@ -741,7 +741,7 @@ class BasicHealthMonitor {
                   "'");
     std::optional<TensorStats> own;
     if (stats == nullptr) {
-      own = compute_stats(grad);
+      own = compute_stats(grad, StatsOptions().sign_counts(false));  // not read here
       stats = &*own;
     }
     (void)parameter;
@@ -986,11 +986,11 @@ class BasicHealthMonitor {
       ActivationInfo info = activation_info(ctx.metadata());
       info.unit_counts = ctx.prefetched(units_key_);
       info.saturated_count = ctx.prefetched(saturation_key_);
-      observe_activation(ctx.layer_name(), ctx.tensor(), ctx.step(), info, &ctx.stats());
+      observe_activation(ctx.layer_name(), ctx.tensor(), ctx.step(), info, &ctx.moment_stats());
     } else {
       observe_gradient(ctx.layer_name(),
                        ctx.metadata_value("parameter").value_or(std::string_view{}), ctx.tensor(),
-                       ctx.step(), &ctx.stats());
+                       ctx.step(), &ctx.moment_stats());
     }
   }
 

@@ -23,6 +23,13 @@ using Metadata = std::map<std::string, std::string, std::less<>>;
 /// values.
 using Prefetched = std::map<std::string, std::vector<double>, std::less<>>;
 
+template <typename Mutex>
+class BasicHookManager;
+
+/// What a callback reads of the statistics (BasicHookManager::register_callback): `Full`
+/// (HookContext::stats, the default) or only `Moments` (HookContext::moment_stats).
+enum class CallbackStats { Full, Moments };
+
 /// The training state the loop reported through `set_step`/`set_loss`/... . A value never
 /// reported is empty, and conditions on it are false.
 struct TrainingState {
@@ -82,16 +89,36 @@ class HookContext {
 
   /// One-pass statistics of the tensor, computed on first use.
   [[nodiscard]] const TensorStats& stats() const {
-    if (stats_) return *stats_;
-    if (precomputed_ != nullptr) return *precomputed_;
+    if (stats_ && stats_->sign_counts) return *stats_;
+    if (precomputed_ != nullptr && precomputed_->sign_counts) return *precomputed_;
     stats_ = compute_stats(tensor_);
+    return *stats_;
+  }
+
+  /// Statistics that may lack the sign counts (zero/negative/positive counts, L1 norm,
+  /// sparsity: -1 or NaN when `sign_counts` is false): counts, NaN/Inf, mean, std, min,
+  /// max, L2 and L-infinity norms. What gradient checks read; on float32 CPU data about half
+  /// the work of stats() when nothing was computed yet. Statistics already at hand (from
+  /// stats(), or the caller's) are returned as they are.
+  ///
+  /// ```cpp
+  /// hooks.register_callback("grad_norm", [](const HookContext& ctx) {
+  ///   log(ctx.layer_name(), ctx.moment_stats().l2_norm);
+  /// }, CallbackStats::Moments);
+  /// ```
+  [[nodiscard]] const TensorStats& moment_stats() const {
+    if (stats_) return *stats_;
+    if (precomputed_ != nullptr && (precomputed_->sign_counts || !sign_counts_wanted_)) return *precomputed_;
+    stats_ = compute_stats(tensor_, StatsOptions().sign_counts(sign_counts_wanted_));
     return *stats_;
   }
 
   /// Statistics with the distribution part, computed on first use (reusing the summary).
   [[nodiscard]] const TensorStats& stats_with_distribution(int64_t histogram_bins) const {
     // The caller's statistics are not ours to extend: they are copied first.
-    if (!stats_) stats_ = precomputed_ != nullptr ? *precomputed_ : compute_stats(tensor_);
+    if (!stats_ || !stats_->sign_counts) {
+      stats_ = precomputed_ != nullptr && precomputed_->sign_counts ? *precomputed_ : compute_stats(tensor_);
+    }
     const TensorStats& s = *stats_;
     if (!s.distribution || distribution_bins_ != histogram_bins) {
       add_distribution(*stats_, tensor_, histogram_bins);
@@ -101,6 +128,9 @@ class HookContext {
   }
 
  private:
+  template <typename>
+  friend class BasicHookManager;  // sets sign_counts_wanted_
+
   std::string_view layer_name_;
   bool is_forward_;
   TrainingState state_;
@@ -110,6 +140,7 @@ class HookContext {
   const TensorStats* precomputed_;  // the caller's, valid during the call
   mutable std::optional<TensorStats> stats_;
   mutable int64_t distribution_bins_ = 0;
+  bool sign_counts_wanted_ = false;  // a later hook will read stats(): moment_stats() computes them
 };
 
 }  // namespace torchdbg

@@ -18,6 +18,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -142,17 +143,35 @@ class BasicHookManager {
   }
 
   /// Registers (or replaces) the callback that `HookAction::custom_callback(name)` calls.
-  void register_callback(std::string name, Callback callback) {
+  /// `reads`: CallbackStats::Moments when it reads only `HookContext::moment_stats()`, which
+  /// lets attach skip the sign counts of the statistics it computes (see reads_sign_counts).
+  void register_callback(std::string name, Callback callback, CallbackStats reads = CallbackStats::Full) {
     if (name.empty()) throw Error("torchdbg: register_callback needs a non-empty name");
     if (!callback) throw Error("torchdbg: callback '" + name + "' is empty");
-    std::lock_guard<Mutex> lock(mutex_);
-    callbacks_[std::move(name)] = std::make_shared<const Callback>(std::move(callback));
+    notify(Change::Before);
+    {
+      std::lock_guard<Mutex> lock(mutex_);
+      if (reads == CallbackStats::Moments) {
+        moment_callbacks_.insert(name);
+      } else {
+        moment_callbacks_.erase(name);
+      }
+      callbacks_[std::move(name)] = std::make_shared<const Callback>(std::move(callback));
+    }
+    notify(Change::After);
   }
 
   /// Removes a callback; false if none was registered under `name`.
   bool remove_callback(std::string_view name) {
-    std::lock_guard<Mutex> lock(mutex_);
-    return callbacks_.erase(std::string(name)) > 0;
+    notify(Change::Before);
+    bool removed = false;
+    {
+      std::lock_guard<Mutex> lock(mutex_);
+      moment_callbacks_.erase(std::string(name));
+      removed = callbacks_.erase(std::string(name)) > 0;
+    }
+    notify(Change::After);
+    return removed;
   }
 
   /// Computes, where `tensor` lives and without a host sync, values a consumer will want when
@@ -350,22 +369,21 @@ class BasicHookManager {
     if (!enabled_.load()) return false;
     for (const auto& e : *snapshot()) {
       if (!e->enabled.load() || e->claimed.load() >= e->limit) continue;
-      const HookTrigger& t = e->config.trigger();
-      switch (t.kind()) {
-        case HookTrigger::Kind::EveryForward:
-          if (is_forward) return true;
-          break;
-        case HookTrigger::Kind::EveryBackward:
-          if (!is_forward) return true;
-          break;
-        case HookTrigger::Kind::EveryNSteps:
-          if (step % t.interval() == 0) return true;
-          break;
-        default:
-          return true;
-      }
+      if (trigger_may_fire(e->config.trigger(), is_forward, step)) return true;
     }
     return false;
+  }
+
+  /// Whether a hook that may fire for a call in this direction at `step` reads the sign
+  /// counts of the statistics (zero/negative/positive counts, L1 norm, sparsity):
+  /// inspect_tensor, record_activations and callbacks registered with CallbackStats::Full
+  /// (the default, and any name not registered yet) do; track_gradients, alerts, snapshots
+  /// and pauses do not. Attach computes the statistics it shares with the hooks with or
+  /// without them accordingly. Either way every hook sees correct values: stats() computes
+  /// what is missing (a second pass), so this only decides the cost.
+  [[nodiscard]] bool reads_sign_counts(bool is_forward, int64_t step) const {
+    if (!enabled_.load()) return false;
+    return reads_signs(*snapshot(), is_forward, step);
   }
 
   // ---- training state -------------------------------------------------------------------
@@ -570,6 +588,36 @@ class BasicHookManager {
     return nullptr;
   }
 
+  /// Whether `t` could fire for a call in this direction at `step`, judged without a tensor.
+  static bool trigger_may_fire(const HookTrigger& t, bool is_forward, int64_t step) {
+    switch (t.kind()) {
+      case HookTrigger::Kind::EveryForward:
+        return is_forward;
+      case HookTrigger::Kind::EveryBackward:
+        return !is_forward;
+      case HookTrigger::Kind::EveryNSteps:
+        return step % t.interval() == 0;
+      default:
+        return true;
+    }
+  }
+
+  bool reads_signs(const HookList& hooks, bool is_forward, int64_t step) const {
+    for (const auto& e : hooks) {
+      if (!e->enabled.load() || e->claimed.load() >= e->limit) continue;
+      if (!trigger_may_fire(e->config.trigger(), is_forward, step)) continue;
+      for (const auto& a : e->config.actions()) {
+        if (a.kind == HookAction::Kind::InspectTensor || a.kind == HookAction::Kind::RecordActivations)
+          return true;
+        if (a.kind == HookAction::Kind::CustomCallback) {
+          std::lock_guard<Mutex> lock(mutex_);
+          if (moment_callbacks_.count(a.text) == 0) return true;
+        }
+      }
+    }
+    return false;
+  }
+
   std::shared_ptr<const HookList> snapshot() const {
     std::lock_guard<Mutex> lock(mutex_);
     return hooks_;
@@ -620,6 +668,10 @@ class BasicHookManager {
     if (hooks->empty()) return;
     HookContext ctx(layer, is_forward, state(), metadata, tensor, input_error ? nullptr : precomputed,
                     prefetched);
+    // A hook reading moment_stats() first computes the sign counts too when a later one will
+    // read stats(): one pass, not two.
+    if ((precomputed == nullptr || !precomputed->sign_counts) && !input_error)
+      ctx.sign_counts_wanted_ = reads_signs(*hooks, is_forward, ctx.step());
     for (const auto& e : *hooks) {
       if (!e->enabled.load(std::memory_order_relaxed)) continue;
       bool match = false;
@@ -709,7 +761,7 @@ class BasicHookManager {
         return {};
       }
       case K::TrackGradients: {
-        for (const auto& al : inspector.track_gradient(inspection_key(ctx), ctx.stats(), ctx.step()))
+        for (const auto& al : inspector.track_gradient(inspection_key(ctx), ctx.moment_stats(), ctx.step()))
           add_alert(e, ctx, severity_of(al.kind), al.message);
         return {};
       }
@@ -798,6 +850,7 @@ class BasicHookManager {
   std::shared_ptr<const HookList> hooks_;
   std::shared_ptr<const PrefetchList> prefetches_ = std::make_shared<const PrefetchList>();
   std::unordered_map<std::string, std::shared_ptr<const Callback>> callbacks_;
+  std::unordered_set<std::string> moment_callbacks_;  // registered with CallbackStats::Moments
   std::atomic<bool> enabled_{true};
 
   mutable Mutex state_mutex_;

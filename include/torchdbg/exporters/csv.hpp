@@ -57,7 +57,8 @@ class BasicCsvExporter : public BasicStreamExporter<Mutex> {
                         std::to_string(s.numel) + "," + number(s.mean) + "," + number(s.std) + "," +
                         number(s.min) + "," + number(s.max) + "," + number(s.l2_norm) + "," +
                         std::to_string(s.nan_count) + "," + std::to_string(s.inf_count) + "," +
-                        std::to_string(s.zero_count) + "," + health + "," + loss;
+                        (s.sign_counts ? std::to_string(s.zero_count) : std::string()) + "," + health +
+                        "," + loss;
       stream_.add(row);
     }
     stream_.step_done();

@@ -93,7 +93,8 @@ inline nlohmann::json stats_fields(const TensorStats& s) {
           {"std", json_number(s.std)}, {"min", json_number(s.min)},
           {"max", json_number(s.max)}, {"l2_norm", json_number(s.l2_norm)},
           {"nan", s.nan_count},        {"inf", s.inf_count},
-          {"zeros", s.zero_count},     {"sparsity", json_number(s.sparsity)}};
+          {"zeros", s.sign_counts ? nlohmann::json(s.zero_count) : nlohmann::json()},
+          {"sparsity", json_number(s.sparsity)}};
 }
 
 }  // namespace detail
