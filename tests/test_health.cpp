@@ -60,9 +60,16 @@ TEST_CASE("threshold counts match torch on every dtype, layout and with NaN", "[
       }
     }
   }
+  // A conv output: channel planes long enough for the vector kernel, with a ragged tail.
+  auto conv = torch::randn({3, 5, 37, 19});
+  conv.index_put_({1, 2, 0, 0}, std::nan(""));
+  int64_t per_unit = 0;
+  const auto counts = torchdbg::detail::count_above_per_unit(conv, 1, 0.25, per_unit);
+  const auto r = (conv > 0.25).sum({0, 2, 3}).to(torch::kLong);
+  REQUIRE(counts.size() == 5);
+  for (std::size_t u = 0; u < counts.size(); ++u) CHECK(counts[u] == r[static_cast<int64_t>(u)].item<int64_t>());
   auto ints = torch::arange(-5, 5, torch::kInt);
   CHECK(torchdbg::detail::count_outside(ints, -2, 2) == 5);  // -5..-3 and 3, 4
-  int64_t per_unit = 0;
   CHECK(torchdbg::detail::count_above_per_unit(torch::empty({0, 3}), 1, 0.0, per_unit) ==
         std::vector<int64_t>{0, 0, 0});
   CHECK(torchdbg::detail::count_outside(torch::empty({0}), 0, 1) == 0);

@@ -507,5 +507,21 @@ TEST_CASE("every vector width counts values above a threshold per column like a 
         }
       }
     }
+    // One contiguous run (a channel's plane of an [N, C, H, W] output): every length around
+    // the unrolled loop's 4 vectors, NaN/Inf and values equal to the threshold included.
+    for (int64_t n : {0, 1, 15, 16, 63, 64, 65, 127, 128, 129, 1000}) {
+      INFO("n " << n);
+      auto t = torch::randn({n});
+      if (n > 3) {
+        t[0] = 0.25;
+        t[1] = std::numeric_limits<float>::quiet_NaN();
+        t[2] = std::numeric_limits<float>::infinity();
+        t[n - 1] = 0.3;
+      }
+      const auto acc = t.accessor<float, 1>();
+      int64_t ref = 0;
+      for (int64_t i = 0; i < n; ++i) ref += acc[i] > 0.25f ? 1 : 0;
+      CHECK(k.count_above(t.data_ptr<float>(), n, 0.25f) == ref);
+    }
   }
 }

@@ -397,6 +397,35 @@ __attribute__((always_inline)) inline void float_rows_above_impl(const float* p,
   }
 }
 
+/// How many of `n` contiguous floats are above `threshold` (NaN never is): one channel of an
+/// [N, C, H, W] output, for per-unit activity.
+template <typename VF, typename VI>
+__attribute__((always_inline)) inline int64_t float_count_above_impl(const float* p, int64_t n,
+                                                                     float threshold) {
+  constexpr int64_t kLanes = sizeof(VF) / sizeof(float);
+  const VF th = VF{} + threshold;
+  int64_t total = 0, i = 0;
+  while (i + 4 * kLanes <= n) {
+    VI a = {}, b = {}, c = {}, d = {};
+    const int64_t limit = i + (int64_t{1} << 30);  // int32 lane counters never overflow
+    for (; i + 4 * kLanes <= n && i < limit; i += 4 * kLanes) {
+      VF v0, v1, v2, v3;
+      std::memcpy(&v0, p + i, sizeof v0);
+      std::memcpy(&v1, p + i + kLanes, sizeof v1);
+      std::memcpy(&v2, p + i + 2 * kLanes, sizeof v2);
+      std::memcpy(&v3, p + i + 3 * kLanes, sizeof v3);
+      a -= v0 > th;
+      b -= v1 > th;
+      c -= v2 > th;
+      d -= v3 > th;
+    }
+    const VI sum = (a + b) + (c + d);
+    for (int64_t l = 0; l < kLanes; ++l) total += sum[l];
+  }
+  for (; i < n; ++i) total += p[i] > threshold ? 1 : 0;
+  return total;
+}
+
 /// One vector width's kernels.
 struct BlockKernels {
   const char* name;
@@ -404,6 +433,7 @@ struct BlockKernels {
   bool (*finite_moments)(const float*, int64_t, float, FloatBlock&);  // no sign/zero counts
   void (*exact)(const float*, int64_t, float, FloatBlock&);
   void (*rows_above)(const float*, int64_t, int64_t, float, int32_t*);
+  int64_t (*count_above)(const float*, int64_t, float);
 };
 
 /// The kernels of one vector width compiled for one target: `<kernel>_<suffix>` functions.
@@ -423,6 +453,9 @@ struct BlockKernels {
   target_attr inline void rows_above_##suffix(const float* p, int64_t rows, int64_t units,     \
                                               float threshold, int32_t* counts) {              \
     float_rows_above_impl<VF, VI>(p, rows, units, threshold, counts);                          \
+  }                                                                                            \
+  target_attr inline int64_t count_above_##suffix(const float* p, int64_t n, float threshold) { \
+    return float_count_above_impl<VF, VI>(p, n, threshold);                                    \
   }
 
 #if defined(TORCHDBG_X86_DISPATCH)
@@ -439,11 +472,11 @@ inline std::vector<BlockKernels> block_kernel_variants() {
 #if defined(TORCHDBG_X86_DISPATCH)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f"))
-    out.push_back({"avx512f", &block_finite_avx512, &block_moments_avx512, &block_exact_avx512, &rows_above_avx512});
+    out.push_back({"avx512f", &block_finite_avx512, &block_moments_avx512, &block_exact_avx512, &rows_above_avx512, &count_above_avx512});
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    out.push_back({"avx2+fma", &block_finite_avx2, &block_moments_avx2, &block_exact_avx2, &rows_above_avx2});
+    out.push_back({"avx2+fma", &block_finite_avx2, &block_moments_avx2, &block_exact_avx2, &rows_above_avx2, &count_above_avx2});
 #endif
-  out.push_back({"baseline", &block_finite_baseline, &block_moments_baseline, &block_exact_baseline, &rows_above_baseline});
+  out.push_back({"baseline", &block_finite_baseline, &block_moments_baseline, &block_exact_baseline, &rows_above_baseline, &count_above_baseline});
   return out;
 }
 
@@ -810,7 +843,11 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
         int64_t k = 0;
         if constexpr (std::is_same_v<T, float>) {
           const float ft = static_cast<float>(threshold);
+#if defined(TORCHDBG_HAVE_VECTOR_EXT)
+          k = block_kernels().count_above(q, inner, ft);  // [N, C, H, W]: a channel's plane
+#else
           for (int64_t i = 0; i < inner; ++i) k += q[i] > ft;
+#endif
         } else {
           for (int64_t i = 0; i < inner; ++i) k += as_double(q[i]) > threshold;
         }
