@@ -552,11 +552,17 @@ TEST_CASE("queued deliveries arrive at the end of backward with the statistics o
   auto sa = torchdbg::attach(*a, ha, AttachOptions().batching(torchdbg::StatsBatching::PerDelivery));
   auto sb = torchdbg::attach(*b, hb, AttachOptions().batching(torchdbg::StatsBatching::All));
   torch::optim::SGD oa(a->parameters(), 0.05), ob(b->parameters(), 0.05);
+  std::vector<double> x_rms;  // per step: the RMS of the finite values of the data input
   for (int64_t step = 0; step < 3; ++step) {
     ha.set_step(step);
     hb.set_step(step);
     auto x = torch::randn({5, 1, 6, 6});
     if (step == 2) x[1][0][2][3] = std::numeric_limits<float>::quiet_NaN();  // NaN in one sample
+    {
+      const auto xd = x.to(torch::kDouble).flatten();
+      const auto fin = xd.masked_select(torch::isfinite(xd));
+      x_rms.push_back(std::sqrt(fin.pow(2).sum().item<double>() / static_cast<double>(fin.numel())));
+    }
     auto tokens = torch::randint(0, 20, {5});
     oa.zero_grad();
     ob.zero_grad();
@@ -599,6 +605,15 @@ TEST_CASE("queued deliveries arrive at the end of backward with the statistics o
     CHECK_CLOSE(p.stats.l2_norm, q.stats.l2_norm, 1e-6);
     CHECK(p.input_rms.has_value() == q.input_rms.has_value());
     if (p.input_rms && q.input_rms) CHECK_CLOSE(std::stod(*p.input_rms), std::stod(*q.input_rms), 1e-6);
+  }
+  // The first module of each step carries its data input's RMS (the health gain's input).
+  for (int64_t step = 0; step < 3; ++step) {
+    for (const auto* d : {&da, &db}) {
+      auto it = std::find_if(d->begin(), d->end(), [&](const Delivery& e) { return e.step == step && e.input_rms; });
+      REQUIRE(it != d->end());
+      CHECK(it->key == "conv");
+      CHECK_CLOSE(std::stod(*it->input_rms), x_rms[static_cast<std::size_t>(step)], 1e-6);
+    }
   }
   // The NaN of step 2 reached the deliveries downstream of it through both paths.
   CHECK(std::any_of(db.begin(), db.end(), [](const Delivery& d) { return d.step == 2 && d.stats.nan_count > 0; }));

@@ -810,7 +810,7 @@ class ForwardObserver {
             if (owner->defers(data_in)) {
               in.packed = pack_moments(data_in.detach());  // no sync: comes with the batch
             } else {
-              in.host = compute_moments(data_in.detach());
+              in.host = compute_moments(data_in.detach(), /*signs=*/false);  // the RMS only
             }
             ctx->input = std::move(in);
           } catch (...) {
