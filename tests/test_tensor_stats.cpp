@@ -336,6 +336,18 @@ TEST_CASE("the SIMD float path is exact on counts and extrema at every lane and 
     const auto half = t.to(torch::kHalf);
     check_summary(torchdbg::compute_stats(half), half);
   }
+  SECTION("non-negative blocks followed by a negative value, a NaN and a -0") {
+    // After a block without negative values the kernel reads the next in its non-negative
+    // mode; a block that breaks the pattern is read again with every count.
+    auto t = torch::relu(torch::randn({5 * 2048 + 11}));
+    t[3 * 2048 + 700] = -2.5;
+    t[4 * 2048 + 9] = kNaN;
+    t[2 * 2048] = -0.0;
+    t[5 * 2048 + 5] = -1.0;  // in the scalar tail
+    check_summary(torchdbg::compute_stats(t), t);
+    const auto half = t.to(torch::kHalf);
+    check_summary(torchdbg::compute_stats(half), half);
+  }
   SECTION("all values non-finite in a whole block") {
     auto t = torch::full({2048 + 3}, kNaN);
     t[2049] = 5.0;
@@ -401,6 +413,27 @@ TEST_CASE("every vector width this CPU runs agrees with the double reference, fa
       CHECK(moments.finite == fast.finite);
       k.exact(p, n, 0.5f, exact);
       check_block(exact, t, 0.5f);
+      // The non-negative mode: refuses a block with a negative value in its vector part, and
+      // is exact when it accepts one (a short block is all scalar tail).
+      d::FloatBlock nonneg;
+      if (k.finite_non_negative(p, n, 0.5f, nonneg)) {
+        CHECK(n < 64);
+        check_block(nonneg, t, 0.5f);
+      }
+      // On non-negative data (zeros and -0 included) it equals the full mode.
+      auto r = torch::relu(t);
+      for (int64_t i : {int64_t{0}, n - 1}) r[i] = -0.0;
+      const float* rp = r.data_ptr<float>();
+      d::FloatBlock rf, rn;
+      REQUIRE(k.finite(rp, n, 0.5f, rf));
+      REQUIRE(k.finite_non_negative(rp, n, 0.5f, rn));
+      check_block(rn, r, 0.5f);
+      CHECK(rn.negatives == 0);
+      CHECK(rn.zeros == rf.zeros);
+      CHECK(rn.s1 == rf.s1);
+      CHECK(rn.s2 == rf.s2);
+      CHECK(rn.min == rf.min);
+      CHECK(rn.max == rf.max);
       // NaN or Inf sends the block to the exact path, wherever it sits.
       for (double bad : {kNaN, kInf, -kInf}) {
         for (int64_t i : {int64_t{0}, n / 2, n - 1}) {
@@ -410,6 +443,7 @@ TEST_CASE("every vector width this CPU runs agrees with the double reference, fa
           d::FloatBlock o;
           CHECK_FALSE(k.finite(u.data_ptr<float>(), n, 0.0f, o));
           CHECK_FALSE(k.finite_moments(u.data_ptr<float>(), n, 0.0f, o));
+          CHECK_FALSE(k.finite_non_negative(u.data_ptr<float>(), n, 0.0f, o));
           k.exact(u.data_ptr<float>(), n, 0.0f, o);
           check_block(o, u, 0.0f);
         }
@@ -420,6 +454,7 @@ TEST_CASE("every vector width this CPU runs agrees with the double reference, fa
     d::FloatBlock o;
     CHECK_FALSE(k.finite(huge.data_ptr<float>(), 2048, 0.0f, o));
     CHECK_FALSE(k.finite_moments(huge.data_ptr<float>(), 2048, 0.0f, o));
+    CHECK_FALSE(k.finite_non_negative(huge.data_ptr<float>(), 2048, 0.0f, o));
   }
 }
 
