@@ -20,7 +20,7 @@ optional=(chromium)
 
 missing=()
 for p in "${pkgs[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep "install ok installed" >/dev/null; then
     missing+=("$p")
   fi
 done
@@ -40,7 +40,7 @@ if ((${#missing[@]})); then
 fi
 
 for p in "${optional[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep "install ok installed" >/dev/null; then
     echo "torchdbg setup: installing $p (optional)"
     SUDO=""
     if [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null; then SUDO="sudo"; fi
@@ -52,6 +52,6 @@ for p in "${optional[@]}"; do
 done
 
 # Without OpenBLAS, Debian's LibTorch falls back to reference BLAS (~27x slower steps).
-if ! ldconfig -p | grep -q "libopenblas"; then
+if ! ldconfig -p | grep "libopenblas" >/dev/null; then  # not -q: with pipefail, SIGPIPE in ldconfig read as "missing"
   echo "torchdbg setup: warning: OpenBLAS not found by the dynamic linker" >&2
 fi

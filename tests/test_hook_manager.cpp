@@ -515,6 +515,59 @@ TEST_CASE("hooks say whether they read sign counts; one pass serves moment and f
   CHECK_FALSE(hooks.reads_sign_counts(true, 0));
 }
 
+TEST_CASE("a hook's direction keeps it to forward or gradient calls, for its trigger and the queries", "[manager]") {
+  HookManager hooks;
+  int fwd_calls = 0, bwd_calls = 0;
+  hooks.register_callback("fwd", [&](const torchdbg::HookContext& c) {
+    CHECK(c.is_forward());
+    ++fwd_calls;
+  });
+  hooks.register_callback("bwd", [&](const torchdbg::HookContext& c) {
+    CHECK_FALSE(c.is_forward());
+    ++bwd_calls;
+  }, torchdbg::CallbackStats::Moments);
+  const auto f = hooks.register_hook(HookConfig()
+                                         .name("f")
+                                         .trigger(HookTrigger::every_n_steps(2))
+                                         .direction(torchdbg::CallDirection::Forward)
+                                         .actions({HookAction::custom_callback("fwd")}));
+  const auto b = hooks.register_hook(HookConfig()
+                                         .name("b")
+                                         .trigger(HookTrigger::every_n_steps(2))
+                                         .direction(torchdbg::CallDirection::Backward)
+                                         .actions({HookAction::custom_callback("bwd")}));
+  CHECK(HookConfig().direction() == torchdbg::CallDirection::Both);
+  auto t = torch::randn({8});
+  for (int64_t step = 0; step < 4; ++step) {
+    hooks.set_step(step);
+    const auto rf = hooks.execute_hooks("fc1", t, true);
+    const auto rb = hooks.execute_hooks("fc1", t, false);
+    // Only the hook of the call's direction answers: skipped on odd steps, run on even ones.
+    REQUIRE(rf.size() == 1);
+    REQUIRE(rb.size() == 1);
+    CHECK(rf[0].first == f);
+    CHECK(rb[0].first == b);
+    CHECK(rf[0].second.is_skipped() == (step % 2 == 1));
+    CHECK(rb[0].second.is_skipped() == (step % 2 == 1));
+    CHECK(hooks.may_fire(true, step) == (step % 2 == 0));
+    CHECK(hooks.may_fire(false, step) == (step % 2 == 0));
+  }
+  CHECK(fwd_calls == 2);
+  CHECK(bwd_calls == 2);
+  // Calls of the other direction are not counted as skipped.
+  CHECK(hooks.get_hook_stats(f)->executions == 2);
+  CHECK(hooks.get_hook_stats(f)->skipped == 2);
+  CHECK(hooks.get_hook_stats(b)->skipped == 2);
+  // The forward hook reads every count (a callback without a declaration), the backward one
+  // moments only: gradients at its steps need no sign counts.
+  CHECK(hooks.reads_sign_counts(true, 2));
+  CHECK_FALSE(hooks.reads_sign_counts(false, 2));
+  // A backward-only hook alone never makes a forward call due.
+  hooks.remove_hook(f);
+  CHECK_FALSE(hooks.may_fire(true, 2));
+  CHECK(hooks.may_fire(false, 2));
+}
+
 TEST_CASE("a moment reader before a full reader in one call computes the statistics once", "[manager]") {
   HookManager hooks;
   std::vector<const torchdbg::TensorStats*> seen;

@@ -60,6 +60,9 @@ struct HookId {
   }
 };
 
+/// Which calls a hook sees: forward outputs, gradients or both (see HookConfig::direction).
+enum class CallDirection { Both, Forward, Backward };
+
 /// When a hook fires.
 ///
 /// ```cpp
@@ -242,6 +245,13 @@ struct HookConfig {
   /// such as `(a+)+`, exponential in the name's length. Each layer name is matched once per
   /// hook and then cached.
   TORCH_ARG(std::vector<std::string>, layer_patterns);
+  /// Forward: the hook sees forward calls only; Backward: gradient calls only; Both (the
+  /// default): every call its trigger accepts. Calls of the other direction are not the
+  /// hook's, as layers its patterns do not match (no result, not counted as skipped), and
+  /// `may_fire` and `reads_sign_counts` leave the hook out for them. With a step trigger:
+  /// `.trigger(HookTrigger::every_n_steps(10)).direction(CallDirection::Forward)` inspects
+  /// forward outputs every 10th step without also running on that step's gradients.
+  TORCH_ARG(CallDirection, direction) = CallDirection::Both;
 
  public:
   HookConfig& add_action(HookAction a) {

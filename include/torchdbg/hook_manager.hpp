@@ -369,7 +369,7 @@ class BasicHookManager {
     if (!enabled_.load()) return false;
     for (const auto& e : *snapshot()) {
       if (!e->enabled.load() || e->claimed.load() >= e->limit) continue;
-      if (trigger_may_fire(e->config.trigger(), is_forward, step)) return true;
+      if (config_may_fire(e->config, is_forward, step)) return true;
     }
     return false;
   }
@@ -588,6 +588,24 @@ class BasicHookManager {
     return nullptr;
   }
 
+  /// Whether a hook with config `c` sees calls in this direction (HookConfig::direction).
+  static bool direction_matches(const HookConfig& c, bool is_forward) noexcept {
+    switch (c.direction()) {
+      case CallDirection::Forward:
+        return is_forward;
+      case CallDirection::Backward:
+        return !is_forward;
+      default:
+        return true;
+    }
+  }
+
+  /// Whether a hook with config `c` could fire for a call in this direction at `step`,
+  /// judged without a tensor.
+  static bool config_may_fire(const HookConfig& c, bool is_forward, int64_t step) {
+    return direction_matches(c, is_forward) && trigger_may_fire(c.trigger(), is_forward, step);
+  }
+
   /// Whether `t` could fire for a call in this direction at `step`, judged without a tensor.
   static bool trigger_may_fire(const HookTrigger& t, bool is_forward, int64_t step) {
     switch (t.kind()) {
@@ -605,7 +623,7 @@ class BasicHookManager {
   bool reads_signs(const HookList& hooks, bool is_forward, int64_t step) const {
     for (const auto& e : hooks) {
       if (!e->enabled.load() || e->claimed.load() >= e->limit) continue;
-      if (!trigger_may_fire(e->config.trigger(), is_forward, step)) continue;
+      if (!config_may_fire(e->config, is_forward, step)) continue;
       for (const auto& a : e->config.actions()) {
         if (a.kind == HookAction::Kind::InspectTensor || a.kind == HookAction::Kind::RecordActivations)
           return true;
@@ -674,6 +692,7 @@ class BasicHookManager {
       ctx.sign_counts_wanted_ = reads_signs(*hooks, is_forward, ctx.step());
     for (const auto& e : *hooks) {
       if (!e->enabled.load(std::memory_order_relaxed)) continue;
+      if (!direction_matches(e->config, is_forward)) continue;  // not this hook's calls
       bool match = false;
       try {
         match = e->matches(layer);
