@@ -17,6 +17,7 @@
 #include <string>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torchdbg/distributed.hpp>
 #include <torchdbg/torchdbg.hpp>
 
 namespace {

@@ -1,9 +1,14 @@
 // torchdbg — module hooks and a training debugger for LibTorch.
 // SPDX-License-Identifier: MIT
 // The pause contract inside a real LibTorch training loop.
+#include <torchdbg/attach.hpp>
+#include <torchdbg/exporters/jsonl.hpp>
 #include <torchdbg/hook_manager.hpp>
+#include <torchdbg/report.hpp>
 
+#include <atomic>
 #include <chrono>
+#include <fstream>
 #include <functional>
 #include <thread>
 
@@ -141,4 +146,126 @@ TEST_CASE("a pause that is never resumed stops the loop at that step", "[trainin
   CHECK(run.paused_at == std::vector<int64_t>{3});
   CHECK(run.steps_executed == 3);
   CHECK(hooks.pause_info()->step == 3);
+}
+
+TEST_CASE("ten threads: attached training, execute, register/remove, every query, set_step, pause, reporter", "[training]") {
+  // Each thread below works on one manager while an attached model trains on another thread.
+  // Under ASan and TSan (ctest runs this file in both), any use-after-free or data race fails.
+  torchdbg::HookManager hooks(torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.0)));
+  const auto dir = torchdbg_test::tmp_dir("stress_threads");
+  torchdbg::Reporter reporter(torchdbg::ReporterOptions().histogram_interval(7).layers({"^fc[0-9]+$", "^w"}));
+  reporter.add_exporter(std::make_shared<torchdbg::JsonlExporter>(dir + "/stream.jsonl"));
+  auto installed = reporter.install(hooks);
+  std::atomic<int64_t> counted{0};
+  hooks.register_callback("count", [&](const torchdbg::HookContext&) { counted.fetch_add(1); });
+  const auto count_hook = hooks.register_hook(
+      HookConfig().name("count").trigger(HookTrigger::every_backward()).actions({HookAction::custom_callback("count")}));
+  hooks.create_tensor_inspection_hook({"^fc"});
+  hooks.create_gradient_tracking_hook({});
+
+  torch::manual_seed(3);
+  auto model = std::make_shared<Mlp>();
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01));
+  auto session = torchdbg::attach(*model, hooks);
+  const auto x = torch::randn({16, 8});
+  const auto y = x.sum(1, true);
+
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> problems{0};  // Catch2 assertions are for the main thread only
+  constexpr int64_t kSteps = 60;
+  std::vector<std::thread> threads;
+  threads.emplace_back([&] {  // the training loop
+    for (int64_t step = 0; step < kSteps; ++step) {
+      hooks.set_step(step);
+      opt.zero_grad();
+      auto loss = torch::mse_loss(model->fc2(torch::relu(model->fc1(x))), y);
+      hooks.set_loss(loss.item<double>());
+      loss.backward();
+      opt.step();
+    }
+    stop.store(true);
+  });
+  threads.emplace_back([&] {  // registration churn
+    while (!stop.load()) {
+      auto id = hooks.create_tensor_inspection_hook({"^w"});
+      hooks.set_hook_enabled(id, false);
+      (void)hooks.remove_hook(id);
+    }
+  });
+  threads.emplace_back([&] {  // every list query
+    while (!stop.load()) {
+      for (const auto& [id, config] : hooks.get_all_hooks())
+        if (!hooks.get_hook(id) && config.name() == "count") problems.fetch_add(1);
+      for (const auto& [id, stats] : hooks.get_all_stats())
+        if (stats.executions < 0) problems.fetch_add(1);
+      if (!hooks.get_hook_stats(count_hook)) problems.fetch_add(1);
+      (void)hooks.may_fire(true, 3);
+      (void)hooks.reads_sign_counts(false, 3);
+      (void)hooks.hook_count();
+    }
+  });
+  for (int w = 0; w < 2; ++w) {
+    threads.emplace_back([&, w] {  // direct deliveries
+      int64_t k = 0;
+      while (!stop.load()) {
+        auto r = hooks.execute_hooks("w" + std::to_string(w), torch::full({32}, static_cast<double>(++k)), k % 2 == 0);
+        for (const auto& [id, res] : r)
+          if (!res.ok()) problems.fetch_add(1);
+      }
+    });
+  }
+  threads.emplace_back([&] {  // pause and resume
+    while (!stop.load()) {
+      hooks.pause_training("stress");
+      hooks.resume_training();
+    }
+  });
+  threads.emplace_back([&] {  // reporter writes and queries
+    while (!stop.load()) {
+      reporter.flush();
+      (void)reporter.steps_written();
+      (void)reporter.exporter_errors();
+    }
+  });
+  threads.emplace_back([&] {  // inspector and state queries
+    while (!stop.load()) {
+      (void)hooks.inspector.latest("fc1");
+      (void)hooks.inspector.gradient_history("w1/grad");
+      (void)hooks.state();
+      (void)session.gradient_norms();
+    }
+  });
+  threads.emplace_back([&] {  // set_step (to the current step) and set_loss from another thread
+    int64_t k = 0;
+    while (!stop.load()) {
+      hooks.set_step(hooks.step());
+      hooks.set_loss(static_cast<double>(++k));
+    }
+  });
+  threads.emplace_back([&] {  // callbacks registered and removed while hooks may call them
+    while (!stop.load()) {
+      hooks.register_callback("spare", [](const torchdbg::HookContext&) {});
+      (void)hooks.remove_callback("spare");
+    }
+  });
+  REQUIRE(threads.size() >= 10);
+  for (auto& t : threads) t.join();
+  session.detach();
+  installed.remove();
+  reporter.finish(torchdbg::RunSummary{});
+
+  CHECK(problems.load() == 0);
+  CHECK(reporter.exporter_errors() == 0);
+  CHECK(hooks.get_hook_stats(count_hook)->errors == 0);
+  CHECK(hooks.get_hook_stats(count_hook)->executions == counted.load());
+  CHECK(counted.load() >= kSteps * 4);  // at least the attached parameters' gradients
+  // Every line the reporter wrote is a complete JSON object.
+  std::ifstream in(dir + "/stream.jsonl");
+  std::string line;
+  int64_t lines = 0;
+  while (std::getline(in, line)) {
+    ++lines;
+    CHECK(nlohmann::json::accept(line));
+  }
+  CHECK(lines > 0);
 }

@@ -560,7 +560,8 @@ class ForwardObserver {
     std::lock_guard<std::mutex> lock(mutex_);
     auto next = std::make_shared<std::vector<std::shared_ptr<AttachCore>>>();
     bool present = false;
-    for (const auto& c : *cores()) {
+    const auto current = cores();
+    for (const auto& c : *current) {
       if (c == core) {
         present = true;
         if (!on) continue;
@@ -588,7 +589,8 @@ class ForwardObserver {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (handle_ == 0 || paused_) return;
-      for (const auto& c : *cores())
+      const auto current = cores();
+      for (const auto& c : *current)
         if (c->options.concurrent_forward()) return;
     }
     try {

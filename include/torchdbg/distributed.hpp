@@ -23,6 +23,12 @@
 // for (...) { ...; auto b = dist.step_boundary(step); if (b.paused) { ... } }
 // ```
 
+#if defined(__has_include)
+#if !__has_include(<gloo/algorithm.h>) || !__has_include(<torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>)
+#error "torchdbg/distributed.hpp needs LibTorch's c10d headers and Gloo's (Debian: libgloo-dev); the rest of torchdbg (torchdbg/torchdbg.hpp) does not"
+#endif
+#endif
+
 #include <ATen/ATen.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/arg.h>

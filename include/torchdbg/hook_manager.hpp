@@ -286,19 +286,22 @@ class BasicHookManager {
   /// Every hook in registration order.
   [[nodiscard]] std::vector<std::pair<HookId, HookConfig>> get_all_hooks() const {
     std::vector<std::pair<HookId, HookConfig>> out;
-    for (const auto& e : *snapshot()) out.emplace_back(e->id, current_config(*e));
+    const auto hooks = snapshot();  // keeps the list alive for the loop
+    for (const auto& e : *hooks) out.emplace_back(e->id, current_config(*e));
     return out;
   }
 
   [[nodiscard]] std::optional<HookStats> get_hook_stats(const HookId& id) const {
-    for (const auto& e : *snapshot())
+    const auto hooks = snapshot();  // keeps the list alive for the loop
+    for (const auto& e : *hooks)
       if (e->id == id) return e->stats();
     return std::nullopt;
   }
 
   [[nodiscard]] std::vector<std::pair<HookId, HookStats>> get_all_stats() const {
     std::vector<std::pair<HookId, HookStats>> out;
-    for (const auto& e : *snapshot()) out.emplace_back(e->id, e->stats());
+    const auto hooks = snapshot();  // keeps the list alive for the loop
+    for (const auto& e : *hooks) out.emplace_back(e->id, e->stats());
     return out;
   }
 
@@ -367,7 +370,8 @@ class BasicHookManager {
   /// or at other steps. Conditional and layer-specific hooks count as possibly due.
   [[nodiscard]] bool may_fire(bool is_forward, int64_t step) const {
     if (!enabled_.load()) return false;
-    for (const auto& e : *snapshot()) {
+    const auto hooks = snapshot();  // keeps the list alive for the loop
+    for (const auto& e : *hooks) {
       if (!e->enabled.load() || e->claimed.load() >= e->limit) continue;
       if (config_may_fire(e->config, is_forward, step)) return true;
     }
@@ -383,7 +387,8 @@ class BasicHookManager {
   /// what is missing (a second pass), so this only decides the cost.
   [[nodiscard]] bool reads_sign_counts(bool is_forward, int64_t step) const {
     if (!enabled_.load()) return false;
-    return reads_signs(*snapshot(), is_forward, step);
+    const auto hooks = snapshot();
+    return reads_signs(*hooks, is_forward, step);
   }
 
   // ---- training state -------------------------------------------------------------------

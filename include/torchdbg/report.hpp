@@ -17,6 +17,7 @@
 
 #include <torch/arg.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -122,9 +123,10 @@ class BasicReporter {
         using Change = typename BasicHookManager<M>::Change;
         try {
           if (change == Change::Before) {
-            before_step_ = mgr->step();
-          } else if (change == Change::After && mgr->step() != before_step_) {
-            end_step(before_step_);
+            before_step_.store(mgr->step());
+          } else if (change == Change::After) {
+            const int64_t before = before_step_.load();
+            if (mgr->step() != before) end_step(before);
           } else if (change == Change::Loss) {
             const TrainingState st = mgr->state();
             if (st.loss) record_loss(st.loss_step.value_or(st.step), *st.loss);
@@ -279,7 +281,7 @@ class BasicReporter {
   std::map<int64_t, StepRecord> pending_;
   uint64_t written_ = 0, errors_ = 0, dropped_ = 0;
   std::string last_error_;
-  int64_t before_step_ = 0;
+  std::atomic<int64_t> before_step_{0};  // written by the manager's listener, any thread
 };
 
 using Reporter = BasicReporter<std::mutex>;

@@ -2,7 +2,9 @@
 // SPDX-License-Identifier: MIT
 #pragma once
 
-/// Umbrella header: everything torchdbg offers.
+/// Umbrella header: everything torchdbg offers except distributed coordination, which needs
+/// c10d's Gloo headers and is included on its own: `#include <torchdbg/distributed.hpp>`.
+/// This header needs only LibTorch, fmt and nlohmann_json.
 #include "torchdbg/activation_visualizer.hpp"
 #include "torchdbg/attach.hpp"
 #include "torchdbg/diagnosis.hpp"
@@ -25,8 +27,3 @@
 #include "torchdbg/tensor_stats.hpp"
 #include "torchdbg/terminal.hpp"
 #include "torchdbg/version.hpp"
-
-// Distributed coordination needs LibTorch's c10d (present in Linux builds of LibTorch).
-#if __has_include(<torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>) && defined(USE_C10D_GLOO)
-#include "torchdbg/distributed.hpp"
-#endif

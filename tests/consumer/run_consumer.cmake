@@ -1,5 +1,5 @@
-# Builds and runs tests/consumer against torchdbg, either installed (find_package) or as a
-# subdirectory. Invoked by ctest with -DMODE=... -DSOURCE_DIR=... -DBUILD_DIR=... -DWORK_DIR=...
+# Builds and runs tests/consumer against torchdbg, either installed (find_package, distributed)
+# or as a subdirectory. Invoked by ctest with -DMODE=... -DSOURCE_DIR=... -DBUILD_DIR=... -DWORK_DIR=...
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
 set(_prefix_path "${PREFIX_PATH}")
@@ -7,7 +7,7 @@ set(_extra "")
 # The installed package is used from a Release build, the subdirectory from a Debug one
 # (no NDEBUG: some LibTorch inline code differs there).
 set(_build_type Release)
-if(MODE STREQUAL "find_package")
+if(MODE STREQUAL "find_package" OR MODE STREQUAL "distributed")
   execute_process(COMMAND ${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix"
                   RESULT_VARIABLE rc OUTPUT_QUIET)
   if(NOT rc EQUAL 0)
@@ -32,7 +32,7 @@ execute_process(COMMAND ${CMAKE_COMMAND} --build "${WORK_DIR}/build" RESULT_VARI
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "build failed: ${rc}")
 endif()
-execute_process(COMMAND "${WORK_DIR}/build/consumer" RESULT_VARIABLE rc)
+execute_process(COMMAND "${WORK_DIR}/build/consumer" "${WORK_DIR}/store" RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "consumer failed: ${rc}")
 endif()
