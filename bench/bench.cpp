@@ -343,7 +343,15 @@ nlohmann::json bench_kernel() {
       median_seconds(101, [&] { (void)torchdbg::detail::compute_moments(hot, /*signs=*/false); });
   fmt::print("stats kernel float32 1MiB in cache: {:.2f} GB/s, moments only {:.2f} GB/s\n",
              hot_bytes / full_s / 1e9, hot_bytes / moments_s / 1e9);
+  // A histogram step on a huge activation: statistics with the distribution of 1e8 floats.
+  auto big = torch::randn({100000000});
+  const auto dist_s = median_seconds(3, [&] {
+    (void)torchdbg::compute_stats(big, torchdbg::StatsOptions().distribution(true));
+  });
+  big = torch::Tensor();
+  fmt::print("stats with distribution, 1e8 float32: {:.2f} s\n", dist_s);
   return {{"stats_gbs", stat_gbs},
+          {"distribution_1e8_s", dist_s},
           {"copy_gbs", copy_gbs},
           {"percent_of_copy", 100.0 * stat_gbs / copy_gbs},
           {"cached_gbs", hot_bytes / full_s / 1e9},

@@ -4,7 +4,8 @@
 # libtorch-dev is not installed.
 set -euo pipefail
 
-pkgs=(cmake g++ ninja-build libfmt-dev catch2 nlohmann-json3-dev libopenblas0-pthread)
+# libre2-dev: RE2 runs the name patterns in linear time (pkg-config finds it).
+pkgs=(cmake g++ ninja-build pkg-config libfmt-dev catch2 nlohmann-json3-dev libre2-dev libopenblas0-pthread)
 # clang with its runtime: the libFuzzer target (ctest label "fuzz").
 pkgs+=(clang libclang-rt-dev)
 if [[ -z "${CMAKE_PREFIX_PATH:-}" ]]; then

@@ -4,6 +4,8 @@
 # once (TORCHDBG_TRIXIE_ROOT, default /var/tmp/torchdbg-trixie) and reuses it, then runs this
 # checkout's own scripts/test.sh inside it, which installs what is missing there and builds in
 # build-libtorch2/ (TORCHDBG_LIBTORCH2_BUILD_DIR changes it). Arguments go to ctest.
+#   scripts/test-libtorch2.sh --exec CMD ARGS...   runs CMD from the checkout inside the root
+#   instead (e.g. build-libtorch2/bench/torchdbg_bench once a test run has built it).
 # Needs root (debootstrap, mount, chroot) and about 5 GB of disk for the root.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,8 +13,30 @@ target="${TORCHDBG_TRIXIE_ROOT:-/var/tmp/torchdbg-trixie}"
 build="${TORCHDBG_LIBTORCH2_BUILD_DIR:-$repo/build-libtorch2}"
 mirror="${TORCHDBG_TRIXIE_MIRROR:-}"  # empty: debootstrap's default Debian mirror
 
+if [[ -n "${TORCHDBG_IN_NAMESPACE:-}" ]]; then
+  # Second half, in a private mount namespace: the mounts vanish with it, however it ends.
+  unset TORCHDBG_IN_NAMESPACE
+  mount -t proc proc "$target/proc"
+  mount -t sysfs sys "$target/sys"
+  mount --rbind /dev "$target/dev"
+  mkdir -p "$target$repo"
+  mount --bind "$repo" "$target$repo"
+  env=(PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8
+       TERM="${TERM:-dumb}" CI="${CI:-}" TORCHDBG_BUILD_DIR="$build"
+       CMAKE_BUILD_TYPE="${CMAKE_BUILD_TYPE:-Release}")
+  cd "$repo"
+  if [[ "${1:-}" == "--exec" ]]; then
+    shift
+    exec chroot "$target" /usr/bin/env -i "${env[@]}" bash -c 'cd "$0" && exec "$@"' "$repo" "$@"
+  fi
+  echo "torchdbg test-libtorch2: $(. "$target/etc/os-release"; echo "$PRETTY_NAME")"
+  exec chroot "$target" /usr/bin/env -i "${env[@]}" "$repo/scripts/test.sh" "$@"
+fi
+
 if [[ $(id -u) -ne 0 ]]; then
-  if command -v sudo >/dev/null; then exec sudo --preserve-env=TORCHDBG_TRIXIE_ROOT,TORCHDBG_LIBTORCH2_BUILD_DIR,TORCHDBG_TRIXIE_MIRROR "$0" "$@"; fi
+  if command -v sudo >/dev/null; then
+    exec sudo --preserve-env=TORCHDBG_TRIXIE_ROOT,TORCHDBG_LIBTORCH2_BUILD_DIR,TORCHDBG_TRIXIE_MIRROR "$0" "$@"
+  fi
   echo "torchdbg test-libtorch2: needs root (debootstrap, mount, chroot)" >&2
   exit 1
 fi
@@ -20,6 +44,10 @@ case "$build" in
   "$repo"/*) ;;
   *) echo "torchdbg test-libtorch2: the build directory must be inside the checkout: $build" >&2; exit 1 ;;
 esac
+if [[ "${1:-}" == "--exec" && $# -lt 2 ]]; then
+  echo "torchdbg test-libtorch2: --exec needs a command" >&2
+  exit 2
+fi
 
 for tool in debootstrap unshare; do
   if ! command -v "$tool" >/dev/null; then
@@ -44,18 +72,4 @@ if [[ ! -f "$target/.torchdbg-root" ]]; then
 fi
 cp -L /etc/resolv.conf "$target/etc/resolv.conf"
 
-# The mounts live in a private mount namespace: they disappear with the run, however it ends.
-export TORCHDBG_CHROOT="$target" TORCHDBG_REPO="$repo" TORCHDBG_BUILD="$build"
-exec unshare --mount --propagation private bash -s -- "$@" <<'EOF'
-set -euo pipefail
-r="$TORCHDBG_CHROOT"
-mount -t proc proc "$r/proc"
-mount -t sysfs sys "$r/sys"
-mount --rbind /dev "$r/dev"
-mkdir -p "$r$TORCHDBG_REPO"
-mount --bind "$TORCHDBG_REPO" "$r$TORCHDBG_REPO"
-exec chroot "$r" /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-  HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}" CI="${CI:-}" \
-  TORCHDBG_BUILD_DIR="$TORCHDBG_BUILD" CMAKE_BUILD_TYPE="${CMAKE_BUILD_TYPE:-Release}" \
-  bash -c 'echo "torchdbg test-libtorch2: $(. /etc/os-release; echo "$PRETTY_NAME")"; exec "$0"/scripts/test.sh "$@"' "$TORCHDBG_REPO" "$@"
-EOF
+TORCHDBG_IN_NAMESPACE=1 exec unshare --mount --propagation private "$0" "$@"

@@ -261,3 +261,34 @@ TEST_CASE("a rank that dies or hangs makes the others fail with a clear error in
     CHECK(res[0].output.find("failed clearly") != std::string::npos);
   }
 }
+
+TEST_CASE("100000 steps with new layer names every step keep the monitor's memory bounded", "[distributed]") {
+  // One rank over a FileStore: the name table, local moments and global statistics stay
+  // within max_layers whatever names come and go; the newest names still resolve.
+  const std::string dir = torchdbg_test::tmp_dir("dist_names");
+  auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", 1);
+  auto group = torchdbg::make_gloo_group(store, 0, 1);
+  torchdbg::HookManager hooks(torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.0)));
+  torchdbg::DistributedMonitor dist(group, store, hooks, nullptr,
+                                    torchdbg::DistributedOptions().report_interval(100).max_layers(16));
+  const auto x = torch::ones({4});
+  std::size_t most_names = 0, most_global = 0;
+  constexpr int64_t kSteps = 100000;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    hooks.set_step(step);
+    if (step % 100 == 0) {  // a reporting step: 3 layers named after the step
+      for (int k = 0; k < 3; ++k) (void)hooks.execute_hooks("layer" + std::to_string(step + k), x, true);
+    }
+    const auto b = dist.step_boundary(step);
+    if (b.reported) {
+      most_names = std::max(most_names, dist.known_name_count());
+      most_global = std::max(most_global, dist.global_stats().size());
+    }
+  }
+  CHECK(most_names <= 16);
+  CHECK(most_global <= 16);
+  const auto last = dist.global_layer("layer" + std::to_string(kSteps - 100 + 2));
+  REQUIRE(last);
+  CHECK(last->global.finite == 4);
+  CHECK(last->global.mean == 1.0);
+}

@@ -37,7 +37,7 @@ std::string slurp(const std::string& path) {
 StepRecord make_step(int64_t step, int layers, bool bad = false) {
   StepRecord r;
   r.step = step;
-  r.loss = bad ? std::nan("") : 2.0 / static_cast<double>(step + 1);
+  r.loss = bad ? std::nan("") : 2.0 / (static_cast<double>(step) + 1.0);
   for (int l = 0; l < layers; ++l) {
     const std::string name = "block" + std::to_string(l) + ".fc";
     LayerRecord f;
@@ -151,6 +151,17 @@ TEST_CASE("JSONL: a process killed mid-stream leaves only complete, parseable li
   CHECK(complete > 100);
   // What follows the last newline (if anything) is the one line being written at the kill.
   CHECK(text.size() - pos < 4096);
+  // The next run appends: a torn line is cut first, so every line of the file parses.
+  {
+    torchdbg::JsonlExporter again(path, torchdbg::StreamOptions().truncate(false));
+    CHECK(again.torn_bytes_removed() == text.size() - pos);
+    again.write_step(make_step(100000, 3));
+    again.flush();
+  }
+  const auto lines = read_lines(path);
+  CHECK(lines.size() == complete + 1 + 3 * 3);
+  for (const auto& l : lines) CHECK(nlohmann::json::accept(l));
+  CHECK(nlohmann::json::parse(lines[complete])["step"] == 100000);
 }
 
 TEST_CASE(
@@ -269,4 +280,154 @@ TEST_CASE("the decimated series keeps at most its capacity over any length", "[e
   CHECK(d.items().size() >= 5);
   CHECK(d.items().front() == 0);
   for (std::size_t i = 1; i < d.items().size(); ++i) CHECK(d.items()[i] > d.items()[i - 1]);
+}
+
+namespace {
+/// Names no exporter may choke on: invalid UTF-8 (stray, truncated, overlong, surrogate),
+/// NUL, markup, quotes, commas, newlines and a 100 kB name.
+std::vector<std::string> odd_names() {
+  return {std::string("fc\xff\xfe", 4),         std::string("trunc\xe2\x82", 7),
+          std::string("overlong\xc0\xaf", 10),   std::string("surrogate\xed\xa0\x80", 12),
+          std::string("nul\0inside", 10),        "</script><script>alert(1)</script>",
+          "quote\"comma,new\nline\r",            "\xe2\x9c\x93 valid \xf0\x9f\x98\x80",
+          std::string(100000, 'x')};
+}
+}  // namespace
+
+TEST_CASE("exporters: any string gives valid JSON, CSV and HTML; one bad name costs no record",
+          "[exporters]") {
+  const std::string dir = torchdbg_test::tmp_dir("odd_names");
+  torchdbg::JsonlExporter jsonl(dir + "/run.jsonl");
+  torchdbg::CsvExporter csv(dir + "/run.csv");
+  torchdbg::HtmlExporter html(dir + "/report.html");
+  torchdbg::SummaryJsonExporter summary(dir + "/summary.json");
+  const auto names = odd_names();
+  for (int64_t step = 0; step < 25; ++step) {
+    StepRecord r = make_step(step, 2);
+    for (const auto& n : names) {
+      LayerRecord l;
+      l.layer = n;
+      l.parameter = n;
+      l.forward = step % 2 == 0;
+      l.stats = torchdbg::compute_stats(torch::full({3}, 1.5));
+      r.layers.push_back(l);
+    }
+    for (torchdbg::Exporter* e : std::initializer_list<torchdbg::Exporter*>{&jsonl, &csv, &html, &summary})
+      CHECK_NOTHROW(e->write_step(r));
+  }
+  torchdbg::RunSummary rs;
+  rs.steps = 25;
+  for (torchdbg::Exporter* e : std::initializer_list<torchdbg::Exporter*>{&jsonl, &csv, &html, &summary}) {
+    CHECK_NOTHROW(e->write_summary(rs));
+    e->flush();
+  }
+  // JSONL: every record of every step, each line valid JSON in valid UTF-8.
+  const auto lines = read_lines(dir + "/run.jsonl");
+  CHECK(lines.size() == 25 * (1 + 4 + names.size() + 2) + 1);
+  for (const auto& l : lines) {
+    CHECK(nlohmann::json::accept(l));
+    CHECK(torchdbg::detail::valid_utf8(l) == l);
+  }
+  CHECK(nlohmann::json::parse(lines[5])["layer"] == "fc\xef\xbf\xbd\xef\xbf\xbd");  // U+FFFD per bad byte
+  // CSV: valid UTF-8 without NUL; Python's csv reader reads every row with 15 fields.
+  const std::string text = slurp(dir + "/run.csv");
+  CHECK(torchdbg::detail::valid_utf8(text) == text);
+  CHECK(text.find('\0') == std::string::npos);
+  if (std::system("/usr/bin/python3 -c 'import csv' 2>/dev/null") == 0) {
+    const std::string cmd = "/usr/bin/python3 -c \"import csv,sys; rows=list(csv.reader(open('" + dir +
+                            "/run.csv', encoding='utf-8', newline=''))); assert len(rows) == 1 + 25 * " +
+                            std::to_string(4 + names.size()) + ", len(rows); assert all(len(r) == 15 for r in rows)\"";
+    CHECK(std::system(cmd.c_str()) == 0);
+  }
+  // HTML and summary JSON: valid UTF-8, names escaped.
+  const std::string page = slurp(dir + "/report.html");
+  CHECK(torchdbg::detail::valid_utf8(page) == page);
+  CHECK(page.find("<script>alert(1)") == std::string::npos);
+  const std::string sj = slurp(dir + "/summary.json");
+  CHECK(nlohmann::json::accept(sj));
+}
+
+TEST_CASE("valid_utf8 keeps valid text and replaces each invalid byte with U+FFFD", "[exporters]") {
+  using torchdbg::detail::valid_utf8;
+  const std::string fffd = "\xef\xbf\xbd";
+  CHECK(valid_utf8("plain ascii") == "plain ascii");
+  const std::string ok = "\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80 \xf4\x8f\xbf\xbf";  // e-acute, euro, emoji, U+10FFFF
+  CHECK(valid_utf8(ok) == ok);
+  CHECK(valid_utf8(std::string("a\0b", 3)) == "a" + fffd + "b");
+  CHECK(valid_utf8("\x80") == fffd);                       // stray continuation byte
+  CHECK(valid_utf8("\xe2\x82") == fffd + fffd);           // truncated
+  CHECK(valid_utf8("\xc0\xaf") == fffd + fffd);           // overlong '/'
+  CHECK(valid_utf8("\xe0\x80\xaf") == fffd + fffd + fffd);  // overlong, 3 bytes
+  CHECK(valid_utf8("\xed\xa0\x80") == fffd + fffd + fffd);  // surrogate U+D800
+  CHECK(valid_utf8("\xf4\x90\x80\x80") == fffd + fffd + fffd + fffd);  // past U+10FFFF
+  CHECK(valid_utf8("\xf5") == fffd);
+}
+
+TEST_CASE("streams: appending repairs an unterminated last line; bad options leave the file untouched",
+          "[exporters]") {
+  const std::string dir = torchdbg_test::tmp_dir("append_repair");
+  SECTION("JSONL: a torn line is cut, a complete one gets its newline") {
+    const std::string path = dir + "/torn.jsonl";
+    const std::string torn = "{\"type\":\"layer\",\"st";
+    std::ofstream(path) << "{\"a\":1}\n{\"a\":2}\n" << torn;
+    {
+      torchdbg::JsonlExporter x(path, torchdbg::StreamOptions().truncate(false));
+      CHECK(x.torn_bytes_removed() == torn.size());
+      x.write_step(make_step(7, 1));
+    }
+    auto lines = read_lines(path);
+    REQUIRE(lines.size() == 2 + 1 + 1 + 2);
+    for (const auto& l : lines) CHECK(nlohmann::json::accept(l));
+    const std::string whole = dir + "/whole.jsonl";
+    std::ofstream(whole) << "{\"a\":1}\n{\"a\":2}";  // complete, no newline: kept
+    {
+      torchdbg::JsonlExporter x(whole, torchdbg::StreamOptions().truncate(false));
+      CHECK(x.torn_bytes_removed() == 0);
+      x.write_step(make_step(8, 1));
+    }
+    lines = read_lines(whole);
+    REQUIRE(lines.size() == 2 + 4);
+    CHECK(lines[1] == "{\"a\":2}");
+    for (const auto& l : lines) CHECK(nlohmann::json::accept(l));
+  }
+  SECTION("CSV: a torn row is cut; a new file gets its header even when appending") {
+    const std::string path = dir + "/torn.csv";
+    {
+      torchdbg::CsvExporter x(path, torchdbg::StreamOptions().truncate(false));
+      x.write_step(make_step(1, 1));
+    }
+    std::ofstream(path, std::ios::app) << "2,\"fc,";  // torn inside a quoted field
+    {
+      torchdbg::CsvExporter x(path, torchdbg::StreamOptions().truncate(false));
+      CHECK(x.torn_bytes_removed() == 6);
+      x.write_step(make_step(3, 1));
+    }
+    const auto lines = read_lines(path);
+    REQUIRE(lines.size() == 1 + 2 + 2);
+    CHECK(lines[0] == torchdbg::CsvExporter::kHeader);
+    for (const auto& l : lines) CHECK(torchdbg::CsvExporter::fields(l) == 15);
+  }
+  SECTION("a bad option is refused before the existing file is opened") {
+    const std::string path = dir + "/keep.jsonl";
+    std::ofstream(path) << "{\"a\":1}\n";
+    CHECK_THROWS_WITH(torchdbg::JsonlExporter(path, torchdbg::StreamOptions().flush_every_steps(0)),
+                      Catch::Contains("flush_every_steps"));
+    CHECK_THROWS_WITH(torchdbg::CsvExporter(path, torchdbg::StreamOptions().flush_every_steps(-3)),
+                      Catch::Contains("flush_every_steps"));
+    CHECK(slurp(path) == "{\"a\":1}\n");
+  }
+}
+
+TEST_CASE("HTML: steps at the ends of int64 and steps going backwards stay in range", "[exporters]") {
+  const std::string dir = torchdbg_test::tmp_dir("html_steps");
+  for (const auto& steps : std::vector<std::vector<int64_t>>{
+           {std::numeric_limits<int64_t>::min(), -5, 0, std::numeric_limits<int64_t>::max()},
+           {std::numeric_limits<int64_t>::max() - 2, std::numeric_limits<int64_t>::max()},
+           {100, 50, 10, 200, 0},
+           {std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::min() + 1}}) {
+    torchdbg::HtmlExporter html(dir + "/r.html", torchdbg::HtmlOptions().heatmap_columns(2));
+    for (int64_t s : steps) CHECK_NOTHROW(html.write_step(make_step(s, 2, s == 0)));
+    const std::string page = html.render();
+    CHECK(page.find("id=\"health-heatmap\"") != std::string::npos);
+  }
 }

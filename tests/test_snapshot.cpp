@@ -133,3 +133,50 @@ TEST_CASE("a writer killed with SIGKILL leaves the old or the new complete snaps
     CHECK(torch::equal(t, torch::full({1 << 20}, t[0].item<float>())));
   }
 }
+
+TEST_CASE("damaged snapshots are refused with torchdbg::Error, never a crash or a huge allocation", "[snapshot]") {
+  const std::string dir = torchdbg_test::tmp_dir("snapshot_damage");
+  const std::string good = dir + "/good.pt";
+  torchdbg::save_snapshot(torch::arange(200, torch::kFloat), good);
+  std::ifstream in(good, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  REQUIRE(bytes.size() > 1000);
+  // Offsets overwritten with 1 or 4 bytes of 0xFF / 0x00: every offset of the last 256 bytes
+  // (the zip's central directory and end record, whose damage crashed LibTorch's reader) and
+  // every 16th before (local headers, the pickle, the data). Each load returns a tensor of at
+  // most the file's size or throws torchdbg::Error naming the file.
+  const std::string bad = dir + "/bad.pt";
+  int64_t refused = 0, loaded = 0;
+  for (std::size_t i = 0; i < bytes.size(); i += i + 256 < bytes.size() ? 16 : 1) {
+    for (std::size_t w : {std::size_t{1}, std::size_t{4}}) {
+      for (unsigned char v : {0xFF, 0x00}) {
+        std::string b = bytes;
+        for (std::size_t k = 0; k < w && i + k < b.size(); ++k) b[i + k] = static_cast<char>(v);
+        std::ofstream(bad, std::ios::binary | std::ios::trunc) << b;
+        try {
+          const auto t = torchdbg::load_snapshot(bad);
+          CHECK(t.nbytes() <= b.size());
+          ++loaded;
+        } catch (const torchdbg::Error& e) {
+          if (std::string(e.what()).find(bad) == std::string::npos) FAIL("error without the path: " << e.what());
+          ++refused;
+        }
+      }
+    }
+  }
+  CHECK(refused > 500);
+  CHECK(loaded > 0);  // bytes inside the data or names change values, not the structure
+  // Truncated at every length.
+  for (std::size_t len = 0; len < bytes.size(); len += 31) {
+    std::ofstream(bad, std::ios::binary | std::ios::trunc) << bytes.substr(0, len);
+    CHECK_THROWS_AS(torchdbg::load_snapshot(bad), torchdbg::Error);
+  }
+  // The undamaged file still loads.
+  CHECK(torchdbg::load_snapshot(good).equal(torch::arange(200, torch::kFloat)));
+}
+
+TEST_CASE("load_snapshot names the path for a directory or a missing file", "[snapshot]") {
+  const std::string dir = torchdbg_test::tmp_dir("snapshot_dir");
+  CHECK_THROWS_WITH(torchdbg::load_snapshot(dir), Catch::Contains(dir) && Catch::Contains("not a regular file"));
+  CHECK_THROWS_WITH(torchdbg::load_snapshot(dir + "/none.pt"), Catch::Contains("none.pt") && Catch::Contains("no such file"));
+}

@@ -1,6 +1,7 @@
 // torchdbg — module hooks and a training debugger for LibTorch.
 // SPDX-License-Identifier: MIT
 #include <limits>
+#include <random>
 #include <torchdbg/tensor_stats.hpp>
 
 #include "helpers.hpp"
@@ -559,4 +560,199 @@ TEST_CASE("every vector width counts values above a threshold per column like a 
       CHECK(k.count_above(t.data_ptr<float>(), n, 0.25f) == ref);
     }
   }
+}
+
+namespace {
+
+/// Checks statistics of data of any magnitude against the double reference: counts and
+/// extrema exact, moments and norms to `rel` of the data's RMS (float sums in blocks).
+void check_any_magnitude(const torchdbg::TensorStats& s, const torch::Tensor& t, double rel) {
+  const Reference r = reference(t);
+  CHECK(s.finite_count == r.finite);
+  CHECK(s.nan_count == r.nan);
+  CHECK(s.pos_inf_count == r.pos_inf);
+  CHECK(s.neg_inf_count == r.neg_inf);
+  if (s.sign_counts) {
+    CHECK(s.zero_count == r.zeros);
+    CHECK(s.negative_count == r.neg);
+    CHECK(s.positive_count == r.pos);
+    CHECK_CLOSE(s.l1_norm, r.l1, rel);
+  }
+  CHECK_CLOSE(s.min, r.min, 0.0);
+  CHECK_CLOSE(s.max, r.max, 0.0);
+  CHECK_CLOSE(s.linf_norm, r.linf, 0.0);
+  CHECK(std::isfinite(s.l2_norm));
+  CHECK_CLOSE(s.l2_norm, r.l2, rel);
+  if (r.finite == 0) return;
+  const double rms = r.l2 / std::sqrt(static_cast<double>(r.finite));
+  CHECK(std::isfinite(s.mean));
+  CHECK(std::isfinite(s.std));
+  CHECK_SCALED(s.mean, r.mean, rms, rel);
+  CHECK_SCALED(s.std, r.std, rms, rel);
+}
+
+/// Random data: |x| log-uniform between 10^lo and 10^hi (capped at the dtype's largest
+/// finite value), signs mixed or not, an optional common offset, NaN/Inf sprinkled.
+torch::Tensor any_magnitude(std::mt19937_64& gen, int64_t n, double lo, double hi, bool mixed,
+                            double offset, int64_t non_finite, double cap) {
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::vector<double> v(static_cast<std::size_t>(n));
+  for (auto& x : v) {
+    x = std::min(cap, std::pow(10.0, lo + (hi - lo) * u(gen)));
+    if (mixed && u(gen) < 0.5) x = -x;
+    x = std::max(-cap, std::min(cap, x + offset));
+  }
+  const double bad[] = {kNaN, kInf, -kInf};
+  for (int64_t k = 0; k < non_finite && n > 0; ++k)
+    v[static_cast<std::size_t>(u(gen) * static_cast<double>(n)) % v.size()] = bad[k % 3];
+  return torch::tensor(v, torch::kDouble);
+}
+
+}  // namespace
+
+TEST_CASE("float32 values far beyond float's sum range give exact std, L2 and mean", "[stats]") {
+  // Activations around 1e20: float lane sums of squares would overflow; std is 1e20-ish.
+  torchdbg_test::SeededRng rng(21);
+  auto t = (torch::randn({4096}, torch::kDouble) * 1e20 + 5e19).to(torch::kFloat);
+  check_any_magnitude(torchdbg::compute_stats(t), t, 1e-6);
+  check_any_magnitude(torchdbg::compute_stats(t, torchdbg::StatsOptions().sign_counts(false)), t, 1e-6);
+  const auto s = torchdbg::compute_stats(t);
+  CHECK(s.std > 0.5e20);
+  CHECK(s.std < 2e20);
+  // Alternating +-FLT_MAX: mean 0, std and RMS FLT_MAX, L2 FLT_MAX * sqrt(n).
+  const double fmax = std::numeric_limits<float>::max();
+  auto alt = torch::full({5000}, fmax, torch::kFloat);
+  alt.index_put_({torch::indexing::Slice(1, torch::indexing::None, 2)}, -fmax);
+  const auto a = torchdbg::compute_stats(alt);
+  CHECK(a.mean == 0.0);
+  CHECK_CLOSE(a.std, fmax, 1e-12);
+  CHECK_CLOSE(a.l2_norm, fmax * std::sqrt(5000.0), 1e-12);
+  CHECK_CLOSE(a.l1_norm, fmax * 5000.0, 1e-12);
+  // Tiny values: squares of their deviations are below float's normal range.
+  auto tiny = (torch::rand({3000}, torch::kDouble) * 1e-37).to(torch::kFloat);
+  check_any_magnitude(torchdbg::compute_stats(tiny), tiny, 1e-6);
+  // The same through the half and bfloat16 paths (bfloat16 reaches 3e38).
+  auto bf = (torch::randn({3000}, torch::kDouble) * 1e36).to(torch::kBFloat16);
+  check_any_magnitude(torchdbg::compute_stats(bf), bf, 1e-6);
+}
+
+TEST_CASE("property: magnitudes 1e-38 to FLT_MAX, mixed signs, NaN/Inf, every dtype and vector width",
+          "[stats]") {
+  namespace d = torchdbg::detail;
+  std::mt19937_64 gen(20261130);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  const double fmax = std::numeric_limits<float>::max();
+  int64_t cases = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    const int64_t sizes[] = {1, 9, 100, 2047, 2048, 2049, 6000, 20000};
+    const int64_t n = sizes[trial % 8];
+    double lo = -38.0 + 76.5 * u(gen), hi = -38.0 + 76.5 * u(gen);
+    if (lo > hi) std::swap(lo, hi);
+    const bool mixed = u(gen) < 0.6;
+    const double offset = u(gen) < 0.3 ? std::pow(10.0, -38.0 + 76.5 * u(gen)) : 0.0;
+    const int64_t non_finite = u(gen) < 0.4 ? 1 + trial % 5 : 0;
+    INFO("trial " << trial << ": n " << n << ", |x| in 1e" << lo << "..1e" << hi << ", mixed " << mixed
+                  << ", offset " << offset << ", non-finite " << non_finite);
+    const auto base = any_magnitude(gen, n, lo, hi, mixed, offset, non_finite, fmax);
+    // float32 at every vector width this CPU runs, with and without sign counts.
+    const auto f = base.to(torch::kFloat);
+#if defined(TORCHDBG_HAVE_VECTOR_EXT)
+    for (const auto& k : d::block_kernel_variants()) {
+      for (bool signs : {true, false}) {
+        INFO("variant " << k.name << ", signs " << signs);
+        d::Moments m;
+        bool non_negative = false;
+        const float* p = f.data_ptr<float>();
+        for (int64_t b = 0; b < n; b += d::kFloatBlock)
+          m.merge(d::float_block_moments(p + b, std::min(d::kFloatBlock, n - b), signs, non_negative, k));
+        check_any_magnitude(torchdbg::stats_from_moments(m, f), f, 1e-5);
+        ++cases;
+      }
+    }
+#endif
+    // Every other dtype through compute_stats, and float32 strided.
+    check_any_magnitude(torchdbg::compute_stats(f), f, 1e-5);
+    check_any_magnitude(torchdbg::compute_stats(base), base, 1e-10);
+    const auto h = base.clamp(-65504.0, 65504.0).to(torch::kHalf);
+    check_any_magnitude(torchdbg::compute_stats(h), h, 1e-5);
+    const auto bf = base.to(torch::kBFloat16);
+    check_any_magnitude(torchdbg::compute_stats(bf), bf, 1e-5);
+    const auto strided = torch::stack({f, f}, 1).select(1, 1);
+    check_any_magnitude(torchdbg::compute_stats(strided), strided, 1e-5);
+    const auto ints = base.nan_to_num(0.0, 0.0, 0.0).clamp(-9.0e18, 9.0e18).to(torch::kLong);
+    check_any_magnitude(torchdbg::compute_stats(ints), ints, 1e-10);
+    const auto i16 = base.nan_to_num(0.0, 0.0, 0.0).clamp(-32768.0, 32767.0).to(torch::kShort);
+    check_any_magnitude(torchdbg::compute_stats(i16), i16, 1e-10);
+    cases += 7;
+  }
+  CHECK(cases >= 280);
+}
+
+TEST_CASE("empty tensors of any shape, zero tensors without storage and meta tensors", "[stats]") {
+  for (const auto& shape : std::vector<std::vector<int64_t>>{{3, 0, 5}, {0, 4, 4}, {2, 3, 0}, {0}}) {
+    INFO("shape " << torch::IntArrayRef(shape));
+    const auto s = torchdbg::compute_stats(torch::empty(shape), torchdbg::StatsOptions().distribution(true));
+    CHECK(s.numel == 0);
+    CHECK(s.shape == shape);
+    CHECK(std::isnan(s.mean));
+    CHECK(s.l2_norm == 0.0);
+  }
+  // Autograd's storage-less zeros read as zeros.
+  const auto z = at::_efficientzerotensor({4, 5}, torch::kFloat);
+  const auto zs = torchdbg::compute_stats(z, torchdbg::StatsOptions().distribution(true));
+  CHECK(zs.numel == 20);
+  CHECK(zs.zero_count == 20);
+  CHECK(zs.mean == 0.0);
+  CHECK(zs.std == 0.0);
+  CHECK(zs.distribution->p50 == 0.0);
+  CHECK(torchdbg::detail::count_outside(z, -1.0, 1.0) == 0);
+  // A meta tensor has no data: a clear error, not a crash.
+  CHECK_THROWS_WITH(torchdbg::compute_stats(torch::empty({3}, torch::device(torch::kMeta))),
+                    Catch::Contains("meta tensor"));
+}
+
+TEST_CASE("beyond max_quantile_values the quantiles come from a sample; histogram, moments and outliers stay exact",
+          "[stats]") {
+  torchdbg_test::SeededRng rng(33);
+  auto t = torch::randn({200000}) * 3.0 + 1.0;
+  t.index_put_({torch::indexing::Slice(0, 1000)}, kNaN);
+  t[5000] = kInf;
+  const auto s = torchdbg::compute_stats(
+      t, torchdbg::StatsOptions().distribution(true).histogram_bins(40).max_quantile_values(5000));
+  REQUIRE(s.distribution);
+  const auto& d = *s.distribution;
+  CHECK(d.quantile_values == 5000);
+  // Quantiles of the sample: within a few standard errors of the exact ones (N(1, 3)).
+  const Reference r = reference(t);
+  for (auto [q, got] : {std::pair{0.05, d.p5}, {0.25, d.p25}, {0.5, d.p50}, {0.75, d.p75}, {0.95, d.p95}}) {
+    INFO("q " << q);
+    CHECK(std::fabs(got - torchdbg_test::ref_quantile(r.sorted, q)) < 0.25);
+  }
+  // Exact: histogram counts, shape moments and outlier counts over all finite values.
+  std::vector<int64_t> counts(40, 0);
+  double s2 = 0, s3 = 0, s4 = 0;
+  int64_t sig = 0, iqr = 0;
+  const double fence_lo = d.p25 - 1.5 * (d.p75 - d.p25), fence_hi = d.p75 + 1.5 * (d.p75 - d.p25);
+  for (double v : r.sorted) {
+    auto b = static_cast<int64_t>((v - r.min) * 40.0 / (r.max - r.min));
+    ++counts[static_cast<std::size_t>(std::min<int64_t>(b, 39))];
+    const double dv = v - s.mean;
+    s2 += dv * dv, s3 += dv * dv * dv, s4 += dv * dv * dv * dv;
+    sig += std::fabs(dv) > 3.0 * s.std;
+    iqr += v < fence_lo || v > fence_hi;
+  }
+  CHECK(d.bin_counts == counts);
+  const double n = static_cast<double>(r.finite);
+  CHECK_CLOSE(d.skewness, (s3 / n) / std::pow(s2 / n, 1.5), 1e-9);
+  CHECK_CLOSE(d.excess_kurtosis, (s4 / n) / ((s2 / n) * (s2 / n)) - 3.0, 1e-9);
+  CHECK(d.sigma3_outliers == sig);
+  CHECK(d.iqr_outliers == iqr);
+  // The same tensor gives the same sample; below the cap every finite value is used.
+  const auto again = torchdbg::compute_stats(
+      t, torchdbg::StatsOptions().distribution(true).histogram_bins(40).max_quantile_values(5000));
+  CHECK(again.distribution->p50 == d.p50);
+  const auto exact = torchdbg::compute_stats(t, torchdbg::StatsOptions().distribution(true));
+  CHECK(exact.distribution->quantile_values == r.finite);
+  CHECK_THROWS_WITH(torchdbg::compute_stats(t, torchdbg::StatsOptions().distribution(true).max_quantile_values(0)),
+                    Catch::Contains("max_quantile_values"));
 }

@@ -76,7 +76,7 @@ inline Heatmap make_heatmap(const at::Tensor& t, int64_t max_size) {
   if (x.dim() >= 2) {
     rows = x.size(-2);
     cols = x.size(-1);
-    if (x.dim() > 2) x = x.reshape({-1, rows, cols}).mean(0);
+    if (x.dim() > 2) x = x.flatten(0, -3).mean(0);  // flatten, not reshape(-1, ...): 0 elements
     x = x.contiguous();
     full.assign(x.data_ptr<double>(), x.data_ptr<double>() + x.numel());
   } else {

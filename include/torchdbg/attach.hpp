@@ -73,7 +73,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <regex>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -906,7 +905,7 @@ class BasicAttachSession {
       : hooks_(&hooks), core_(std::make_shared<detail::AttachCore>()) {
     detail::require_at_least<int64_t>(options.max_deferred(), 1, "AttachOptions::max_deferred");
     core_->options = std::move(options);
-    std::vector<std::regex> patterns;
+    std::vector<detail::Pattern> patterns;
     for (const auto& p : core_->options.patterns()) patterns.push_back(detail::compile_pattern(p, "attach pattern"));
     for (const auto& item : model.named_modules("", /*include_self=*/true)) {
       const std::string name = item.key().empty() ? "root" : item.key();
@@ -917,7 +916,7 @@ class BasicAttachSession {
       if (!patterns.empty()) {
         bool hit = false;
         for (const auto& re : patterns)
-          hit = hit || std::regex_search(name, re, std::regex_constants::match_continuous);
+          hit = hit || re.match_prefix(name);
         if (!hit) continue;
       }
       const std::size_t idx = core_->modules.size();

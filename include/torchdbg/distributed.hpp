@@ -28,6 +28,9 @@
 #error "torchdbg/distributed.hpp needs LibTorch's c10d headers and Gloo's (Debian: libgloo-dev); the rest of torchdbg (torchdbg/torchdbg.hpp) does not"
 #endif
 #endif
+#if !defined(USE_C10D_GLOO)
+#error "torchdbg/distributed.hpp needs USE_C10D_GLOO defined, as LibTorch's CMake targets (torch) do"
+#endif
 
 #include <ATen/ATen.h>
 #include <c10/util/intrusive_ptr.h>
@@ -46,6 +49,7 @@
 #include <utility>
 #include <vector>
 
+#include "torchdbg/detail/text.hpp"
 #include "torchdbg/diagnosis.hpp"
 #include "torchdbg/error.hpp"
 #include "torchdbg/health.hpp"
@@ -264,7 +268,7 @@ class BasicDistributedMonitor {
           i.rank = rank_;
           arr.push_back(to_json(i));
         }
-        store_->set(key("incidents/" + std::to_string(rank_)), detail::to_bytes(arr.dump()));
+        store_->set(key("incidents/" + std::to_string(rank_)), detail::to_bytes(detail::dump_json(arr)));
         published_incidents_ = incidents;
       }
     }
@@ -352,6 +356,12 @@ class BasicDistributedMonitor {
   [[nodiscard]] std::vector<int> pausers() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return pausers_;
+  }
+  /// Layer names this rank can put on other ranks' statistics (those of the last exchange):
+  /// at most world_size x max_layers.
+  [[nodiscard]] std::size_t known_name_count() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return known_names_.size();
   }
   /// Pause/resume events with the rank that caused them.
   [[nodiscard]] std::vector<SemanticEvent> events() const {
@@ -479,6 +489,7 @@ class BasicDistributedMonitor {
       }
       for (const auto& [h, n] : known_names_) names.emplace(h, n);
     }
+    std::unordered_map<uint64_t, std::string> seen;  // the names this exchange resolved
     std::vector<at::Tensor> in{mine};
     std::vector<std::vector<at::Tensor>> outs(1);
     for (int r = 0; r < world_; ++r) outs[0].push_back(at::empty_like(mine));
@@ -493,6 +504,7 @@ class BasicDistributedMonitor {
         const uint64_t h = (static_cast<uint64_t>(q[0]) << 32) | static_cast<uint64_t>(q[1]);
         auto nit = names.find(h);
         const std::string name = nit != names.end() ? nit->second : "layer#" + std::to_string(h);
+        if (nit != names.end()) seen.emplace(h, name);
         LayerMoments m;
         m.finite = static_cast<int64_t>(q[2]);
         m.nan = static_cast<int64_t>(q[3]);
@@ -509,8 +521,10 @@ class BasicDistributedMonitor {
         g.global.merge(m);
       }
     }
+    // Keep the names of this exchange only: the table stays within world_size x max_layers
+    // however many layer names come and go over a run.
     std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto& [h, n] : names) known_names_.emplace(h, n);
+    known_names_ = std::move(seen);
     global_ = std::move(merged);
   }
 

@@ -36,7 +36,6 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <regex>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -998,7 +997,7 @@ class BasicHealthMonitor {
     if (layer_patterns_.empty()) return true;
     const std::string s(layer);
     for (const auto& re : layer_patterns_)
-      if (std::regex_search(s, re)) return true;
+      if (re.search(s)) return true;
     return false;
   }
 
@@ -1273,7 +1272,7 @@ class BasicHealthMonitor {
     if (pre.empty()) {
       const std::string name(layer);
       for (const auto& [re, act] : pre_acts_)
-        if (std::regex_match(name, re)) pre = act;
+        if (re.full_match(name)) pre = act;
     }
     if (!pre.empty()) return {pre, true, true};
     return {};
@@ -1716,8 +1715,8 @@ class BasicHealthMonitor {
   static constexpr int64_t kUnordered = int64_t{1} << 40;
 
   HealthOptions options_;
-  std::vector<std::regex> layer_patterns_;
-  std::vector<std::pair<std::regex, std::string>> pre_acts_;
+  std::vector<detail::Pattern> layer_patterns_;
+  std::vector<std::pair<detail::Pattern, std::string>> pre_acts_;
 
   mutable Mutex mutex_;
   std::vector<Layer> layers_;

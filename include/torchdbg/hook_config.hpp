@@ -239,11 +239,10 @@ struct HookConfig {
   TORCH_ARG(bool, enabled) = true;
   /// The hook stops firing after this many executions (skipped results afterwards).
   TORCH_ARG(std::optional<uint64_t>, max_executions);
-  /// ECMAScript regexes searched anywhere in the layer name (unanchored, as `std::regex_search`:
-  /// use `^...$` for whole names). Empty: every layer. An invalid pattern is rejected by
-  /// `register_hook`. Patterns run on std::regex, which backtracks: avoid quantified groups
-  /// such as `(a+)+`, exponential in the name's length. Each layer name is matched once per
-  /// hook and then cached.
+  /// Regexes (RE2 syntax: Perl's without back-references or look-around) searched anywhere
+  /// in the layer name (unanchored: use `^...$` for whole names). Empty: every layer. An
+  /// invalid pattern is rejected by `register_hook`. Matching is linear in the name's length
+  /// for any pattern; each layer name is matched once per hook and then cached.
   TORCH_ARG(std::vector<std::string>, layer_patterns);
   /// Forward: the hook sees forward calls only; Backward: gradient calls only; Both (the
   /// default): every call its trigger accepts. Calls of the other direction are not the

@@ -14,7 +14,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <regex>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -117,8 +116,7 @@ class BasicHookManager {
   HookId register_hook(HookConfig config) {
     auto e = std::make_shared<Entry>();
     for (const auto& p : config.layer_patterns()) {
-      e->patterns.push_back(detail::compile_pattern(p, "layer pattern in hook '" + config.name() + "'",
-                                                    std::regex::ECMAScript | std::regex::optimize));
+      e->patterns.push_back(detail::compile_pattern(p, "layer pattern in hook '" + config.name() + "'"));
     }
     if (config.max_executions() && *config.max_executions() == 0) {
       throw Error("torchdbg: hook '" + config.name() + "' has max_executions 0 (it could never run)");
@@ -529,7 +527,7 @@ class BasicHookManager {
   struct Entry {
     HookId id;
     HookConfig config;
-    std::vector<std::regex> patterns;
+    std::vector<detail::Pattern> patterns;
     uint64_t limit = std::numeric_limits<uint64_t>::max();
     std::atomic<bool> enabled{true};
     std::atomic<uint64_t> claimed{0};
@@ -548,7 +546,7 @@ class BasicHookManager {
       if (it != match_cache.end()) return it->second;
       bool hit = false;
       for (const auto& re : patterns) {
-        if (std::regex_search(key, re)) {
+        if (re.search(key)) {
           hit = true;
           break;
         }

@@ -37,7 +37,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <regex>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -675,9 +674,8 @@ struct MultiHookOptions {
 /// ```
 class MultiHookManager {
  public:
-  explicit MultiHookManager(MultiHookOptions options = {}) : options_(std::move(options)) {
-    regex_ = detail::compile_pattern(options_.pattern(), "module pattern");
-  }
+  explicit MultiHookManager(MultiHookOptions options = {})
+      : options_(std::move(options)), regex_(detail::compile_pattern(options_.pattern(), "module pattern")) {}
 
   /// The dotted names of the modules that a hook would be registered on.
   [[nodiscard]] std::vector<std::string> matching(const std::shared_ptr<torch::nn::Module>& model) const {
@@ -744,7 +742,7 @@ class MultiHookManager {
   }
 
   bool accept(const std::string& name, const torch::nn::Module& m) const {
-    if (!options_.pattern().empty() && !std::regex_search(name, regex_, std::regex_constants::match_continuous)) return false;
+    if (!options_.pattern().empty() && !regex_.match_prefix(name)) return false;
     if (!options_.classes_to_hook().empty()) {
       bool any = false;
       for (const auto& p : options_.classes_to_hook()) any = any || p(m);
@@ -756,7 +754,7 @@ class MultiHookManager {
   }
 
   MultiHookOptions options_;
-  std::regex regex_;
+  detail::Pattern regex_;
   mutable std::string skipped_unhookable_;
 };
 

@@ -6,6 +6,7 @@
 #include <torch/serialize.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "torchdbg/detail/atomic_file.hpp"
+#include "torchdbg/detail/zip_check.hpp"
 #include "torchdbg/error.hpp"
 
 namespace torchdbg {
@@ -50,10 +52,19 @@ inline void save_snapshot(const at::Tensor& t, const std::string& path) {
 }
 
 /// Reads a tensor written by `save_snapshot` (or Python's `torch.save(tensor, path)`).
+/// Throws torchdbg::Error naming the path for a missing, unreadable or damaged file; the
+/// archive is checked before it is parsed, so nothing it declares makes the reader allocate
+/// more than the file's size.
 inline at::Tensor load_snapshot(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec))
+    throw Error("torchdbg: cannot open snapshot '" + path + "': " +
+                (std::filesystem::exists(path, ec) ? "not a regular file" : "no such file"));
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error("torchdbg: cannot open snapshot '" + path + "'");
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw Error("torchdbg: cannot read snapshot '" + path + "'");
+  detail::check_torch_zip(bytes, path);
   torch::IValue v;
   try {
     v = torch::pickle_load(bytes);

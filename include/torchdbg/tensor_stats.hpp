@@ -29,6 +29,9 @@ struct StatsOptions {
   TORCH_ARG(bool, distribution) = false;
   /// Number of equal-width histogram bins over [min, max] of the finite values.
   TORCH_ARG(int64_t, histogram_bins) = 50;
+  /// Quantiles are exact up to this many finite values and come from a uniform sample of
+  /// this many beyond (histogram, moments and outlier counts are always exact).
+  TORCH_ARG(int64_t, max_quantile_values) = int64_t{1} << 20;
   /// false: zero/negative/positive counts, the L1 norm and sparsity may be skipped
   /// (TensorStats::sign_counts says whether they were). On float32, half and bfloat16 CPU
   /// data this halves the kernel's work; norms, mean, std, extrema and NaN/Inf counts are
@@ -46,6 +49,9 @@ struct Distribution {
   double excess_kurtosis = detail::kNaN;  ///< population kurtosis minus 3
   int64_t iqr_outliers = 0;     ///< outside [p25 - 1.5 IQR, p75 + 1.5 IQR]
   int64_t sigma3_outliers = 0;  ///< |x - mean| > 3 std
+  /// Finite values the quantiles were computed from: all of them, or a uniform sample of
+  /// StatsOptions::max_quantile_values (rank error about 1/sqrt of it) when there are more.
+  int64_t quantile_values = 0;
 };
 
 /// Statistics of one tensor.
@@ -118,16 +124,22 @@ inline TensorStats stats_from_moments(const detail::Moments& m, const at::Tensor
   return s;
 }
 
-/// Adds the distribution (quantiles, histogram, shape moments, outliers) to `s`, reading the
-/// data of `t` again. `s` must hold the summary of `t`.
-inline void add_distribution(TensorStats& s, const at::Tensor& t, int64_t histogram_bins) {
+/// Adds the distribution to `s`, reading the data of `t` again (`s` must hold the summary of
+/// `t`): the histogram, shape moments and outlier counts in one exact pass over the finite
+/// values; the quantiles from at most `max_quantile_values` of them (a seeded uniform sample
+/// beyond that; Distribution::quantile_values says how many).
+inline void add_distribution(TensorStats& s, const at::Tensor& t, int64_t histogram_bins,
+                             int64_t max_quantile_values = int64_t{1} << 20) {
   if (histogram_bins < 1) {
     throw Error("torchdbg: histogram_bins must be at least 1, got " +
                 std::to_string(histogram_bins));
   }
-  std::vector<double> values = detail::finite_values(t);
+  detail::require_at_least<int64_t>(max_quantile_values, 1, "StatsOptions::max_quantile_values");
   Distribution d;
-  const auto q = detail::quantiles(values, {0.05, 0.25, 0.5, 0.75, 0.95, 0.99});
+  std::vector<double> sample = detail::finite_sample(t, s.finite_count, max_quantile_values);
+  d.quantile_values = static_cast<int64_t>(sample.size());
+  const auto q = detail::quantiles(sample, {0.05, 0.25, 0.5, 0.75, 0.95, 0.99});
+  sample = {};
   d.p5 = q[0];
   d.p25 = q[1];
   d.p50 = q[2];
@@ -135,34 +147,33 @@ inline void add_distribution(TensorStats& s, const at::Tensor& t, int64_t histog
   d.p95 = q[4];
   d.p99 = q[5];
   s.median = d.p50;
-  if (!values.empty()) {
-    // A constant tensor gets one unit-wide range around its value, as torch.histc does.
-    double lo = s.min, hi = s.max;
-    if (!(hi > lo)) {
-      lo -= 1.0;
-      hi += 1.0;
-    }
-    d.bin_edges.resize(static_cast<std::size_t>(histogram_bins) + 1);
-    for (int64_t i = 0; i <= histogram_bins; ++i) {
-      d.bin_edges[static_cast<std::size_t>(i)] =
-          lo + (hi - lo) * static_cast<double>(i) / static_cast<double>(histogram_bins);
-    }
-    d.bin_counts = detail::histogram(values, histogram_bins, lo, hi);
-    const auto c = detail::central_moments(values, s.mean);
-    if (c.m2 > 0.0) {
-      d.skewness = c.m3 / std::pow(c.m2, 1.5);
-      d.excess_kurtosis = c.m4 / (c.m2 * c.m2) - 3.0;
-    }
-    const double iqr = d.p75 - d.p25;
-    const double fence_lo = d.p25 - 1.5 * iqr, fence_hi = d.p75 + 1.5 * iqr;
-    const double sigma3 = 3.0 * s.std;
-    for (double v : values) {
-      d.iqr_outliers += (v < fence_lo || v > fence_hi) ? 1 : 0;
-      d.sigma3_outliers += std::fabs(v - s.mean) > sigma3 ? 1 : 0;
-    }
-  } else {
+  if (s.finite_count == 0) {
     d.bin_counts.assign(static_cast<std::size_t>(histogram_bins), 0);
+    s.distribution = std::move(d);
+    return;
   }
+  // A constant tensor gets one unit-wide range around its value, as torch.histc does.
+  double lo = s.min, hi = s.max;
+  if (!(hi > lo)) {
+    lo -= 1.0;
+    hi += 1.0;
+  }
+  d.bin_edges.resize(static_cast<std::size_t>(histogram_bins) + 1);
+  for (int64_t i = 0; i <= histogram_bins; ++i) {
+    d.bin_edges[static_cast<std::size_t>(i)] =
+        lo + (hi - lo) * static_cast<double>(i) / static_cast<double>(histogram_bins);
+  }
+  const double iqr = d.p75 - d.p25;
+  const auto pass = detail::distribution_pass(t, histogram_bins, lo, hi, s.mean, d.p25 - 1.5 * iqr,
+                                              d.p75 + 1.5 * iqr, 3.0 * s.std);
+  d.bin_counts = pass.counts;
+  const double n = static_cast<double>(pass.n), m2 = pass.s2 / n;
+  if (m2 > 0.0) {
+    d.skewness = (pass.s3 / n) / std::pow(m2, 1.5);
+    d.excess_kurtosis = (pass.s4 / n) / (m2 * m2) - 3.0;
+  }
+  d.iqr_outliers = pass.outside_fences;
+  d.sigma3_outliers = pass.beyond_sigma3;
   s.distribution = std::move(d);
 }
 
@@ -172,7 +183,7 @@ inline TensorStats compute_stats(const at::Tensor& t, const StatsOptions& option
   // The distribution's consumers (reports, the visualizer) read the counts too.
   const bool signs = options.sign_counts() || options.distribution();
   TensorStats s = stats_from_moments(detail::compute_moments(t, signs), t);
-  if (options.distribution()) add_distribution(s, t, options.histogram_bins());
+  if (options.distribution()) add_distribution(s, t, options.histogram_bins(), options.max_quantile_values());
   return s;
 }
 
@@ -216,7 +227,8 @@ inline void to_json(nlohmann::json& j, const Distribution& d) {
                      {"p50", d.p50},             {"p75", d.p75},
                      {"p95", d.p95},             {"p99", d.p99},
                      {"skewness", d.skewness},   {"excess_kurtosis", d.excess_kurtosis},
-                     {"iqr_outliers", d.iqr_outliers}, {"sigma3_outliers", d.sigma3_outliers}};
+                     {"iqr_outliers", d.iqr_outliers}, {"sigma3_outliers", d.sigma3_outliers},
+                     {"quantile_values", d.quantile_values}};
 }
 
 /// JSON form of TensorStats; NaN values, and sign counts not computed, become null.

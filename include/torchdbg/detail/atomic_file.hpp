@@ -3,13 +3,16 @@
 #pragma once
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -61,20 +64,27 @@ class AppendFile {
  public:
   AppendFile() = default;
   AppendFile(const std::string& path, bool truncate) : path_(path) {
-    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | (truncate ? O_TRUNC : 0), 0644);
+    const int flags = O_CREAT | O_APPEND | O_CLOEXEC | (truncate ? O_TRUNC : 0);
+    fd_ = ::open(path.c_str(), O_RDWR | flags, 0644);  // read too: see unterminated_tail
+    if (fd_ < 0 && errno == EACCES) fd_ = ::open(path.c_str(), O_WRONLY | flags, 0644);
     if (fd_ < 0) {
       const int err = errno;
       throw Error("torchdbg: cannot open '" + path + "' for writing: " + std::strerror(err));
     }
+    struct stat st {};
+    if (::fstat(fd_, &st) == 0 && S_ISREG(st.st_mode)) size_at_open_ = static_cast<int64_t>(st.st_size);
   }
   AppendFile(const AppendFile&) = delete;
   AppendFile& operator=(const AppendFile&) = delete;
-  AppendFile(AppendFile&& o) noexcept : path_(std::move(o.path_)), fd_(o.fd_) { o.fd_ = -1; }
+  AppendFile(AppendFile&& o) noexcept : path_(std::move(o.path_)), fd_(o.fd_), size_at_open_(o.size_at_open_) {
+    o.fd_ = -1;
+  }
   AppendFile& operator=(AppendFile&& o) noexcept {
     if (this != &o) {
       close();
       path_ = std::move(o.path_);
       fd_ = o.fd_;
+      size_at_open_ = o.size_at_open_;
       o.fd_ = -1;
     }
     return *this;
@@ -99,6 +109,37 @@ class AppendFile {
     }
   }
   [[nodiscard]] const std::string& path() const noexcept { return path_; }
+  /// The regular file's size when it was opened (0 when truncated); -1 for other files.
+  [[nodiscard]] int64_t size_at_open() const noexcept { return size_at_open_; }
+
+  /// The bytes after the last newline of a regular file opened without truncation: what a
+  /// process killed in the middle of a line left behind. Empty when the file ends with a
+  /// newline; std::nullopt when it cannot be read or the tail is longer than `limit`.
+  [[nodiscard]] std::optional<std::string> unterminated_tail(std::size_t limit) const {
+    if (size_at_open_ <= 0) return std::string();
+    std::string tail;
+    int64_t end = size_at_open_;
+    while (end > 0) {
+      const int64_t begin = std::max<int64_t>(0, end - 65536);
+      std::string chunk(static_cast<std::size_t>(end - begin), '\0');
+      if (::pread(fd_, chunk.data(), chunk.size(), static_cast<off_t>(begin)) != static_cast<ssize_t>(chunk.size()))
+        return std::nullopt;
+      const auto nl = chunk.rfind('\n');
+      if (nl != std::string::npos) return chunk.substr(nl + 1) + tail;
+      tail = chunk + tail;
+      if (tail.size() > limit) return std::nullopt;
+      end = begin;
+    }
+    return tail;
+  }
+  /// Cuts the file to its first `size` bytes; throws torchdbg::Error naming the path.
+  void truncate_to(int64_t size) {
+    if (::ftruncate(fd_, static_cast<off_t>(size)) != 0) {
+      const int err = errno;
+      throw Error("torchdbg: cannot truncate '" + path_ + "': " + std::strerror(err));
+    }
+  }
+
   void close() noexcept {
     if (fd_ >= 0) ::close(fd_);
     fd_ = -1;
@@ -107,6 +148,7 @@ class AppendFile {
  private:
   std::string path_;
   int fd_ = -1;
+  int64_t size_at_open_ = -1;
 };
 
 /// Creates `dir` (and parents) if missing; throws torchdbg::Error naming it otherwise.

@@ -219,6 +219,20 @@ inline void add_finite(float v, float shift, FloatBlock& o) {
   o.negatives += v < 0.0f ? 1 : 0;
 }
 
+/// Adds `n` floats one by one, sums in double (a block's scalar tail, or a whole block whose
+/// float lane sums would not be exact).
+inline void add_scalar(const float* p, int64_t n, float shift, FloatBlock& o) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = p[i];
+    if (std::fabs(v) <= FLT_MAX) {
+      add_finite(v, shift, o);
+    } else {
+      o.nan += v != v ? 1 : 0;
+      o.pos_inf += v == INFINITY ? 1 : 0;
+    }
+  }
+}
+
 // Each width is used only where it is the CPU's native one: GCC splits wider vectors, and
 // scalarises their selects.
 typedef float TorchdbgV4f __attribute__((vector_size(16)));
@@ -367,15 +381,7 @@ __attribute__((always_inline)) inline void float_block_exact_impl(const float* p
     o.nan += nan[k];
     o.pos_inf += pinf[k];
   }
-  for (; i < n; ++i) {
-    const float v = p[i];
-    if (std::fabs(v) <= FLT_MAX) {
-      add_finite(v, shift, o);
-    } else {
-      o.nan += v != v ? 1 : 0;
-      o.pos_inf += v == INFINITY ? 1 : 0;
-    }
-  }
+  add_scalar(p + i, n - i, shift, o);
 }
 
 /// Adds to `counts[u]` how many of `rows` rows of `units` contiguous floats have a value
@@ -509,21 +515,34 @@ inline const BlockKernels& block_kernels() {
 }
 #endif
 
+/// Whether float lane sums of a block with finite values in [mn, mx] are as good as double
+/// ones: the largest deviation's square times a lane's share of a block, and the absolute
+/// sum, stay far below FLT_MAX, and a non-zero spread keeps its squares normal.
+inline bool float_sums_exact(float mn, float mx) noexcept {
+  const double spread = static_cast<double>(mx) - static_cast<double>(mn);
+  const double amax = std::max(std::fabs(static_cast<double>(mn)), std::fabs(static_cast<double>(mx)));
+  return spread <= 1e17 && amax <= 1e34 && (spread == 0.0 || spread >= 1e-14);
+}
+
 /// Moments of one block of at most kFloatBlock contiguous floats. `non_negative`: whether the
 /// previous block had no negative value; updated for the next block. With sign counts, a
 /// block after one without negative values is read in kBlockNonNegative mode first (read
 /// again with every count when refused).
+#if defined(TORCHDBG_HAVE_VECTOR_EXT)
+inline Moments float_block_moments(const float* q, int64_t len, bool signs, bool& non_negative,
+                                   const BlockKernels& k = block_kernels()) {
+#else
 inline Moments float_block_moments(const float* q, int64_t len, bool signs, bool& non_negative) {
+#endif
   float shift = 0.0f;
-  for (int64_t k = 0; k < len; ++k) {
-    if (std::fabs(q[k]) <= FLT_MAX) {
-      shift = q[k];
+  for (int64_t i = 0; i < len; ++i) {
+    if (std::fabs(q[i]) <= FLT_MAX) {
+      shift = q[i];
       break;
     }
   }
 #if defined(TORCHDBG_HAVE_VECTOR_EXT)
   FloatBlock a;
-  const BlockKernels& k = block_kernels();
   bool fast = false;
   if (!signs) {
     fast = k.finite_moments(q, len, shift, a);
@@ -531,6 +550,13 @@ inline Moments float_block_moments(const float* q, int64_t len, bool signs, bool
     fast = (non_negative && k.finite_non_negative(q, len, shift, a)) || k.finite(q, len, shift, a);
   }
   if (!fast) k.exact(q, len, shift, a);  // NaN/Inf: everything, counts included
+  if (a.finite > 0 && !float_sums_exact(a.min, a.max)) {
+    // Float lanes would overflow (values near 1e18 and beyond, or of mixed sign near
+    // FLT_MAX) or lose the squares of tiny deviations: this block is summed in double.
+    a = FloatBlock{};
+    add_scalar(q, len, shift, a);
+    fast = false;  // every count is there
+  }
   non_negative = a.negatives == 0;
   Moments m;
   m.count = len;
@@ -737,6 +763,16 @@ inline Moments unpack_moments(const at::Tensor& packed_cpu) {
   return unpack_moments(c.data_ptr<double>());
 }
 
+/// `t` (a CPU tensor) as a contiguous tensor whose data can be read: an efficient zero tensor
+/// (autograd's storage-less zeros) becomes real zeros.
+inline at::Tensor readable(const at::Tensor& t) {
+  if (t._is_zerotensor()) return at::zeros(t.sizes(), t.options());
+  at::Tensor c = t.contiguous();
+  if (c.numel() > 0 && c.data_ptr() == nullptr)
+    throw Error("torchdbg: cannot read a tensor of " + std::to_string(c.numel()) + " elements without data");
+  return c;
+}
+
 /// The one-pass summary of any tensor. CPU tensors are read in place (a strided tensor is
 /// first made contiguous); other devices reduce on the device and copy 14 doubles back.
 /// `signs` false: the zero/negative/positive counts and the absolute sum may be skipped
@@ -745,8 +781,9 @@ inline Moments unpack_moments(const at::Tensor& packed_cpu) {
 inline Moments compute_moments(const at::Tensor& t, bool signs = true) {
   if (!t.defined()) throw Error("torchdbg: cannot compute statistics of an undefined tensor");
   check_supported_dtype(t.scalar_type());
+  if (t.is_meta()) throw Error("torchdbg: cannot compute statistics of a meta tensor (it has no data)");
   if (!t.device().is_cpu()) return unpack_moments(pack_moments(t).to(at::kCPU));
-  const at::Tensor c = t.contiguous();
+  const at::Tensor c = readable(t);
   return dispatch_dtype(c.scalar_type(), [&](auto tag) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     return accumulate_parallel(static_cast<const T*>(c.data_ptr()), c.numel(), signs);
@@ -770,7 +807,7 @@ inline int64_t count_outside(const at::Tensor& t, double lo, double hi) {
   if (!t.device().is_cpu()) {
     return static_cast<int64_t>(count_outside_on_device(t, lo, hi).to(at::kCPU).item<double>());
   }
-  const at::Tensor c = t.contiguous();
+  const at::Tensor c = readable(t);
   return dispatch_dtype(c.scalar_type(), [&](auto tag) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     const T* p = static_cast<const T*>(c.data_ptr());
@@ -829,7 +866,7 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
       out[static_cast<std::size_t>(u)] = static_cast<int64_t>(counts.data_ptr<double>()[u]);
     return out;
   }
-  const at::Tensor c = t.contiguous();
+  const at::Tensor c = readable(t);
   int64_t outer = 1, inner = 1;
   for (int64_t i = 0; i < d; ++i) outer *= c.size(i);
   for (int64_t i = d + 1; i < c.dim(); ++i) inner *= c.size(i);
@@ -898,7 +935,7 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
 
 /// The finite values of a tensor as doubles, for the distribution primitives below.
 inline std::vector<double> finite_values(const at::Tensor& t) {
-  const at::Tensor c = t.device().is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous();
+  const at::Tensor c = readable(t.device().is_cpu() ? t : t.to(at::kCPU));
   return dispatch_dtype(c.scalar_type(), [&](auto tag) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     const T* p = static_cast<const T*>(c.data_ptr());
@@ -909,6 +946,70 @@ inline std::vector<double> finite_values(const at::Tensor& t) {
       if (std::isfinite(v)) out.push_back(v);
     }
     return out;
+  });
+}
+
+/// At most `cap` finite values of `t` as doubles: all of them when there are no more than
+/// `cap` (`finite` is their count), else a uniform random sample of `cap` drawn with a fixed
+/// seed (the same tensor gives the same sample).
+inline std::vector<double> finite_sample(const at::Tensor& t, int64_t finite, int64_t cap) {
+  if (finite <= cap) return finite_values(t);
+  const at::Tensor c = readable(t.device().is_cpu() ? t : t.to(at::kCPU));
+  return dispatch_dtype(c.scalar_type(), [&](auto tag) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+    const T* p = static_cast<const T*>(c.data_ptr());
+    const auto n = static_cast<uint64_t>(c.numel());
+    std::vector<double> out;
+    out.reserve(static_cast<std::size_t>(cap));
+    uint64_t state = 0x9E3779B97F4A7C15ULL ^ n;  // splitmix64
+    // Draws that land on NaN/Inf are retried, at most 64 draws per kept value in all.
+    for (int64_t tries = 0; static_cast<int64_t>(out.size()) < cap && tries < 64 * cap; ++tries) {
+      uint64_t z = (state += 0x9E3779B97F4A7C15ULL);
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+      z ^= z >> 31;
+      const double v = as_double(p[z % n]);
+      if (std::isfinite(v)) out.push_back(v);
+    }
+    return out;
+  });
+}
+
+/// What one streaming pass over a tensor's finite values gives the distribution: histogram
+/// counts over [lo, hi] (the last bin closed), central moments about `mean`, and the counts
+/// outside [fence_lo, fence_hi] and farther than `sigma3` from `mean`.
+struct DistributionPass {
+  std::vector<int64_t> counts;
+  double s2 = 0, s3 = 0, s4 = 0;
+  int64_t n = 0, outside_fences = 0, beyond_sigma3 = 0;
+};
+inline DistributionPass distribution_pass(const at::Tensor& t, int64_t bins, double lo, double hi,
+                                          double mean, double fence_lo, double fence_hi, double sigma3) {
+  const at::Tensor c = readable(t.device().is_cpu() ? t : t.to(at::kCPU));
+  return dispatch_dtype(c.scalar_type(), [&](auto tag) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+    const T* p = static_cast<const T*>(c.data_ptr());
+    DistributionPass d;
+    d.counts.assign(static_cast<std::size_t>(std::max<int64_t>(bins, 0)), 0);
+    const bool binned = bins > 0 && hi > lo;
+    const double scale = binned ? static_cast<double>(bins) / (hi - lo) : 0.0;
+    for (int64_t i = 0; i < c.numel(); ++i) {
+      const double v = as_double(p[i]);
+      if (!std::isfinite(v)) continue;
+      ++d.n;
+      if (binned && v >= lo && v <= hi) {
+        auto b = static_cast<int64_t>((v - lo) * scale);
+        if (b >= bins) b = bins - 1;
+        ++d.counts[static_cast<std::size_t>(b)];
+      }
+      const double dv = v - mean, d2 = dv * dv;
+      d.s2 += d2;
+      d.s3 += d2 * dv;
+      d.s4 += d2 * d2;
+      d.outside_fences += (v < fence_lo || v > fence_hi) ? 1 : 0;
+      d.beyond_sigma3 += std::fabs(dv) > sigma3 ? 1 : 0;
+    }
+    return d;
   });
 }
 
@@ -933,44 +1034,6 @@ inline std::vector<double> quantiles(std::vector<double>& values, const std::vec
     out[i] = lo + frac * (hi - lo);
   }
   return out;
-}
-
-/// Equal-width histogram of `values` over [lo, hi] (the last bin is closed on the right);
-/// values outside the range are not counted.
-inline std::vector<int64_t> histogram(const std::vector<double>& values, int64_t bins, double lo,
-                                      double hi) {
-  std::vector<int64_t> counts(static_cast<std::size_t>(bins), 0);
-  if (bins <= 0 || !(hi > lo)) return counts;
-  const double scale = static_cast<double>(bins) / (hi - lo);
-  for (double v : values) {
-    if (v < lo || v > hi) continue;
-    auto b = static_cast<int64_t>((v - lo) * scale);
-    if (b >= bins) b = bins - 1;
-    ++counts[static_cast<std::size_t>(b)];
-  }
-  return counts;
-}
-
-/// Second, third and fourth central moments (population) about `mean`.
-struct CentralMoments {
-  double m2 = kNaN, m3 = kNaN, m4 = kNaN;
-};
-inline CentralMoments central_moments(const std::vector<double>& values, double mean) {
-  CentralMoments c;
-  if (values.empty()) return c;
-  double s2 = 0, s3 = 0, s4 = 0;
-  for (double v : values) {
-    const double d = v - mean;
-    const double d2 = d * d;
-    s2 += d2;
-    s3 += d2 * d;
-    s4 += d2 * d2;
-  }
-  const auto n = static_cast<double>(values.size());
-  c.m2 = s2 / n;
-  c.m3 = s3 / n;
-  c.m4 = s4 / n;
-  return c;
 }
 
 }  // namespace torchdbg::detail

@@ -20,12 +20,27 @@ class BasicCsvExporter : public BasicStreamExporter<Mutex> {
       "health,loss";
 
   explicit BasicCsvExporter(const std::string& path, StreamOptions options = {})
-      : BasicStreamExporter<Mutex>(path, options) {
-    if (options.truncate()) this->stream_.add(kHeader);
+      : BasicStreamExporter<Mutex>(path, options, [](const std::string& line) { return fields(line) == kColumns; }) {
+    if (this->stream_.empty_at_open()) this->stream_.add(kHeader);
   }
 
-  /// A field quoted when it holds a comma, quote or line break.
-  static std::string field(const std::string& s) {
+  /// Columns of a row (the header's).
+  static constexpr std::size_t kColumns = 15;
+  /// The number of RFC 4180 fields in `line`; 0 when a quoted field is left open.
+  static std::size_t fields(const std::string& line) {
+    std::size_t n = 1;
+    bool quoted = false;
+    for (char c : line) {
+      if (c == '"') quoted = !quoted;  // "" inside quotes toggles twice
+      if (c == ',' && !quoted) ++n;
+    }
+    return quoted ? 0 : n;
+  }
+
+  /// A field quoted when it holds a comma, quote or line break; invalid UTF-8 and NUL are
+  /// written as U+FFFD.
+  static std::string field(const std::string& raw) {
+    std::string s = detail::valid_utf8(raw);
     if (s.find_first_of(",\"\r\n") == std::string::npos) return s;
     std::string out = "\"";
     for (char c : s) {
@@ -61,7 +76,7 @@ class BasicCsvExporter : public BasicStreamExporter<Mutex> {
                         "," + loss;
       stream_.add(row);
     }
-    stream_.step_done();
+    this->end_step_(r.step);
   }
   void write_summary_(const RunSummary&) override { stream_.flush(); }
   using BasicStreamExporter<Mutex>::stream_;

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <string>
 #include <unordered_map>
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "torchdbg/detail/atomic_file.hpp"
+#include "torchdbg/detail/text.hpp"
 #include "torchdbg/exporters/exporter.hpp"
 
 namespace torchdbg {
@@ -45,7 +47,9 @@ struct HtmlOptions {
 
 namespace detail {
 
-inline std::string html_escape(std::string_view s) {
+/// `s` as HTML text: markup characters escaped, invalid UTF-8 and NUL as U+FFFD.
+inline std::string html_escape(std::string_view raw) {
+  const std::string s = valid_utf8(raw);
   std::string o;
   o.reserve(s.size());
   for (char c : s) {
@@ -229,10 +233,35 @@ class BasicHtmlExporter : public BaseExporter<Mutex> {
     return &rows_.back();
   }
 
+  /// Steps after the first one, without overflow for any int64 steps (earlier steps: 0).
+  uint64_t offset(int64_t step) const {
+    return step > *first_step_ ? static_cast<uint64_t>(step) - static_cast<uint64_t>(*first_step_) : 0;
+  }
+  /// The step `off` steps after the first one, saturated at INT64_MAX.
+  int64_t step_at(uint64_t off) const {
+    const uint64_t room = static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) -
+                          static_cast<uint64_t>(*first_step_);
+    if (off >= room) return std::numeric_limits<int64_t>::max();
+    return static_cast<int64_t>(static_cast<uint64_t>(*first_step_) + off);
+  }
+  /// The first step of heatmap column `c`.
+  int64_t column_step(std::size_t c) const {
+    const uint64_t k = static_cast<uint64_t>(c);
+    if (k != 0 && bucket_ > std::numeric_limits<uint64_t>::max() / k) return std::numeric_limits<int64_t>::max();
+    return step_at(k * bucket_);
+  }
+
+  /// The last step of heatmap column `c`.
+  int64_t column_last_step(std::size_t c) const {
+    const int64_t next = column_step(c + 1);
+    return next == std::numeric_limits<int64_t>::max() ? next : next - 1;
+  }
+
   void mark(Row& row, int64_t step, int rank) {
     const std::size_t cols = options_.heatmap_columns();
-    auto column = [&] { return static_cast<std::size_t>((step - *first_step_) / bucket_); };
-    while (column() >= cols) {  // merge pairs of columns in every row: the worse state wins
+    auto column = [&] { return static_cast<std::size_t>(std::min<uint64_t>(offset(step) / bucket_, cols)); };
+    while (column() >= cols && bucket_ <= std::numeric_limits<uint64_t>::max() / 2) {
+      // merge pairs of columns in every row: the worse state wins
       for (auto& r : rows_) {
         std::vector<uint8_t> merged((r.cells.size() + 1) / 2, 0);
         for (std::size_t i = 0; i < r.cells.size(); ++i)
@@ -241,7 +270,7 @@ class BasicHtmlExporter : public BaseExporter<Mutex> {
       }
       bucket_ *= 2;
     }
-    const std::size_t c = column();
+    const std::size_t c = std::min(column(), cols - 1);
     if (row.cells.size() <= c) row.cells.resize(c + 1, 0);
     row.cells[c] = static_cast<uint8_t>(std::max<int>(row.cells[c], rank));
   }
@@ -482,8 +511,8 @@ class BasicHtmlExporter : public BaseExporter<Mutex> {
               "fill=\"{}\"><title>{}: {} (steps {}-{})</title></rect>",
               L + cw * static_cast<double>(c), y, cw * static_cast<double>(e - c), rowh - 1,
               detail::rank_color(r.cells[c]), detail::html_escape(r.name),
-              detail::rank_name(r.cells[c]), *first_step_ + static_cast<int64_t>(c) * bucket_,
-              *first_step_ + static_cast<int64_t>(e) * bucket_ - 1);
+              detail::rank_name(r.cells[c]), column_step(c),
+              column_last_step(e - 1));
         c = e;
       }
       s += "</g>";
@@ -732,7 +761,8 @@ class BasicHtmlExporter : public BaseExporter<Mutex> {
   detail::Decimated<Flow> flow_;
   Flow last_flow_;
   std::optional<int64_t> first_step_;
-  int64_t last_step_ = 0, steps_ = 0, bucket_ = 1;
+  int64_t last_step_ = 0, steps_ = 0;
+  uint64_t bucket_ = 1;  ///< steps per heatmap column
   std::vector<SemanticEvent> events_;
   uint64_t events_total_ = 0;
   std::optional<RunSummary> summary_;

@@ -5,9 +5,11 @@
 #include <torch/arg.h>
 
 #include <chrono>
+#include <functional>
 #include <string>
 
 #include "torchdbg/detail/atomic_file.hpp"
+#include "torchdbg/detail/text.hpp"
 #include "torchdbg/exporters/exporter.hpp"
 
 namespace torchdbg {
@@ -18,7 +20,9 @@ namespace torchdbg {
 struct StreamOptions {
   TORCH_ARG(int64_t, flush_every_steps) = 10;
   TORCH_ARG(double, flush_every_seconds) = 5.0;
-  /// Start a new file (true) or append to an existing one.
+  /// Start a new file (true) or append to an existing one. Appending first repairs a last
+  /// line that a killed process left without its newline: a complete record gets its newline,
+  /// a torn one (up to 16 MiB) is cut, so every line of the file parses.
   TORCH_ARG(bool, truncate) = true;
   /// fsync after each flush (survives a power cut, not only a process crash).
   TORCH_ARG(bool, fsync) = false;
@@ -31,11 +35,25 @@ namespace detail {
 /// The buffering and failure policy shared by the line-oriented exporters.
 class LineStream {
  public:
-  LineStream(const std::string& path, StreamOptions o)
-      : options_(std::move(o)), file_(path, options_.truncate()) {
-    detail::require_at_least<int64_t>(options_.flush_every_steps(), 1,
-                                      "StreamOptions::flush_every_steps");
+  /// Bytes of an unterminated last line that appending cuts at most.
+  static constexpr std::size_t kMaxTornLine = 16u << 20;
+
+  /// `complete_line` tells a whole record from a torn one (see StreamOptions::truncate).
+  /// Options are checked before the file is opened: a bad one leaves the file untouched.
+  LineStream(const std::string& path, StreamOptions o,
+             const std::function<bool(const std::string&)>& complete_line)
+      : options_(validated(std::move(o))), file_(path, options_.truncate()) {
     last_flush_ = std::chrono::steady_clock::now();
+    if (options_.truncate()) return;
+    const auto tail = file_.unterminated_tail(kMaxTornLine);
+    if (!tail || tail->empty()) return;  // ends with a newline, or not ours to cut
+    std::size_t written = 0;
+    if (complete_line(*tail)) {
+      file_.append("\n", written);
+    } else {
+      file_.truncate_to(file_.size_at_open() - static_cast<int64_t>(tail->size()));
+      torn_bytes_ = tail->size();
+    }
   }
   void add(const std::string& line) {
     buffer_ += line;
@@ -77,13 +95,22 @@ class LineStream {
   [[nodiscard]] uint64_t dropped_lines() const noexcept { return dropped_lines_; }
   [[nodiscard]] const std::string& last_error() const noexcept { return last_error_; }
   [[nodiscard]] const std::string& path() const noexcept { return file_.path(); }
+  /// Whether the file held nothing when opened (a CSV header is due).
+  [[nodiscard]] bool empty_at_open() const noexcept { return file_.size_at_open() <= 0; }
+  /// Bytes of a torn last line cut when the file was opened for appending.
+  [[nodiscard]] std::size_t torn_bytes_removed() const noexcept { return torn_bytes_; }
 
  private:
+  static StreamOptions validated(StreamOptions o) {
+    detail::require_at_least<int64_t>(o.flush_every_steps(), 1, "StreamOptions::flush_every_steps");
+    return o;
+  }
   StreamOptions options_;
   AppendFile file_;
   std::string buffer_;
   uint64_t pending_lines_ = 0, failures_ = 0, dropped_lines_ = 0;
   int64_t steps_ = 0;
+  std::size_t torn_bytes_ = 0;
   std::string last_error_;
   std::chrono::steady_clock::time_point last_flush_;
 };
@@ -104,8 +131,9 @@ inline nlohmann::json stats_fields(const TensorStats& s) {
 template <typename Mutex = std::mutex>
 class BasicStreamExporter : public BaseExporter<Mutex> {
  public:
-  BasicStreamExporter(const std::string& path, StreamOptions options)
-      : stream_(path, std::move(options)) {}
+  BasicStreamExporter(const std::string& path, StreamOptions options,
+                      const std::function<bool(const std::string&)>& complete_line)
+      : stream_(path, std::move(options), complete_line) {}
   ~BasicStreamExporter() override {
     try {
       stream_.flush();
@@ -127,10 +155,37 @@ class BasicStreamExporter : public BaseExporter<Mutex> {
     std::lock_guard<Mutex> lock(this->mutex_);
     return stream_.dropped_lines();
   }
+  /// Bytes of a torn last line cut when an existing file was opened for appending.
+  [[nodiscard]] std::size_t torn_bytes_removed() const {
+    std::lock_guard<Mutex> lock(this->mutex_);
+    return stream_.torn_bytes_removed();
+  }
 
  protected:
   void flush_() override { stream_.flush(); }
+  /// Adds the line `make()` returns; a record that cannot be made is counted and the step's
+  /// other records still go out (end_step_ reports it).
+  template <typename F>
+  void record_(F&& make) {
+    try {
+      stream_.add(make());
+    } catch (const std::exception& e) {
+      if (bad_records_++ == 0) bad_reason_ = e.what();
+    }
+  }
+  /// Ends a step; throws torchdbg::Error (counted by the reporter) when records were lost.
+  void end_step_(int64_t step) {
+    stream_.step_done();
+    if (bad_records_ == 0) return;
+    const std::string msg = "torchdbg: " + std::to_string(bad_records_) + " record(s) of step " +
+                            std::to_string(step) + " not written to '" + stream_.path() + "': " + bad_reason_;
+    bad_records_ = 0;
+    bad_reason_.clear();
+    throw Error(msg);
+  }
   detail::LineStream stream_;
+  uint64_t bad_records_ = 0;
+  std::string bad_reason_;
 };
 
 /// JSON Lines: one object per line with a "type" of "step", "layer", "health", "event" or
@@ -143,38 +198,45 @@ template <typename Mutex = std::mutex>
 class BasicJsonlExporter : public BasicStreamExporter<Mutex> {
  public:
   explicit BasicJsonlExporter(const std::string& path, StreamOptions options = {})
-      : BasicStreamExporter<Mutex>(path, std::move(options)) {}
+      : BasicStreamExporter<Mutex>(path, std::move(options),
+                                   [](const std::string& line) { return nlohmann::json::accept(line); }) {}
 
  protected:
   void write_step_(const StepRecord& r) override {
-    nlohmann::json step = {
-        {"type", "step"},
-        {"step", r.step},
-        {"loss", r.loss ? json_number(*r.loss) : nlohmann::json()},
-        {"gradient_norm", r.gradient_norm ? json_number(*r.gradient_norm) : nlohmann::json()},
-        {"loss_health", to_string(r.loss_health)}};
-    stream_.add(step.dump());
+    this->record_([&] {
+      return detail::dump_json({{"type", "step"},
+                                {"step", r.step},
+                                {"loss", r.loss ? json_number(*r.loss) : nlohmann::json()},
+                                {"gradient_norm", r.gradient_norm ? json_number(*r.gradient_norm) : nlohmann::json()},
+                                {"loss_health", to_string(r.loss_health)}});
+    });
     for (const auto& l : r.layers) {
-      nlohmann::json j = detail::stats_fields(l.stats);
-      j["type"] = "layer";
-      j["step"] = r.step;
-      j["layer"] = l.layer;
-      j["direction"] = l.forward ? "forward" : "backward";
-      if (!l.forward) j["parameter"] = l.parameter;
-      stream_.add(j.dump());
+      this->record_([&] {
+        nlohmann::json j = detail::stats_fields(l.stats);
+        j["type"] = "layer";
+        j["step"] = r.step;
+        j["layer"] = l.layer;
+        j["direction"] = l.forward ? "forward" : "backward";
+        if (!l.forward) j["parameter"] = l.parameter;
+        return detail::dump_json(j);
+      });
     }
     for (const auto& h : r.health) {
-      nlohmann::json j = to_json(h);
-      j["type"] = "health";
-      j["step"] = r.step;
-      stream_.add(j.dump());
+      this->record_([&] {
+        nlohmann::json j = to_json(h);
+        j["type"] = "health";
+        j["step"] = r.step;
+        return detail::dump_json(j);
+      });
     }
     for (const auto& e : r.events) {
-      nlohmann::json j = to_json(e);
-      j["type"] = "event";
-      stream_.add(j.dump());
+      this->record_([&] {
+        nlohmann::json j = to_json(e);
+        j["type"] = "event";
+        return detail::dump_json(j);
+      });
     }
-    stream_.step_done();
+    this->end_step_(r.step);
   }
   void write_summary_(const RunSummary& s) override {
     nlohmann::json j = {{"type", "summary"},
@@ -183,7 +245,7 @@ class BasicJsonlExporter : public BasicStreamExporter<Mutex> {
                         {"alerts_total", s.alerts_total},
                         {"events_total", s.events_total}};
     if (s.diagnosis) j["diagnosis"] = s.diagnosis->to_json();
-    stream_.add(j.dump());
+    stream_.add(detail::dump_json(j));
     stream_.flush();
   }
   using BasicStreamExporter<Mutex>::stream_;

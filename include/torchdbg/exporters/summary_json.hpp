@@ -6,6 +6,7 @@
 #include <string>
 
 #include "torchdbg/detail/atomic_file.hpp"
+#include "torchdbg/detail/text.hpp"
 #include "torchdbg/exporters/exporter.hpp"
 
 namespace torchdbg {
@@ -73,7 +74,7 @@ class BasicSummaryJsonExporter : public BaseExporter<Mutex> {
     return j;
   }
   void write_file() {
-    const std::string text = json_locked().dump(2) + "\n";
+    const std::string text = detail::dump_json(json_locked(), 2) + "\n";
     detail::atomic_write_file(path_, text.data(), text.size());
   }
 
