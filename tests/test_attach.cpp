@@ -3,6 +3,8 @@
 #include <torchdbg/attach.hpp>
 #include <torchdbg/health.hpp>
 
+#include <functional>
+
 #include <atomic>
 #include <map>
 #include <thread>
@@ -343,10 +345,10 @@ TEST_CASE("patterns select modules from the start of their dotted names", "[atta
   };
   auto outer = std::make_shared<Outer>();
   HookManager hooks;
-  auto all = torchdbg::attach(*outer, hooks);
-  CHECK(all.module_names().size() == 7);
+  CHECK(torchdbg::attach(*outer, hooks).module_names().size() == 7);
   auto fc_only = torchdbg::attach(*outer, hooks, AttachOptions().patterns({"fc"}));
   CHECK(fc_only.module_names() == std::vector<std::string>{"fc"});  // not "enc.fc": matched from the start
+  fc_only.detach();
   auto enc = torchdbg::attach(*outer, hooks, AttachOptions().patterns({"enc\\.(conv|bn)$"}));
   CHECK(enc.module_names() == std::vector<std::string>{"enc.conv", "enc.bn"});
   CHECK_THROWS_WITH(torchdbg::attach(*outer, hooks, AttachOptions().patterns({"(("})), Catch::Contains("(("));
@@ -885,4 +887,112 @@ TEST_CASE("gradient statistics skip the sign counts unless a due hook reads them
     CHECK(moments[p.key()].sign_counts);
   }
   CHECK(zeros["0.weight"] >= 48);
+}
+
+TEST_CASE("one manager, two models: a second gradient session is refused; a parent module gives one norm and one step",
+          "[attach]") {
+  torchdbg_test::SeededRng rng(19);
+  auto gen = torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::Tanh(), torch::nn::Linear(8, 4));
+  auto disc = torch::nn::Sequential(torch::nn::Linear(4, 6), torch::nn::ReLU(), torch::nn::Linear(6, 1));
+  HookManager hooks;
+  const auto tracking = hooks.create_gradient_tracking_hook({});
+  {
+    auto a = torchdbg::attach(*gen, hooks);
+    CHECK_THROWS_WITH(torchdbg::attach(*disc, hooks), Catch::Contains("register_module"));
+    // Nothing of the refused session stays: only gen's 4 parameters deliver gradients.
+    disc->forward(gen->forward(torch::randn({3, 4}))).sum().backward();
+    CHECK(hooks.get_hook_stats(tracking)->executions == 4);
+    CHECK(a.backward_deliveries() == 4);
+    // A forward-only session may stand beside it.
+    auto eval = torchdbg::attach(*disc, hooks, AttachOptions().backward(false));
+    CHECK(eval.attached());
+    a.detach();
+    auto b = torchdbg::attach(*disc, hooks);  // the place is free again
+    CHECK(b.attached());
+  }
+  // A constructor that fails (a bad pattern) gives the place back too.
+  CHECK_THROWS(torchdbg::attach(*gen, hooks, AttachOptions().patterns({"(("})));
+  // Both models under one parent: one session, one global norm, one step per backward pass.
+  struct Pair : torch::nn::Module {
+    Pair(torch::nn::Sequential g, torch::nn::Sequential d) {
+      gen = register_module("gen", std::move(g));
+      disc = register_module("disc", std::move(d));
+    }
+    torch::nn::Sequential gen{nullptr}, disc{nullptr};
+  };
+  auto pair = std::make_shared<Pair>(gen, disc);
+  auto session = torchdbg::attach(*pair, hooks, AttachOptions().auto_step(true));
+  hooks.set_step(0);
+  for (int pass = 0; pass < 3; ++pass) {
+    for (auto& p : pair->parameters()) p.mutable_grad() = torch::Tensor();
+    const auto x = torch::randn({5, 4});
+    const auto loss = pair->disc->forward(pair->gen->forward(x)).pow(2).mean() + pair->gen->forward(x).abs().mean();
+    loss.backward();
+    double sq = 0.0;
+    for (const auto& p : pair->parameters()) sq += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
+    INFO("pass " << pass);
+    REQUIRE(hooks.state().gradient_norm);
+    CHECK_CLOSE(*hooks.state().gradient_norm, std::sqrt(sq), 1e-6);
+    CHECK(hooks.step() == pass + 1);
+    std::vector<std::string> names;
+    for (const auto& [name, norm] : session.gradient_norms()) names.push_back(name);
+    CHECK(names == std::vector<std::string>{"gen.0", "gen.2", "disc.0", "disc.2"});
+  }
+}
+
+TEST_CASE("no optimizer's state or arithmetic is a forward output, with or without no_grad_forward", "[attach]") {
+  // Each optimizer from its first step (where its state is created with zeros_like/full_like)
+  // while attach observes no-grad operators too: every step delivers each forward output
+  // once, and nothing is delivered during the optimizer's step or carried into the next.
+  using OptFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>;
+  const std::vector<std::pair<std::string, OptFactory>> optimizers = {
+      {"sgd", [](auto p) { return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.01)); }},
+      {"sgd momentum nesterov wd",
+       [](auto p) {
+         return std::make_unique<torch::optim::SGD>(
+             p, torch::optim::SGDOptions(0.01).momentum(0.9).nesterov(true).weight_decay(0.01));
+       }},
+      {"adam wd", [](auto p) { return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-3).weight_decay(0.1)); }},
+      {"adam amsgrad",
+       [](auto p) { return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-3).amsgrad(true)); }},
+      {"adamw", [](auto p) { return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(1e-3)); }},
+      {"rmsprop",
+       [](auto p) {
+         return std::make_unique<torch::optim::RMSprop>(p, torch::optim::RMSpropOptions(1e-3).momentum(0.5).centered(true));
+       }},
+      {"adagrad", [](auto p) { return std::make_unique<torch::optim::Adagrad>(p, torch::optim::AdagradOptions(1e-2)); }},
+  };
+  for (bool no_grad_forward : {true, false}) {
+    for (const auto& [name, make] : optimizers) {
+      INFO(name << ", no_grad_forward " << no_grad_forward);
+      torchdbg_test::SeededRng rng(23);
+      auto net = std::make_shared<Net>(4);
+      auto opt = make(net->parameters());
+      HookManager hooks;
+      Recorder rec;
+      rec.install(hooks);
+      auto session = torchdbg::attach(*net, hooks, AttachOptions().no_grad_forward(no_grad_forward));
+      for (int64_t step = 0; step < 3; ++step) {
+        hooks.set_step(step);
+        opt->zero_grad();
+        net->forward(torch::randn({2, 1, 6, 6}), torch::randint(0, 20, {2})).sum().backward();
+        const auto before = session.forward_deliveries();
+        opt->step();
+        session.flush();
+        CHECK(session.forward_deliveries() == before);
+      }
+      hooks.set_step(3);
+      for (int64_t step = 0; step < 3; ++step) {
+        INFO("step " << step);
+        std::vector<std::string> names;
+        for (const auto& [layer, list] : rec.fwd[step]) {
+          names.push_back(layer);
+          CHECK(list.size() == 1);
+        }
+        std::vector<std::string> expected = kForwardNames;
+        std::sort(expected.begin(), expected.end());
+        CHECK(names == expected);
+      }
+    }
+  }
 }

@@ -42,12 +42,16 @@
 //   AttachOptions::concurrent_forward). Gradient hooks cost one atomic check when no hook is
 //   due.
 //
-// Not forward outputs: in-place updates of a module's own tensors, operators that take a
-// parameter together with its own gradient (optimizer arithmetic such as weight decay),
-// operators that use a parameter only as a shape or dtype template (`g.view_as(weight)`,
-// `zeros_like(weight)`, `new_*`: gradient all-reduce code does this), and by default
-// anything run with gradients disabled (AttachOptions::no_grad_forward opts in to
-// observing evaluation passes under torch::NoGradGuard).
+// Not forward outputs: in-place updates of a module's own tensors and the operators they run
+// inside, operators that take a parameter together with its own gradient (optimizer
+// arithmetic such as weight decay), operators that use a parameter only as a shape or dtype
+// template (`g.view_as(weight)`: gradient all-reduce code does this), fresh tensors shaped
+// like a parameter (`zeros_like(weight)`, `new_*`: optimizer state such as Adam's `exp_avg`,
+// which is therefore never taken for the module's own), and by default anything run with
+// gradients disabled (AttachOptions::no_grad_forward opts in to observing evaluation passes
+// under torch::NoGradGuard). Tested with SGD (momentum, Nesterov, weight decay), Adam
+// (weight decay, AMSGrad), AdamW, RMSprop (centered, momentum) and Adagrad, with and without
+// no_grad_forward.
 //
 // Limits: a module whose own parameters are used by several separate operator groups (e.g.
 // a custom module computing two linear maps of its own weights with an activation between)
@@ -653,7 +657,9 @@ class ForwardObserver {
     std::vector<const c10::TensorImpl*> grads_of_owned;  // on_start's scratch, kept allocated
   };
   struct OpCtx : at::ObserverContext {
-    enum Kind { Backward, Forward, Weights, Activation } kind = Backward;
+    /// Update: an in-place update of a module's own tensor or an optimizer's arithmetic; the
+    /// operators it runs inside (`mul_` calling `mul` with a wrapped scalar) are not looked at.
+    enum Kind { Backward, Forward, Weights, Activation, Update } kind = Backward;
     std::shared_ptr<AttachCore> core;
     std::size_t module = 0;
     int follow_up = -1;  // Activation: index in FollowUpOps
@@ -729,12 +735,15 @@ class ForwardObserver {
     // steps, running statistics); it is never a forward output.
     const std::string_view op_name = fn.name();
     const bool in_place = !op_name.empty() && op_name.back() == '_';
-    // `x.view_as(weight)`, `zeros_like(weight)`, `x.new_zeros(...)`: a parameter passed as a
-    // shape or dtype template does not make the operator the module's.
+    // `x.view_as(weight)`: a parameter passed as a shape or dtype template does not make the
+    // operator the module's. `zeros_like(weight)`, `weight.new_zeros(...)`: a fresh tensor
+    // holding none of the parameter's values (an optimizer's state, `exp_avg`), neither the
+    // module's output nor derived from its weights, even with the parameter as `self`.
     auto ends_with = [&](std::string_view suf) {
       return op_name.size() >= suf.size() && op_name.substr(op_name.size() - suf.size()) == suf;
     };
-    const bool template_op = ends_with("_as") || ends_with("_like") || op_name.substr(0, 10) == "aten::new_";
+    const bool fresh_op = ends_with("_like") || op_name.substr(0, 10) == "aten::new_";
+    const bool template_op = ends_with("_as");
     std::shared_ptr<AttachCore> owner;
     std::size_t module = 0;
     bool has_data = false;
@@ -766,6 +775,10 @@ class ForwardObserver {
         if (!x.defined()) return;
         if (template_op && !is_self) return;  // a shape/dtype template, not an operand
         const c10::TensorImpl* impl = x.unsafeGetTensorImpl();
+        if (fresh_op) {  // only its shape and dtype are used
+          if (impl == pending_impl) consumes_pending = true;
+          return;
+        }
         for (const auto& c : *cores) {
           auto it = c->owner.find(impl);
           if (it != c->owner.end()) {
@@ -795,7 +808,12 @@ class ForwardObserver {
         if (impl == pending_impl) consumes_pending = true;
       });
     }
-    if (updates_owned) return nullptr;
+    if (updates_owned) {
+      auto ctx = std::make_unique<OpCtx>();
+      ctx->kind = OpCtx::Update;
+      ++t.skip_depth;
+      return ctx;
+    }
     if (owner) {
       auto ctx = std::make_unique<OpCtx>();
       ctx->core = owner;
@@ -851,6 +869,7 @@ class ForwardObserver {
       return;
     }
     --t.skip_depth;
+    if (ctx->kind == OpCtx::Update) return;
     at::Tensor out = first_output(fn);
     if (!out.defined()) return;
     switch (ctx->kind) {
@@ -893,6 +912,12 @@ class ForwardObserver {
 
 /// An attachment of a HookManager to a model; detaches (removing every tensor hook, the
 /// observer and the manager listener) when destroyed or on `detach()`. Movable, not copyable.
+/// A manager has at most one session that attaches gradients (`AttachOptions::backward`, the
+/// default): its gradient norm and `auto_step` count one backward pass, so a second such
+/// `attach` to the same manager throws torchdbg::Error. To watch several models with one
+/// manager (a GAN's generator and discriminator), attach a module that holds them all
+/// (`register_module` each). Forward-only sessions (`backward(false)`, e.g. with
+/// `no_grad_forward(true)` for evaluation passes) may be added beside it.
 /// The manager must outlive the session; the model need not (a session outliving its model
 /// is safe, and so is a model destroyed after detaching).
 ///
@@ -904,9 +929,24 @@ class BasicAttachSession {
   BasicAttachSession(torch::nn::Module& model, BasicHookManager<Mutex>& hooks, AttachOptions options)
       : hooks_(&hooks), core_(std::make_shared<detail::AttachCore>()) {
     detail::require_at_least<int64_t>(options.max_deferred(), 1, "AttachOptions::max_deferred");
-    core_->options = std::move(options);
     std::vector<detail::Pattern> patterns;
-    for (const auto& p : core_->options.patterns()) patterns.push_back(detail::compile_pattern(p, "attach pattern"));
+    for (const auto& p : options.patterns()) patterns.push_back(detail::compile_pattern(p, "attach pattern"));
+    const bool gradients = options.backward();
+    if (gradients && hooks.attached_.fetch_add(1) != 0) {
+      hooks.attached_.fetch_sub(1);
+      throw Error(
+          "torchdbg: attach: this HookManager already has a session attaching gradients; one per "
+          "manager keeps its gradient norm and auto_step to one backward pass. Attach a module "
+          "that holds every model (register_module each), detach the other session first, use "
+          "a second manager, or attach this one with AttachOptions().backward(false)");
+    }
+    struct Release {  // gives the place back when the constructor fails below
+      BasicHookManager<Mutex>* m;
+      ~Release() {
+        if (m != nullptr) m->attached_.fetch_sub(1);
+      }
+    } release{gradients ? &hooks : nullptr};
+    core_->options = std::move(options);
     for (const auto& item : model.named_modules("", /*include_self=*/true)) {
       const std::string name = item.key().empty() ? "root" : item.key();
       torch::nn::Module& m = *item.value();
@@ -973,6 +1013,7 @@ class BasicAttachSession {
       }
     });
     update(core_, *hooks_);
+    release.m = nullptr;  // attached: detach() gives the place back
   }
 
   BasicAttachSession(const BasicAttachSession&) = delete;
@@ -998,6 +1039,7 @@ class BasicAttachSession {
     if (!core_ || !core_->active.load()) return;
     core_->flush_deferred();  // queued deliveries run before the hooks go
     if (!core_->active.exchange(false)) return;
+    if (core_->options.backward()) hooks_->attached_.fetch_sub(1);
     try {
       hooks_->remove_listener(listener_);
       detail::ForwardObserver::instance().set(core_, false);

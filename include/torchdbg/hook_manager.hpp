@@ -874,6 +874,8 @@ class BasicHookManager {
   std::unordered_map<std::string, std::shared_ptr<const Callback>> callbacks_;
   std::unordered_set<std::string> moment_callbacks_;  // registered with CallbackStats::Moments
   std::atomic<bool> enabled_{true};
+  /// Attach sessions with gradients on this manager (at most one: see BasicAttachSession).
+  std::atomic<int> attached_{0};
 
   mutable Mutex state_mutex_;
   TrainingState state_;
