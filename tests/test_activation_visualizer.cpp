@@ -1,6 +1,7 @@
 // torchdbg — module hooks and a training debugger for LibTorch.
 // SPDX-License-Identifier: MIT
 #include <torchdbg/activation_visualizer.hpp>
+#include <torchdbg/hook_manager.hpp>
 
 #include "helpers.hpp"
 
@@ -105,4 +106,25 @@ TEST_CASE("visualizer needs statistics with a distribution and valid options", "
   CHECK_THROWS_AS(ActivationVisualizer(VisualizerOptions().histogram_bins(0)), torchdbg::Error);
   CHECK_THROWS_AS(vis.record("x", torch::ones({2}, torch::kComplexFloat)), torchdbg::Error);
   CHECK(vis.layers().empty());
+}
+
+TEST_CASE("empty activations of any shape are recorded with empty statistics, not an error", "[visualizer]") {
+  torchdbg::HookManager hooks;
+  hooks.create_tensor_inspection_hook({});
+  for (const auto& shape : std::vector<std::vector<int64_t>>{{3, 0, 5}, {0, 4, 4}, {2, 3, 0}, {0}, {2, 0}}) {
+    INFO("shape " << torch::IntArrayRef(shape));
+    const auto r = hooks.execute_hooks("empty", torch::empty(shape), true);
+    REQUIRE(r.size() == 1);
+    CHECK(r[0].second.ok());
+    const auto s = hooks.inspector.latest("empty");
+    REQUIRE(s);
+    CHECK(s->stats.numel == 0);
+    CHECK(std::isnan(s->stats.mean));
+    const auto h = torchdbg::make_heatmap(torch::empty(shape), 8);
+    CHECK(h.values.size() == static_cast<std::size_t>(h.rows * h.cols));
+  }
+  // {0, 4, 4}: no rows to average over, so a 4 x 4 map of NaN.
+  const auto h = torchdbg::make_heatmap(torch::empty({0, 4, 4}), 8);
+  CHECK(h.rows == 4);
+  CHECK(std::isnan(h.at(0, 0)));
 }

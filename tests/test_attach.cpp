@@ -996,3 +996,57 @@ TEST_CASE("no optimizer's state or arithmetic is a forward output, with or witho
     }
   }
 }
+
+TEST_CASE("an activation after a view, reshape or transpose of a module's output is still the module's", "[attach]") {
+  struct Viewed : torch::nn::Module {
+    Viewed() {
+      a = register_module("a", torch::nn::Linear(6, 8));
+      b = register_module("b", torch::nn::Linear(8, 12));
+      c = register_module("c", torch::nn::Linear(12, 4));
+    }
+    torch::Tensor forward(const torch::Tensor& x) {
+      auto h = torch::relu(a(x).view({-1, 2, 4}));                     // view -> relu
+      auto g = torch::gelu(b(h.flatten(1)).reshape({-1, 3, 4}).transpose(1, 2));  // chain -> gelu
+      return torch::tanh(c(g.flatten(1)).t());                        // t -> tanh
+    }
+    torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+  };
+  torchdbg_test::SeededRng rng(31);
+  auto net = std::make_shared<Viewed>();
+  HookManager hooks;
+  Recorder rec;
+  rec.install(hooks);
+  auto session = torchdbg::attach(*net, hooks);
+  const auto x = torch::randn({5, 6});
+  const auto y = net->forward(x);
+  session.flush();
+  auto& got = rec.fwd[0];
+  std::vector<std::string> names;
+  for (const auto& [name, list] : got) {
+    names.push_back(name);
+    CHECK(list.size() == 1);
+  }
+  REQUIRE(names == std::vector<std::string>{"a", "a/relu", "b", "b/gelu", "c", "c/tanh"});
+  // Independent reference: the same computation by hand.
+  torch::NoGradGuard ng;
+  const auto ra = net->a(x);
+  const auto rh = torch::relu(ra.view({-1, 2, 4}));
+  const auto rb = net->b(rh.flatten(1));
+  const auto rg = torch::gelu(rb.reshape({-1, 3, 4}).transpose(1, 2));
+  const auto rc = net->c(rg.flatten(1));
+  CHECK(got["a"][0].sizes() == ra.sizes());  // what the module returned, before the view
+  CHECK(torch::allclose(got["a"][0], ra));
+  CHECK(got["a/relu"][0].sizes() == rh.sizes());
+  CHECK(torch::allclose(got["a/relu"][0], rh));
+  CHECK(torch::allclose(got["b"][0], rb));
+  CHECK(got["b/gelu"][0].sizes() == rg.sizes());
+  CHECK(torch::allclose(got["b/gelu"][0], rg));
+  CHECK(torch::allclose(got["c"][0], rc));
+  CHECK(torch::allclose(got["c/tanh"][0], torch::tanh(rc.t())));
+  CHECK(torch::allclose(got["c/tanh"][0], y));
+  // A view of something else followed by an activation delivers nothing.
+  const auto before = session.forward_deliveries();
+  (void)torch::relu(torch::randn({4, 2}).view({8}));
+  session.flush();
+  CHECK(session.forward_deliveries() == before);
+}

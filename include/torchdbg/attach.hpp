@@ -20,7 +20,10 @@
 //   next operator consumes it or another module starts (at the latest when backward begins).
 //   A parameter-free activation (relu, tanh, sigmoid, gelu, softmax, ... as a function or a
 //   module) that consumes a module's output is delivered as "<module>/<activation>", e.g.
-//   "fc1/relu" with metadata {"activation": "relu"}; an elementwise function that can make
+//   "fc1/relu" with metadata {"activation": "relu"}, also when view-like operators (view,
+//   reshape, transpose, permute, flatten, squeeze, unsqueeze, contiguous, expand, ...) stand
+//   between them: `relu(fc1(x).view(n, 2, 4))` delivers "fc1" as fc1 returned it and
+//   "fc1/relu" in the view's shape; an elementwise function that can make
 //   finite values non-finite (log, sqrt, rsqrt, reciprocal, exp, pow, ...) is delivered the
 //   same way with metadata {"op": "log"}, so a NaN born there is attributed to it. Module
 //   outputs carry {"module_type": "torch::nn::LinearImpl"}; the first module output after a
@@ -53,11 +56,20 @@
 // (weight decay, AMSGrad), AdamW, RMSprop (centered, momentum) and Adagrad, with and without
 // no_grad_forward.
 //
-// Limits: a module whose own parameters are used by several separate operator groups (e.g.
-// a custom module computing two linear maps of its own weights with an activation between)
-// reports each group under its name; MultiheadAttention's attention output is reported by
-// its `out_proj` child. Exact interception (read/replace/stop) needs the call to go through
-// torchdbg: see hooked.hpp.
+// Limits (attribution follows the operators, not the calls):
+// - a module whose own parameters are used by several separate operator groups (e.g. a
+//   custom module computing two linear maps of its own weights with an activation between)
+//   reports each group under its name;
+// - a module called twice in a row with nothing of another module between (`fc(a) + fc(b)`,
+//   a Siamese encoder's two branches) delivers its last call's output only;
+// - a tensor registered by two modules (tied weights: `b->weight = a->weight`, an embedding
+//   reused by a decoder) belongs to the module that registered it first, so the other
+//   module's operators are delivered under that name;
+// - MultiheadAttention delivers its packed q/k/v in-projection under its own name, and its
+//   attention output under its `out_proj` child.
+// Where a call must be seen exactly as the module made it (one delivery per call, the
+// returned tensor, read/replace/stop), route it through torchdbg: `Hooked<>` members or
+// `hooked_call` (hooked.hpp).
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -632,6 +644,7 @@ class ForwardObserver {
   static void discard(const AttachCore* core) {
     Tls& t = tls();
     if (t.pending.core.get() == core) t.pending = {};
+    if (t.alias.core == core) t.alias = {};
     for (auto& d : t.derived)
       if (d.core == core) d = {};
   }
@@ -652,6 +665,9 @@ class ForwardObserver {
     int backward_depth = 0;
     int skip_depth = 0;
     Pending pending;
+    /// A view of a delivered module output (`fc(x).view(...)`, `.transpose(...)`): an
+    /// activation applied to it is still "<module>/<activation>".
+    Derived alias;
     std::array<Derived, 16> derived;
     std::size_t next_derived = 0;
     std::vector<const c10::TensorImpl*> grads_of_owned;  // on_start's scratch, kept allocated
@@ -659,7 +675,8 @@ class ForwardObserver {
   struct OpCtx : at::ObserverContext {
     /// Update: an in-place update of a module's own tensor or an optimizer's arithmetic; the
     /// operators it runs inside (`mul_` calling `mul` with a wrapped scalar) are not looked at.
-    enum Kind { Backward, Forward, Weights, Activation, Update } kind = Backward;
+    /// Alias: a view-like operator on a module's output; its output becomes Tls::alias.
+    enum Kind { Backward, Forward, Weights, Activation, Update, Alias } kind = Backward;
     std::shared_ptr<AttachCore> core;
     std::size_t module = 0;
     int follow_up = -1;  // Activation: index in FollowUpOps
@@ -669,6 +686,19 @@ class ForwardObserver {
   static Tls& tls() {
     thread_local Tls t;
     return t;
+  }
+
+  /// Operators whose output is a view (or a reshaped or made-contiguous copy) of their input's
+  /// values: a module's output seen through them is still that module's.
+  static bool is_alias_op(std::string_view op) {
+    static constexpr std::string_view kOps[] = {
+        "aten::view",      "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::transpose",
+        "aten::t",         "aten::permute",      "aten::flatten", "aten::unflatten",      "aten::squeeze",
+        "aten::unsqueeze", "aten::contiguous",   "aten::expand",  "aten::view_as",        "aten::reshape_as",
+        "aten::movedim",   "aten::swapaxes",     "aten::swapdims"};
+    for (const auto& k : kOps)
+      if (op == k) return true;
+    return false;
   }
 
   std::shared_ptr<const std::vector<std::shared_ptr<AttachCore>>> cores() const {
@@ -748,9 +778,12 @@ class ForwardObserver {
     std::size_t module = 0;
     bool has_data = false;
     at::Tensor data_in;  // the first data input
-    bool consumes_pending = false;
+    bool consumes_pending = false, consumes_alias = false;
     const c10::TensorImpl* pending_impl =
         t.pending.core && t.pending.out.defined() ? t.pending.out.unsafeGetTensorImpl() : nullptr;
+    const c10::TensorImpl* alias_impl = t.alias.core != nullptr && t.alias.impl && !t.alias.impl->expired()
+                                            ? t.alias.impl->_unsafe_get_target()
+                                            : nullptr;
     bool first_input = true;
     bool updates_owned = false;
     const at::ArrayRef<const c10::IValue> inputs = safe_inputs(fn);
@@ -777,6 +810,7 @@ class ForwardObserver {
         const c10::TensorImpl* impl = x.unsafeGetTensorImpl();
         if (fresh_op) {  // only its shape and dtype are used
           if (impl == pending_impl) consumes_pending = true;
+          if (impl == alias_impl) consumes_alias = true;
           return;
         }
         for (const auto& c : *cores) {
@@ -806,6 +840,7 @@ class ForwardObserver {
         has_data = true;
         if (!data_in.defined()) data_in = x;
         if (impl == pending_impl) consumes_pending = true;
+        if (impl == alias_impl) consumes_alias = true;
       });
     }
     if (updates_owned) {
@@ -840,10 +875,28 @@ class ForwardObserver {
       ++t.skip_depth;
       return ctx;
     }
-    if (consumes_pending) {
-      auto core = t.pending.core;
-      const std::size_t m = t.pending.module;
-      flush_pending(t);
+    if (consumes_pending || consumes_alias) {
+      std::shared_ptr<AttachCore> core;
+      std::size_t m = 0;
+      if (consumes_pending) {  // the module's output as it returned it is delivered now
+        core = t.pending.core;
+        m = t.pending.module;
+        flush_pending(t);
+      } else {
+        for (const auto& c : *cores)
+          if (c.get() == t.alias.core) core = c;
+        m = t.alias.module;
+      }
+      t.alias = {};
+      if (!core) return nullptr;
+      if (!fresh_op && is_alias_op(op_name)) {  // a view of it: an activation may follow
+        auto ctx = std::make_unique<OpCtx>();
+        ctx->kind = OpCtx::Alias;
+        ctx->core = std::move(core);
+        ctx->module = m;
+        ++t.skip_depth;
+        return ctx;
+      }
       if (core->options.activations()) {
         const int op = FollowUpOps::find(fn.name());
         if (op >= 0) {
@@ -882,6 +935,9 @@ class ForwardObserver {
         if (!ctx->input && t.pending.core == ctx->core && t.pending.module == ctx->module)
           ctx->input = std::move(t.pending.input);  // a later op of the same module keeps it
         t.pending = Pending{ctx->core, ctx->module, out, ctx->input.value_or(AttachCore::InputMoments{})};
+        break;
+      case OpCtx::Alias:
+        t.alias = Derived{ctx->core.get(), ctx->module, weak_of(out)};
         break;
       case OpCtx::Activation: {
         const AttachCore::FollowUp& f = ctx->core->follow_up(ctx->module, ctx->follow_up);
