@@ -19,8 +19,9 @@ else()
   set(_build_type Debug)
 endif()
 string(REPLACE ";" "\\;" _prefix_arg "${_prefix_path}")
+include(${CMAKE_CURRENT_LIST_DIR}/../nested_generator.cmake)
 execute_process(
-  COMMAND ${CMAKE_COMMAND} -S "${SOURCE_DIR}/tests/consumer" -B "${WORK_DIR}/build"
+  COMMAND ${CMAKE_COMMAND} -S "${SOURCE_DIR}/tests/consumer" -B "${WORK_DIR}/build" ${_generator}
           -DCMAKE_BUILD_TYPE=${_build_type} -DCMAKE_CXX_COMPILER=${CXX}
           "-DCMAKE_PREFIX_PATH=${_prefix_arg}" "-DTorch_DIR=${Torch_DIR}"
           -DTORCHDBG_CONSUMER_MODE=${MODE} ${_extra}

@@ -8,8 +8,10 @@ if(NOT CLANGXX)
 endif()
 file(MAKE_DIRECTORY "${WORK_DIR}")
 string(REPLACE ";" "\\;" _prefix_arg "${PREFIX_PATH}")
+include(${CMAKE_CURRENT_LIST_DIR}/../nested_generator.cmake)
+torchdbg_reset_if_other_generator("${WORK_DIR}/build")
 execute_process(
-  COMMAND ${CMAKE_COMMAND} -S "${SOURCE_DIR}/tests/fuzz" -B "${WORK_DIR}/build" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+  COMMAND ${CMAKE_COMMAND} -S "${SOURCE_DIR}/tests/fuzz" -B "${WORK_DIR}/build" ${_generator} -DCMAKE_BUILD_TYPE=RelWithDebInfo
           -DCMAKE_CXX_COMPILER=${CLANGXX} "-DTorch_DIR=${Torch_DIR}" "-DCMAKE_PREFIX_PATH=${_prefix_arg}"
           "-DTORCHDBG_INCLUDE_DIR=${SOURCE_DIR}/include"
   RESULT_VARIABLE rc OUTPUT_QUIET)
