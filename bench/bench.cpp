@@ -137,9 +137,8 @@ struct Monitor {
   Monitor(bool every10, bool with_health = true)
       : health(torchdbg::HealthOptions().interval(every10 ? 10 : 1)) {
     if (with_health) fed = health.install(hooks);
-    // every10 does full's work on every 10th step: the same hooks, each on its own direction.
-    // (Before session 8 both every10 hooks fired in both directions, so a due step also
-    // inspected gradients with every count and tracked activations: twice full's work.)
+    // every10 does full's work on every 10th step: the same hooks, each in its own direction
+    // (every_n_steps alone fires in both, which would do twice full's work on a due step).
     auto trig_f =
         every10 ? torchdbg::HookTrigger::every_n_steps(10) : torchdbg::HookTrigger::every_forward();
     auto trig_b = every10 ? torchdbg::HookTrigger::every_n_steps(10)
@@ -258,8 +257,8 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
     const double b = median(base), m = median(mon);
     // The headline: median step times, monitored against baseline. every10's cost sits in
     // one step of ten, which a median of steps hides: there the headline is the paired
-    // estimate over windows of ten steps (one due step each). Before session 8 every10 used
-    // the means of all steps, which one burst of load on the shared cores moved by 2%.
+    // estimate over windows of ten steps (one due step each), which a burst of load on shared
+    // cores moves far less than a mean of all steps would.
     const Paired paired = paired_overhead(base, mon, a.steps, mode == "every10" ? 10 : 1);
     const double median_steps = 100.0 * (m - b) / b;
     const double overhead = mode == "every10" ? paired.percent : median_steps;
