@@ -447,23 +447,6 @@ TEST_CASE("each built-in layer kind delivers exactly its own output once", "[att
   }
 }
 
-TEST_CASE("MultiheadAttention's attention output arrives through its out_proj child", "[attach]") {
-  torchdbg_test::SeededRng rng(13);
-  auto mha = torch::nn::MultiheadAttention(torch::nn::MultiheadAttentionOptions(8, 2));
-  HookManager hooks;
-  Recorder rec;
-  rec.install(hooks);
-  auto session = torchdbg::attach(*mha, hooks);
-  auto q = torch::randn({3, 2, 8});
-  auto out = std::get<0>(mha(q, q, q));
-  out.sum().backward();
-  hooks.set_enabled(false);
-  REQUIRE(rec.fwd[0].count("out_proj") == 1);
-  CHECK(rec.fwd[0].at("out_proj").size() == 1);
-  CHECK(torch::allclose(rec.fwd[0].at("out_proj")[0], out.detach(), 1e-5, 1e-6));
-  CHECK(rec.bwd[0].count("root.in_proj_weight") == 1);
-}
-
 TEST_CASE("detaching while a backward pass is pending or running is safe", "[attach]") {
   torchdbg_test::SeededRng rng(14);
   auto net = std::make_shared<Net>(4);

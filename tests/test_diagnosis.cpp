@@ -59,6 +59,8 @@ struct Scenario {
   uint64_t seed = 1;
   int64_t onset = 0;  // the step at which `induce` runs
   std::function<void(ScenarioNet&)> induce;
+  /// Changes the onset step's batch (bad data); later steps get the clean batch again.
+  std::function<void(torch::Tensor&)> corrupt;
   torchdbg::HealthOptions options;
 };
 
@@ -78,7 +80,7 @@ Outcome run(const Scenario& sc, bool stop_on_pause = false) {
   const int64_t in = 16, classes = 4, batch = 64;
   auto net = std::make_shared<ScenarioNet>(in, sc.width, sc.depth, classes, sc.act);
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(sc.lr));
-  auto x = torch::randn({batch, in});
+  const auto x = torch::randn({batch, in});
   auto y = torch::randint(0, classes, {batch});
   torchdbg::HookManager hooks;
   torchdbg::HealthMonitor health(sc.options);
@@ -92,7 +94,12 @@ Outcome run(const Scenario& sc, bool stop_on_pause = false) {
     }
     hooks.set_step(step);
     opt.zero_grad();
-    auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);
+    torch::Tensor batch_x = x;
+    if (step == sc.onset && sc.corrupt) {
+      batch_x = x.clone();
+      sc.corrupt(batch_x);
+    }
+    auto loss = torch::nn::functional::cross_entropy(net->forward(batch_x), y);
     hooks.set_loss(loss.item<double>());
     loss.backward();
     opt.step();
@@ -384,6 +391,83 @@ TEST_CASE(
   CHECK(dn.healthy());
   CHECK(dn.top() == nullptr);
   CHECK(dn.summary().find("No failure detected up to step 7") != std::string::npos);
+}
+
+TEST_CASE("NaN in the model's input is bad data, not the first layer's failure", "[diagnosis]") {
+  for (uint64_t seed : {2, 5, 11}) {
+    for (int64_t nan_count : {1, 3}) {
+      Scenario sc;
+      sc.seed = seed;
+      sc.width = 24 + static_cast<int64_t>(seed);
+      sc.depth = 3 + static_cast<int64_t>(seed % 3);
+      sc.onset = 6 + static_cast<int64_t>(seed % 4);
+      sc.steps = sc.onset + 4;
+      sc.corrupt = [nan_count, seed](torch::Tensor& x) {
+        for (int64_t k = 0; k < nan_count; ++k)
+          x[(k * 7 + static_cast<int64_t>(seed)) % x.size(0)][(k * 5) % x.size(1)] = std::nan("");
+      };
+      INFO("seed " << seed << ", " << nan_count << " NaN");
+      const Outcome o = run(sc);
+      INFO(explain(o));
+      // Ground truth: the batch really held the NaN, and the model was finite before.
+      torch::Tensor probe = torch::randn({4, 16});
+      sc.corrupt(probe);
+      REQUIRE(torch::isnan(probe).sum().item<int64_t>() == std::min<int64_t>(nan_count, 4 * 16));
+      REQUIRE(o.diagnosis.top() != nullptr);
+      const auto& top = *o.diagnosis.top();
+      CHECK(top.kind == FailureKind::BadInput);
+      CHECK(top.layer == "input");
+      CHECK(top.step == sc.onset);
+      CHECK(top.description.find("held " + std::to_string(nan_count) + " NaN value") != std::string::npos);
+      CHECK(top.description.find("'fc0'") != std::string::npos);
+      // No layer is blamed for the NaN it was fed: every later finding is explained by the data.
+      for (const auto& h : o.diagnosis.hypotheses) {
+        INFO(h.description);
+        CHECK(h.kind != FailureKind::NonFiniteOutput);
+        CHECK(h.kind != FailureKind::NonFiniteGradient);
+      }
+    }
+  }
+}
+
+TEST_CASE("causal rules: an upstream explosion explains dead units downstream in the same step; causes rank in forward order",
+          "[diagnosis]") {
+  using P = torchdbg::Phase;
+  torchdbg::HealthReport r;
+  auto dead = incident(FailureKind::DeadUnits, "fc2/relu", 1, P::Forward, 5);
+  dead.confidence = 0.95;  // more confident than the explosions: order, not confidence, decides
+  auto up = incident(FailureKind::ExplodingActivation, "fc0", 1, P::Forward, 0);
+  up.confidence = 0.4;
+  auto down = incident(FailureKind::ExplodingActivation, "fc2", 1, P::Forward, 4);
+  down.confidence = 0.6;
+  r.incidents = {dead, down, up};
+  const auto d = torchdbg::diagnose(r);
+  REQUIRE(d.hypotheses.size() == 2);
+  CHECK(d.hypotheses[0].kind == FailureKind::ExplodingActivation);
+  CHECK(d.hypotheses[0].layer == "fc0");
+  REQUIRE(d.hypotheses[0].causal_chain.size() == 2);
+  CHECK(d.hypotheses[0].causal_chain[1].layer == "fc2/relu");
+  CHECK(d.hypotheses[1].layer == "fc2");
+  // Gradients rank in backward order: the layer nearest the loss first.
+  torchdbg::HealthReport g;
+  auto near_loss = incident(FailureKind::ExplodingGradient, "fc3", 2, P::Backward, 6);
+  near_loss.confidence = 0.3;
+  auto near_input = incident(FailureKind::VanishingGradient, "fc0", 2, P::Backward, 0);
+  near_input.confidence = 0.9;
+  g.incidents = {near_input, near_loss};
+  const auto dg = torchdbg::diagnose(g);
+  REQUIRE(dg.hypotheses.size() == 2);
+  CHECK(dg.hypotheses[0].layer == "fc3");
+  // Bad data explains a later non-finite output and the divergence.
+  torchdbg::HealthReport b;
+  b.incidents = {incident(FailureKind::BadInput, "input", 4, P::Forward, -1),
+                 incident(FailureKind::LossDivergence, "loss", 4, P::Loss, 1 << 30),
+                 incident(FailureKind::NonFiniteGradient, "fc1", 4, P::Backward, 2),
+                 incident(FailureKind::NonFiniteOutput, "fc0", 5, P::Forward, 0)};
+  const auto db = torchdbg::diagnose(b);
+  REQUIRE(db.hypotheses.size() == 1);
+  CHECK(db.hypotheses[0].kind == FailureKind::BadInput);
+  CHECK(db.hypotheses[0].causal_chain.size() == 4);
 }
 
 TEST_CASE("the causal graph exports as Mermaid, DOT and JSON", "[diagnosis]") {

@@ -273,6 +273,58 @@ TEST_CASE("loss health: divergence, spike, plateau and recovery", "[health]") {
   CHECK(m.alarm_count() == 2);  // spike and divergence; a plateau is informational
 }
 
+TEST_CASE("loss rules work from the first steps: a 10x jump at step 1 is a spike", "[health]") {
+  for (double first : {2.3, 0.07, 1e4}) {
+    INFO("first loss " << first);
+    HealthMonitor m;
+    m.observe_loss(0, first);
+    m.observe_loss(1, first * 14.0);  // a destructive first update
+    CHECK(m.loss_health() == LossHealth::Spike);
+    auto inc = m.incidents();
+    REQUIRE(inc.size() == 1);
+    CHECK(inc[0].kind == FailureKind::LossSpike);
+    CHECK(inc[0].step == 1);
+    // Ordinary early noise is no spike.
+    HealthMonitor calm;
+    for (int s = 0; s < 6; ++s) calm.observe_loss(s, first * (s % 2 ? 1.8 : 0.9));
+    CHECK(calm.incidents().empty());
+  }
+}
+
+TEST_CASE("NaN/Inf in the model's input is a bad-input incident, and the layer fed it is no origin", "[health]") {
+  HealthMonitor m;
+  torchdbg::Metadata clean{{"input_rms", "1.0"}};
+  torchdbg::Metadata bad{{"input_rms", "1.0"}, {"input_nan", "3"}, {"input_inf", "1"}};
+  const auto info = [](const torchdbg::Metadata& md) {
+    torchdbg::ActivationInfo i;
+    i.input_rms = 1.0;
+    i.input_observed = true;
+    if (md.count("input_nan")) i.input_nan = std::stoll(md.at("input_nan"));
+    if (md.count("input_inf")) i.input_inf = std::stoll(md.at("input_inf"));
+    return i;
+  };
+  auto x = torch::randn({8, 4});
+  m.observe_activation("fc0", x, 0, info(clean));
+  auto y = x.clone();
+  y[0][0] = std::nan("");
+  m.observe_activation("fc0", y, 1, info(bad));
+  m.observe_activation("fc1", y, 1, {});
+  m.observe_activation("fc0", y, 2, info(bad));  // still bad: the same incident persists
+  m.observe_activation("fc0", x, 3, info(clean));
+  const auto inc = m.incidents();
+  REQUIRE(inc.size() == 1);
+  CHECK(inc[0].kind == FailureKind::BadInput);
+  CHECK(inc[0].layer == "input");
+  CHECK(inc[0].step == 1);
+  CHECK(inc[0].last_step == 2);
+  CHECK(inc[0].details["nan"] == 3);
+  CHECK(inc[0].details["inf"] == 1);
+  CHECK(inc[0].details["first_layer"] == "fc0");
+  std::vector<std::string> types;
+  for (const auto& e : m.events()) types.emplace_back(torchdbg::to_string(e.type));
+  CHECK(std::count(types.begin(), types.end(), "non_finite_input") == 1);
+}
+
 TEST_CASE("confidence grows with the margin past the threshold and with persistence", "[health]") {
   HealthMonitor m;
   m.observe_activation("a/tanh", torch::tanh(torch::randn({64, 32}) * 3), 0,

@@ -15,20 +15,39 @@
 //   RecordFunction observer sees every operator with its inputs and outputs. An operator
 //   that takes a module's own parameter or buffer (or a tensor derived only from them, such
 //   as `weight.t()`) together with data is attributed to that module; the outermost such
-//   operator wins (nested ones are ignored), and when several consecutive operators belong
-//   to the same module the last one's output is reported. The output is delivered when the
-//   next operator consumes it or another module starts (at the latest when backward begins).
+//   operator wins (nested ones are ignored). Each call of a module is one delivery with
+//   metadata {"call": "<k>"}, its index among the module's calls in the step (from 0; the
+//   count restarts at each step change and each backward pass), so `fc(a) + fc(b)` and a
+//   Siamese encoder's two branches deliver two outputs, calls 0 and 1, as PyTorch's forward
+//   hooks fire twice. An operator of the same module that consumes the call's output and
+//   reads module tensors the call has not read yet continues the call (`x.matmul(w) + b`
+//   delivers the sum once); one that reads the same tensors again (`fc(fc(x))`) is a new
+//   call. The output is delivered when the next operator consumes it or another module
+//   starts (at the latest when backward begins).
 //   A parameter-free activation (relu, tanh, sigmoid, gelu, softmax, ... as a function or a
 //   module) that consumes a module's output is delivered as "<module>/<activation>", e.g.
-//   "fc1/relu" with metadata {"activation": "relu"}, also when view-like operators (view,
-//   reshape, transpose, permute, flatten, squeeze, unsqueeze, contiguous, expand, ...) stand
-//   between them: `relu(fc1(x).view(n, 2, 4))` delivers "fc1" as fc1 returned it and
-//   "fc1/relu" in the view's shape; an elementwise function that can make
+//   "fc1/relu" with metadata {"activation": "relu", "call": "0"}, also when view-like
+//   operators (view, reshape, transpose, permute, flatten, squeeze, unsqueeze, contiguous,
+//   expand, ...) stand between them: `relu(fc1(x).view(n, 2, 4))` delivers "fc1" as fc1
+//   returned it and "fc1/relu" in the view's shape; an elementwise function that can make
 //   finite values non-finite (log, sqrt, rsqrt, reciprocal, exp, pow, ...) is delivered the
 //   same way with metadata {"op": "log"}, so a NaN born there is attributed to it. Module
 //   outputs carry {"module_type": "torch::nn::LinearImpl"}; the first module output after a
-//   step change also carries {"input_rms": "<RMS of its data input>"}. Operators inside
+//   step change also carries {"input_rms": "<RMS of its data input>"} and, when the input
+//   holds NaN or ±Inf, {"input_nan": "<count>", "input_inf": "<count>"}. Operators inside
 //   backward are ignored.
+// * Tied weights: a tensor several modules read (`decoder->weight = tok->weight`, also by
+//   assigning a built-in layer's `weight`/`bias` member) belongs to all of them; an
+//   operator goes to the module whose kind fits it (an embedding lookup to the Embedding, a
+//   matmul or linear to the Linear, a convolution to the Conv), then to the one whose own
+//   tensors it reads most (a bias outranks a shared weight), then to the one called least in
+//   the step. The tensor's gradient is delivered once, under the module that registered it
+//   first, with metadata {"tied": "decoder.weight"} naming the others; it counts once in
+//   the gradient norms, toward that module.
+// * MultiheadAttention: its output is the attention output (what it returns), delivered
+//   under its own name; its packed q/k/v projection is internal, and `out_proj`, whose
+//   weights it applies itself, has gradients but no forward output of its own (as in
+//   PyTorch, where out_proj's forward never runs).
 // * Tensors on a device (StatsBatching::Device, the default): a delivery never syncs. Its
 //   statistics are reduced on the device into 14 doubles and queued; at the end of the
 //   backward pass (or at the next step change, `flush()`, or when `max_deferred` deliveries
@@ -56,17 +75,17 @@
 // (weight decay, AMSGrad), AdamW, RMSprop (centered, momentum) and Adagrad, with and without
 // no_grad_forward.
 //
-// Limits (attribution follows the operators, not the calls):
-// - a module whose own parameters are used by several separate operator groups (e.g. a
-//   custom module computing two linear maps of its own weights with an activation between)
-//   reports each group under its name;
-// - a module called twice in a row with nothing of another module between (`fc(a) + fc(b)`,
-//   a Siamese encoder's two branches) delivers its last call's output only;
-// - a tensor registered by two modules (tied weights: `b->weight = a->weight`, an embedding
-//   reused by a decoder) belongs to the module that registered it first, so the other
-//   module's operators are delivered under that name;
-// - MultiheadAttention delivers its packed q/k/v in-projection under its own name, and its
-//   attention output under its `out_proj` child.
+// Limits (attribution follows the operators; a module's forward is not itself observable):
+// - a module whose forward runs several operator groups on its own tensors with something
+//   between them (two linear maps of its own weights with an activation between) reports
+//   each group as a call of its own;
+// - a module's tensors used outside its forward (`torch::linear(h, emb->weight)` in the
+//   parent's forward) are attributed to that module, as a call of it;
+// - two modules of the same kind that share every tensor an operator reads (two bias-free
+//   Linears tied to one weight) are told apart only by call order: the first use in a step
+//   goes to the first registered;
+// - a module output that nothing consumes before the step ends is delivered at the step
+//   change or `flush()`, and an in-place change made to it before then is what hooks see.
 // Where a call must be seen exactly as the module made it (one delivery per call, the
 // returned tensor, read/replace/stop), route it through torchdbg: `Hooked<>` members or
 // `hooked_call` (hooked.hpp).
@@ -77,6 +96,9 @@
 #include <torch/arg.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
 
 #include <algorithm>
 #include <array>
@@ -85,12 +107,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -240,19 +264,146 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
     bool hooked = false;
     Metadata grad_md;  // {"parameter", name}: built once, sent with every gradient
   };
+  /// What a module computes, as far as telling tied modules apart needs: an embedding
+  /// lookup and a matmul may read the same weight.
+  enum class Kind { Other, Embedding, Linear, Conv };
   struct Module {
     std::string name;
     std::string type_name;
     std::vector<Param> params;
     Metadata forward_md;  // {"module_type", type_name}
+    Kind kind = Kind::Other;
+    /// The module whose output an operator on this module's tensors produces: itself, or for
+    /// MultiheadAttention's out_proj the attention module (its forward applies out_proj's
+    /// weights itself; out_proj's own forward never runs).
+    std::size_t forward_as = 0;
+    /// Operators on this module's own tensors are internal steps of its forward (the packed
+    /// q/k/v projection of MultiheadAttention), not its output.
+    bool internal = false;
+    /// Attached only so that its tensors are recognised (an unselected out_proj): no
+    /// gradients, no name of its own.
+    bool hidden = false;
   };
+
+  static Kind kind_of_module(std::string_view type) {
+    if (type.find("Embedding") != std::string_view::npos) return Kind::Embedding;
+    if (type.find("Conv") != std::string_view::npos) return Kind::Conv;
+    if (type.find("Linear") != std::string_view::npos) return Kind::Linear;
+    return Kind::Other;
+  }
+  static Kind kind_of_op(std::string_view op) {
+    if (op.substr(0, 6) != "aten::") return Kind::Other;
+    op.remove_prefix(6);
+    if (op == "embedding" || op == "embedding_bag" || op == "_embedding_bag") return Kind::Embedding;
+    if (op.find("conv") != std::string_view::npos) return Kind::Conv;
+    static constexpr std::string_view kLinear[] = {"linear", "addmm", "mm",    "matmul", "bmm",
+                                                   "baddbmm", "addmv", "mv", "bilinear", "_trilinear"};
+    for (auto k : kLinear)
+      if (op == k) return Kind::Linear;
+    return Kind::Other;
+  }
+  /// How well a module's kind fits an operator's: 2 the same kind, 0 another known kind
+  /// (an embedding's weight read by a matmul is the tied decoder's), 1 unknown.
+  static int kind_fit(Kind module, Kind op) {
+    if (module == Kind::Other || op == Kind::Other) return 1;
+    return module == op ? 2 : 0;
+  }
 
   AttachOptions options;
   std::vector<Module> modules;
-  /// Own parameters and buffers of attached modules -> module index. The weak references
-  /// in `keep` hold the addresses, so a freed tensor's address is never reused for another.
-  std::unordered_map<const c10::TensorImpl*, std::size_t> owner;
+  /// Own parameters and buffers of attached modules -> the modules that registered them, in
+  /// module order (several for tied weights). The weak references in `keep` hold the
+  /// addresses, so a freed tensor's address is never reused for another.
+  std::unordered_map<const c10::TensorImpl*, std::vector<std::size_t>> owner;
   std::vector<WeakImpl> keep;
+
+  /// The tensor members a built-in layer's forward reads (`LinearImpl::weight`, ...): a user
+  /// may assign them to tie weights.
+  static std::vector<std::pair<const char*, at::Tensor>> member_tensors(torch::nn::Module& m) {
+    namespace nn = torch::nn;
+    if (auto* l = dynamic_cast<nn::LinearImpl*>(&m)) return {{"weight", l->weight}, {"bias", l->bias}};
+    if (auto* l = dynamic_cast<nn::BilinearImpl*>(&m)) return {{"weight", l->weight}, {"bias", l->bias}};
+    if (auto* e = dynamic_cast<nn::EmbeddingImpl*>(&m)) return {{"weight", e->weight}};
+    if (auto* e = dynamic_cast<nn::EmbeddingBagImpl*>(&m)) return {{"weight", e->weight}};
+    const auto conv = [](auto* c) -> std::vector<std::pair<const char*, at::Tensor>> {
+      return {{"weight", c->weight}, {"bias", c->bias}};
+    };
+    if (auto* c = dynamic_cast<nn::Conv1dImpl*>(&m)) return conv(c);
+    if (auto* c = dynamic_cast<nn::Conv2dImpl*>(&m)) return conv(c);
+    if (auto* c = dynamic_cast<nn::Conv3dImpl*>(&m)) return conv(c);
+    if (auto* c = dynamic_cast<nn::ConvTranspose1dImpl*>(&m)) return conv(c);
+    if (auto* c = dynamic_cast<nn::ConvTranspose2dImpl*>(&m)) return conv(c);
+    if (auto* c = dynamic_cast<nn::ConvTranspose3dImpl*>(&m)) return conv(c);
+    return {};
+  }
+
+  /// Adds `m` when it owns parameters or buffers; false otherwise.
+  bool add_module(const std::string& name, torch::nn::Module& m, bool hidden) {
+    const auto params = m.named_parameters(/*recurse=*/false);
+    const auto buffers = m.named_buffers(/*recurse=*/false);
+    if (params.is_empty() && buffers.is_empty()) return false;
+    const std::size_t idx = modules.size();
+    Module info;
+    info.name = name;
+    info.type_name = m.name();
+    info.forward_md = Metadata{{"module_type", info.type_name}};
+    info.kind = kind_of_module(info.type_name);
+    info.forward_as = idx;
+    info.hidden = hidden;
+    const auto own = [&](const at::Tensor& t) {
+      auto& list = owner[t.unsafeGetTensorImpl()];
+      if (std::find(list.begin(), list.end(), idx) == list.end()) list.push_back(idx);
+      keep.push_back(weak_of(t));
+    };
+    const auto members = member_tensors(m);
+    for (const auto& p : params) {
+      // `decoder->weight = emb->weight` ties the member the forward reads; the registered
+      // entry keeps the old tensor, which no operator uses. The member is the module's.
+      at::Tensor t = p.value();
+      for (const auto& [member, tensor] : members)
+        if (member == p.key() && tensor.defined()) t = tensor;
+      info.params.push_back({p.key(), weak_of(t), 0, false, Metadata{{"parameter", p.key()}}});
+      own(t);
+    }
+    for (const auto& b : buffers)
+      if (b.value().defined()) own(b.value());
+    modules.push_back(std::move(info));
+    return true;
+  }
+
+  /// Once every module is added: the call counters, and {"tied": "<module>.<param>, ..."} on
+  /// the gradient of a parameter other modules registered too.
+  void finish_modules() {
+    calls_ = std::make_unique<std::atomic<uint32_t>[]>(modules.size());
+    for (std::size_t i = 0; i < modules.size(); ++i) calls_[i].store(0);
+    for (std::size_t m = 0; m < modules.size(); ++m) {
+      for (auto& p : modules[m].params) {
+        at::Tensor t(p.impl.lock());
+        if (!t.defined()) continue;
+        const auto& list = owner.at(t.unsafeGetTensorImpl());
+        if (list.size() < 2 || list.front() != m) continue;
+        std::string tied;
+        for (std::size_t k = 1; k < list.size(); ++k) {
+          for (const auto& q : modules[list[k]].params) {
+            if (q.impl._unsafe_get_target() != t.unsafeGetTensorImpl()) continue;
+            if (!tied.empty()) tied += ", ";
+            tied += modules[list[k]].name + "." + q.name;
+          }
+        }
+        if (!tied.empty()) p.grad_md.emplace("tied", tied);
+      }
+    }
+  }
+  /// The step the call counters belong to.
+  std::atomic<int64_t> calls_step{std::numeric_limits<int64_t>::min()};
+  /// Calls of module `m` seen since the step (or the backward pass) began.
+  [[nodiscard]] uint32_t calls(std::size_t m) const { return calls_[m].load(std::memory_order_relaxed); }
+  /// The index of a new call of module `m` in this step: 0 for its first.
+  uint32_t next_call(std::size_t m) { return calls_[m].fetch_add(1, std::memory_order_relaxed); }
+  /// A new step or backward pass: calls count from 0 again.
+  void reset_calls() {
+    for (std::size_t i = 0; i < modules.size(); ++i) calls_[i].store(0, std::memory_order_relaxed);
+  }
 
   std::atomic<bool> active{true};
   std::atomic<bool> forward_due{false};
@@ -426,20 +577,34 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
     return last_norms_;
   }
 
-  /// A follow-up operator's delivery: "<module>/<op>" and {"activation"|"op", op}. Built on
-  /// first use and kept (map nodes do not move), so a step builds no strings for them.
+  /// A forward delivery's name and metadata: the module's output (`op` -1: its name,
+  /// {"module_type", ..., "call", "<k>"}) or a follow-up operator's ("<module>/<op>",
+  /// {"activation"|"op": op, "call": "<k>"}), for the module's call `call` in the step. Built
+  /// on first use and kept for the first kCachedCalls calls, so a step builds no strings.
   struct FollowUp {
     std::string name;
     Metadata md;
   };
-  const FollowUp& follow_up(std::size_t module, int op) {
+  static constexpr uint32_t kCachedCalls = 4096;
+  std::shared_ptr<const FollowUp> delivery_info(std::size_t module, int op, uint32_t call) {
+    const auto make = [&] {
+      auto f = std::make_shared<FollowUp>();
+      if (op < 0) {
+        f->name = modules[module].name;
+        f->md = modules[module].forward_md;
+      } else {
+        const char* n = FollowUpOps::kNames[op];
+        f->name = modules[module].name + "/" + n;
+        f->md.emplace(FollowUpOps::is_math(op) ? "op" : "activation", n);
+      }
+      f->md.emplace("call", std::to_string(call));
+      return std::shared_ptr<const FollowUp>(std::move(f));
+    };
+    if (call >= kCachedCalls) return make();
     std::lock_guard<std::mutex> lock(follow_mutex_);
-    auto it = follow_ups_.find({module, op});
-    if (it != follow_ups_.end()) return it->second;
-    const char* n = FollowUpOps::kNames[op];
-    FollowUp f{modules[module].name + "/" + n,
-               Metadata{{FollowUpOps::is_math(op) ? "op" : "activation", n}}};
-    return follow_ups_.emplace(std::make_pair(module, op), std::move(f)).first->second;
+    auto& slot = follow_ups_[{module, op, call}];
+    if (!slot) slot = make();
+    return slot;
   }
 
  private:
@@ -454,7 +619,10 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
     std::vector<std::pair<std::string, at::Tensor>> extras;  // the manager's prefetches
   };
 
+  /// The data input's "input_rms" and, when it holds any, "input_nan" and "input_inf" counts.
   static void add_input_rms(Metadata& md, const Moments& m) {
+    if (m.nan > 0) md.emplace("input_nan", std::to_string(m.nan));
+    if (m.pos_inf + m.neg_inf > 0) md.emplace("input_inf", std::to_string(m.pos_inf + m.neg_inf));
     if (m.finite <= 0) return;
     char buf[40];
     std::snprintf(buf, sizeof buf, "%.17g", std::sqrt(m.sum_squares() / static_cast<double>(m.finite)));
@@ -522,7 +690,8 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
   std::vector<std::pair<std::string, double>> last_norms_;
   std::atomic<bool> end_queued_{false};
   std::mutex follow_mutex_;
-  std::map<std::pair<std::size_t, int>, FollowUp> follow_ups_;
+  std::map<std::tuple<std::size_t, int, uint32_t>, std::shared_ptr<const FollowUp>> follow_ups_;
+  std::unique_ptr<std::atomic<uint32_t>[]> calls_;
   std::mutex defer_mutex_;
   std::vector<Deferred> deferred_;
 };
@@ -650,16 +819,48 @@ class ForwardObserver {
   }
 
  private:
+  /// A few tensor identities (the module tensors one call reads); beyond capacity, the
+  /// extra ones are not remembered.
+  struct TensorSet {
+    std::array<const c10::TensorImpl*, 8> items{};
+    std::size_t size = 0;
+    void add(const c10::TensorImpl* p) {
+      if (!contains(p) && size < items.size()) items[size++] = p;
+    }
+    [[nodiscard]] bool contains(const c10::TensorImpl* p) const {
+      return std::find(items.begin(), items.begin() + static_cast<std::ptrdiff_t>(size), p) !=
+             items.begin() + static_cast<std::ptrdiff_t>(size);
+    }
+    [[nodiscard]] bool meets(const TensorSet& o) const {
+      for (std::size_t i = 0; i < size; ++i)
+        if (o.contains(items[i])) return true;
+      return false;
+    }
+  };
   struct Pending {
     std::shared_ptr<AttachCore> core;
     std::size_t module = 0;
+    uint32_t call = 0;  // the module's call index in the step
+    std::shared_ptr<const AttachCore::FollowUp> info;  // the delivery's name and metadata
+    TensorSet used;  // the module's tensors its operators read so far in this call
     at::Tensor out;
     AttachCore::InputMoments input;
   };
   struct Derived {
     const AttachCore* core = nullptr;
-    std::size_t module = 0;
+    std::size_t module = 0;  // alias: the module whose output it views
+    uint32_t call = 0;       // alias: that output's call
+    /// Weights: the module-registered tensor this one is derived from (`weight.t()`).
+    const c10::TensorImpl* source = nullptr;
     std::optional<WeakImpl> impl;
+  };
+  /// A module an operator's tensors point to: through tensors it registered itself (direct)
+  /// or through tensors derived from them (`weight.t()`).
+  struct Candidate {
+    std::size_t core = 0;  // index in the observer's list of sessions
+    std::size_t module = 0;
+    int direct = 0;
+    int derived = 0;
   };
   struct Tls {
     int backward_depth = 0;
@@ -671,14 +872,19 @@ class ForwardObserver {
     std::array<Derived, 16> derived;
     std::size_t next_derived = 0;
     std::vector<const c10::TensorImpl*> grads_of_owned;  // on_start's scratch, kept allocated
+    std::array<Candidate, 8> candidates;                  // on_start's scratch
   };
   struct OpCtx : at::ObserverContext {
     /// Update: an in-place update of a module's own tensor or an optimizer's arithmetic; the
     /// operators it runs inside (`mul_` calling `mul` with a wrapped scalar) are not looked at.
+    /// Internal: a step inside a module's forward that is not its output (Module::internal).
     /// Alias: a view-like operator on a module's output; its output becomes Tls::alias.
-    enum Kind { Backward, Forward, Weights, Activation, Update, Alias } kind = Backward;
+    enum Kind { Backward, Forward, Weights, Activation, Update, Internal, Alias } kind = Backward;
     std::shared_ptr<AttachCore> core;
     std::size_t module = 0;
+    uint32_t call = 0;                   // Activation, Alias: the call of the module's output
+    const c10::TensorImpl* source = nullptr;  // Weights
+    TensorSet used;                           // Forward: the module tensors it reads
     int follow_up = -1;  // Activation: index in FollowUpOps
     std::optional<AttachCore::InputMoments> input;
   };
@@ -708,9 +914,8 @@ class ForwardObserver {
   static void flush_pending(Tls& t) {
     Pending p = std::move(t.pending);
     t.pending = {};
-    if (!p.core || !p.out.defined()) return;
-    const auto& mod = p.core->modules[p.module];
-    p.core->send(p.module, mod.name, p.out, true, mod.forward_md, nullptr, std::move(p.input));
+    if (!p.core || !p.out.defined() || !p.info) return;
+    p.core->send(p.module, p.info->name, p.out, true, p.info->md, nullptr, std::move(p.input));
   }
 
   static at::ArrayRef<const c10::IValue> safe_inputs(const at::RecordFunction& fn) {
@@ -753,7 +958,10 @@ class ForwardObserver {
     Tls& t = tls();
     if (DeliveringScope::active()) return nullptr;
     if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {
-      if (t.backward_depth == 0 && t.pending.core) flush_pending(t);
+      if (t.backward_depth == 0) {
+        if (t.pending.core) flush_pending(t);
+        for (const auto& c : *instance().cores()) c->reset_calls();  // the next forward counts from 0
+      }
       if (++t.backward_depth == 1) instance().pause_for_backward();
       return std::make_unique<OpCtx>();
     }
@@ -774,8 +982,22 @@ class ForwardObserver {
     };
     const bool fresh_op = ends_with("_like") || op_name.substr(0, 10) == "aten::new_";
     const bool template_op = ends_with("_as");
-    std::shared_ptr<AttachCore> owner;
-    std::size_t module = 0;
+    // The modules whose tensors this operator reads (several when weights are tied).
+    std::array<Candidate, 8>& cands = t.candidates;
+    std::size_t ncand = 0;
+    const c10::TensorImpl* source = nullptr;  // the first module tensor read, for Weights
+    TensorSet used;                           // every module tensor read
+    const auto add_candidates = [&](std::size_t ci, const std::vector<std::size_t>& mods, bool direct) {
+      for (const std::size_t m : mods) {
+        std::size_t k = 0;
+        while (k < ncand && !(cands[k].core == ci && cands[k].module == m)) ++k;
+        if (k == ncand) {
+          if (ncand == cands.size()) continue;
+          cands[ncand++] = Candidate{ci, m, 0, 0};
+        }
+        ++(direct ? cands[k].direct : cands[k].derived);
+      }
+    };
     bool has_data = false;
     at::Tensor data_in;  // the first data input
     bool consumes_pending = false, consumes_alias = false;
@@ -813,24 +1035,29 @@ class ForwardObserver {
           if (impl == alias_impl) consumes_alias = true;
           return;
         }
-        for (const auto& c : *cores) {
-          auto it = c->owner.find(impl);
-          if (it != c->owner.end()) {
-            if (!grad_mode && !c->options.no_grad_forward()) return;
-            owner = c;
-            module = it->second;
+        for (std::size_t ci = 0; ci < cores->size(); ++ci) {
+          const AttachCore& c = *(*cores)[ci];
+          auto it = c.owner.find(impl);
+          if (it != c.owner.end()) {
+            if (!grad_mode && !c.options.no_grad_forward()) return;
+            add_candidates(ci, it->second, /*direct=*/true);
+            if (source == nullptr) source = impl;
+            used.add(impl);
             updates_owned = updates_owned || (in_place && is_self);
             return;
           }
         }
         for (const auto& d : t.derived) {
           if (d.core != nullptr && d.impl && d.impl->_unsafe_get_target() == impl && !d.impl->expired()) {
-            for (const auto& c : *cores) {
-              if (c.get() == d.core) {
-                owner = c;
-                module = d.module;
-                return;
-              }
+            for (std::size_t ci = 0; ci < cores->size(); ++ci) {
+              const AttachCore& c = *(*cores)[ci];
+              if (&c != d.core) continue;
+              auto it = c.owner.find(d.source);
+              if (it == c.owner.end()) return;
+              add_candidates(ci, it->second, /*direct=*/false);
+              if (source == nullptr) source = d.source;
+              used.add(d.source);
+              return;
             }
           }
         }
@@ -849,12 +1076,36 @@ class ForwardObserver {
       ++t.skip_depth;
       return ctx;
     }
-    if (owner) {
+    if (ncand > 0) {
+      // Tied tensors: the module whose kind fits the operator (an embedding lookup vs a
+      // matmul), then the one whose own tensors the operator reads most (a bias outranks a
+      // shared weight), then tensors derived from its own; among modules alike in all of
+      // these, the one called least in this step, then the first registered.
+      std::size_t best = 0;
+      if (ncand > 1) {
+        const AttachCore::Kind op_kind = AttachCore::kind_of_op(op_name);
+        const auto rank = [&](const Candidate& c) {
+          const AttachCore& core = *(*cores)[c.core];
+          const std::size_t target = core.modules[c.module].forward_as;
+          return std::make_tuple(AttachCore::kind_fit(core.modules[c.module].kind, op_kind), c.direct, c.derived,
+                                 -static_cast<int64_t>(core.calls(target)), -static_cast<int64_t>(c.core),
+                                 -static_cast<int64_t>(c.module));
+        };
+        for (std::size_t k = 1; k < ncand; ++k)
+          if (rank(cands[k]) > rank(cands[best])) best = k;
+      }
+      const std::shared_ptr<AttachCore>& owner = (*cores)[cands[best].core];
+      const std::size_t module = owner->modules[cands[best].module].forward_as;
       auto ctx = std::make_unique<OpCtx>();
       ctx->core = owner;
       ctx->module = module;
       if (!has_data) {
         ctx->kind = OpCtx::Weights;  // e.g. weight.t(): remember its output as the module's
+        ctx->source = source;
+      } else if (owner->modules[module].internal && cands[best].module == module) {
+        ctx->kind = OpCtx::Internal;
+        if (t.pending.core) flush_pending(t);  // what it consumes is delivered now
+        t.alias = {};
       } else {
         ctx->kind = OpCtx::Forward;
         if (owner->input_due.exchange(false) && data_in.is_floating_point()) {
@@ -870,7 +1121,14 @@ class ForwardObserver {
           } catch (...) {
           }
         }
-        if (t.pending.core && (t.pending.core != owner || t.pending.module != module)) flush_pending(t);
+        // The same module's operator on its pending output, reading module tensors the call
+        // has not read yet, continues that call (`x @ w + b` as two operators); anything
+        // else is a new call (`fc(a) + fc(b)`, `fc(fc(x))`), and the pending output is
+        // delivered first.
+        const bool continues = t.pending.core == owner && t.pending.module == module && consumes_pending &&
+                               !used.meets(t.pending.used);
+        ctx->used = used;
+        if (t.pending.core && !continues) flush_pending(t);
       }
       ++t.skip_depth;
       return ctx;
@@ -878,14 +1136,17 @@ class ForwardObserver {
     if (consumes_pending || consumes_alias) {
       std::shared_ptr<AttachCore> core;
       std::size_t m = 0;
+      uint32_t call = 0;
       if (consumes_pending) {  // the module's output as it returned it is delivered now
         core = t.pending.core;
         m = t.pending.module;
+        call = t.pending.call;
         flush_pending(t);
       } else {
         for (const auto& c : *cores)
           if (c.get() == t.alias.core) core = c;
         m = t.alias.module;
+        call = t.alias.call;
       }
       t.alias = {};
       if (!core) return nullptr;
@@ -894,6 +1155,7 @@ class ForwardObserver {
         ctx->kind = OpCtx::Alias;
         ctx->core = std::move(core);
         ctx->module = m;
+        ctx->call = call;
         ++t.skip_depth;
         return ctx;
       }
@@ -904,6 +1166,7 @@ class ForwardObserver {
           ctx->kind = OpCtx::Activation;
           ctx->core = std::move(core);
           ctx->module = m;
+          ctx->call = call;
           ctx->follow_up = op;
           ++t.skip_depth;
           return ctx;
@@ -922,30 +1185,47 @@ class ForwardObserver {
       return;
     }
     --t.skip_depth;
-    if (ctx->kind == OpCtx::Update) return;
+    if (ctx->kind == OpCtx::Update || ctx->kind == OpCtx::Internal) return;
     at::Tensor out = first_output(fn);
     if (!out.defined()) return;
-    switch (ctx->kind) {
-      case OpCtx::Weights: {
-        t.derived[t.next_derived] = Derived{ctx->core.get(), ctx->module, weak_of(out)};
-        t.next_derived = (t.next_derived + 1) % t.derived.size();
-        break;
+    try {
+      switch (ctx->kind) {
+        case OpCtx::Weights: {
+          t.derived[t.next_derived] = Derived{ctx->core.get(), ctx->module, 0, ctx->source, weak_of(out)};
+          t.next_derived = (t.next_derived + 1) % t.derived.size();
+          break;
+        }
+        case OpCtx::Forward: {
+          Pending p;
+          if (t.pending.core == ctx->core && t.pending.module == ctx->module) {  // the same call goes on
+            p = std::move(t.pending);
+            if (ctx->input) p.input = std::move(*ctx->input);
+            for (std::size_t i = 0; i < ctx->used.size; ++i) p.used.add(ctx->used.items[i]);
+          } else {
+            p.used = ctx->used;
+            p.core = ctx->core;
+            p.module = ctx->module;
+            p.call = ctx->core->next_call(ctx->module);
+            p.info = ctx->core->delivery_info(ctx->module, -1, p.call);
+            p.input = ctx->input.value_or(AttachCore::InputMoments{});
+          }
+          p.out = std::move(out);
+          t.pending = std::move(p);
+          break;
+        }
+        case OpCtx::Alias:
+          t.alias = Derived{ctx->core.get(), ctx->module, ctx->call, nullptr, weak_of(out)};
+          break;
+        case OpCtx::Activation: {
+          const auto f = ctx->core->delivery_info(ctx->module, ctx->follow_up, ctx->call);
+          ctx->core->send(ctx->module, f->name, out, true, f->md);
+          break;
+        }
+        default:
+          break;
       }
-      case OpCtx::Forward:
-        if (!ctx->input && t.pending.core == ctx->core && t.pending.module == ctx->module)
-          ctx->input = std::move(t.pending.input);  // a later op of the same module keeps it
-        t.pending = Pending{ctx->core, ctx->module, out, ctx->input.value_or(AttachCore::InputMoments{})};
-        break;
-      case OpCtx::Alias:
-        t.alias = Derived{ctx->core.get(), ctx->module, weak_of(out)};
-        break;
-      case OpCtx::Activation: {
-        const AttachCore::FollowUp& f = ctx->core->follow_up(ctx->module, ctx->follow_up);
-        ctx->core->send(ctx->module, f.name, out, true, f.md);
-        break;
-      }
-      default:
-        break;
+    } catch (...) {
+      // out of memory for a name: the delivery is lost, the operator is not
     }
   }
 
@@ -1003,36 +1283,34 @@ class BasicAttachSession {
       }
     } release{gradients ? &hooks : nullptr};
     core_->options = std::move(options);
+    // MultiheadAttention applies its out_proj child's weights in its own forward: those
+    // operators produce the attention module's output, also when out_proj is not selected.
+    std::vector<std::pair<std::size_t, std::shared_ptr<torch::nn::Module>>> attention;
     for (const auto& item : model.named_modules("", /*include_self=*/true)) {
       const std::string name = item.key().empty() ? "root" : item.key();
       torch::nn::Module& m = *item.value();
-      const auto params = m.named_parameters(/*recurse=*/false);
-      const auto buffers = m.named_buffers(/*recurse=*/false);
-      if (params.is_empty() && buffers.is_empty()) continue;
       if (!patterns.empty()) {
         bool hit = false;
         for (const auto& re : patterns)
           hit = hit || re.match_prefix(name);
         if (!hit) continue;
       }
-      const std::size_t idx = core_->modules.size();
-      detail::AttachCore::Module info;
-      info.name = name;
-      info.type_name = m.name();
-      info.forward_md = Metadata{{"module_type", info.type_name}};
-      for (const auto& p : params) {
-        info.params.push_back(
-            {p.key(), detail::weak_of(p.value()), 0, false, Metadata{{"parameter", p.key()}}});
-        core_->owner.emplace(p.value().unsafeGetTensorImpl(), idx);
-        core_->keep.push_back(detail::weak_of(p.value()));
+      if (!core_->add_module(name, m, /*hidden=*/false)) continue;
+      if (m.name() == "torch::nn::MultiheadAttention" || m.name() == "torch::nn::MultiheadAttentionImpl") {
+        for (const auto& child : m.named_children())
+          if (child.key() == "out_proj") attention.emplace_back(core_->modules.size() - 1, child.value());
       }
-      for (const auto& b : buffers) {
-        if (!b.value().defined()) continue;
-        core_->owner.emplace(b.value().unsafeGetTensorImpl(), idx);
-        core_->keep.push_back(detail::weak_of(b.value()));
-      }
-      core_->modules.push_back(std::move(info));
     }
+    for (const auto& [mha, out_proj] : attention) {
+      const std::string child = core_->modules[mha].name == "root" ? "out_proj" : core_->modules[mha].name + ".out_proj";
+      std::size_t idx = core_->modules.size();
+      for (std::size_t i = 0; i < core_->modules.size(); ++i)
+        if (core_->modules[i].name == child) idx = i;
+      if (idx == core_->modules.size() && !core_->add_module(child, *out_proj, /*hidden=*/true)) continue;
+      core_->modules[idx].forward_as = mha;
+      core_->modules[mha].internal = true;
+    }
+    core_->finish_modules();
     BasicHookManager<Mutex>* mgr = hooks_;
     core_->deliver = [mgr](std::string_view layer, const at::Tensor& t, bool fwd, const Metadata& md,
                            const TensorStats* stats, const Prefetched* extra) {
@@ -1046,10 +1324,14 @@ class BasicAttachSession {
     if (core_->options.backward()) {
       for (std::size_t m = 0; m < core_->modules.size(); ++m) {
         auto& params = core_->modules[m].params;
+        if (core_->modules[m].hidden) continue;
         for (std::size_t i = 0; i < params.size(); ++i) {
           auto& p = params[i];
           at::Tensor t(p.impl.lock());
           if (!t.defined() || !t.requires_grad()) continue;
+          // A tied tensor's gradient (the sum over its uses) comes once, under the module
+          // that registered it first.
+          if (core_->owner.at(t.unsafeGetTensorImpl()).front() != m) continue;
           std::shared_ptr<detail::AttachCore> core = core_;
           p.hook = t.register_hook([core, m, i](const at::Tensor& g) { core->on_grad(m, i, g); });
           p.hooked = true;
@@ -1117,7 +1399,8 @@ class BasicAttachSession {
   /// Dotted names of the attached modules ("root" for the model itself), in module order.
   [[nodiscard]] std::vector<std::string> module_names() const {
     std::vector<std::string> out;
-    for (const auto& m : core_->modules) out.push_back(m.name);
+    for (const auto& m : core_->modules)
+      if (!m.hidden) out.push_back(m.name);
     return out;
   }
 
@@ -1155,6 +1438,7 @@ class BasicAttachSession {
     c->backward_due.store(bwd);
     c->gradient_signs.store(bwd && mgr.reads_sign_counts(false, step));
     c->input_due.store(true);
+    if (c->calls_step.exchange(step) != step) c->reset_calls();
     detail::ForwardObserver::instance().set(c, fwd);
   }
 

@@ -7,14 +7,17 @@
 // Every incident (the onset of a failure at a layer) is linked to the incident that explains
 // it, by temporal precedence (step, then forward -> loss -> backward within a step, then
 // forward order) and by what can cause what:
+//   NaN/Inf in the model's input (bad data) -> non-finite values -> loss divergence
 //   exploding activation/gradient  -> non-finite values -> loss divergence
 //   dead units / saturation at or downstream of a layer -> vanishing gradient at that layer
 //   a large update (exploding gradient, loss spike) -> dead units, saturation later
+//   an exploding activation -> dead units, saturation, constant output downstream of it in
+//     the same forward pass
 //   dead units upstream -> constant output downstream
 //   an exploding activation feeding a saturating activation is that layer's saturation.
 // Incidents that nothing explains are root causes; each becomes a hypothesis whose causal
-// chain lists what it explains. Hypotheses are ranked by severity, then onset, then
-// confidence. One sort and one sweep with ordered lookups: O(E log E) for E incidents.
+// chain lists what it explains. Hypotheses are ranked by severity, then onset (step, phase,
+// then forward order; backward order for gradients), then confidence. One sort and one sweep with ordered lookups: O(E log E) for E incidents.
 //
 // ```cpp
 // auto d = torchdbg::diagnose(health);
@@ -223,9 +226,22 @@ inline std::string describe_root(const Incident& i, std::size_t related) {
   const std::string step = std::to_string(i.step);
   auto pct = [](double v) { return num3(v * 100.0) + "%"; };
   switch (i.kind) {
+    case FailureKind::BadInput: {
+      const auto count = [&](const char* k) {
+        return i.details.contains(k) ? i.details[k].get<int64_t>() : int64_t{0};
+      };
+      const int64_t nan = count("nan"), inf = count("inf");
+      std::string held;
+      if (nan > 0) held = std::to_string(nan) + " NaN value" + (nan == 1 ? "" : "s");
+      if (inf > 0) held += (held.empty() ? "" : " and ") + std::to_string(inf) + " infinite value" + (inf == 1 ? "" : "s");
+      std::string s = "the model's input at step " + step + " held " + held;
+      if (i.details.contains("first_layer"))
+        s += " before '" + i.details["first_layer"].get<std::string>() + "', the first layer, saw it";
+      return s + ": the data, not a layer, is the origin.";
+    }
     case FailureKind::NonFiniteOutput: {
       std::string s = at + " produced the first non-finite output at step " + step + " (" +
-                      pct(i.value) + " NaN/Inf) while its input was finite";
+                      pct(i.value) + " NaN/Inf) while every earlier value of the step was finite";
       if (i.layer != i.module)
         s += ": '" + i.layer.substr(i.module.size() + 1) + "' applied to its output";
       return s + ".";
@@ -365,19 +381,33 @@ inline Diagnosis diagnose(const HealthReport& report) {
     }
   }
 
+  // The most upstream exploding activation of each step so far (the sweep runs in forward
+  // order within a step): it explains dead, saturated or constant layers downstream of it in
+  // the same forward pass.
+  std::map<int64_t, std::size_t> explode_act_in_step;
+  auto upstream_explosion = [&](const Incident& x) -> std::optional<std::size_t> {
+    auto it = explode_act_in_step.find(x.step);
+    if (it == explode_act_in_step.end() || x.phase != Phase::Forward || inc[it->second].order >= x.order ||
+        inc[it->second].module == x.module)  // a module's own explosion and saturation: the pre-pass
+      return std::nullopt;
+    return it->second;
+  };
+
   for (std::size_t pos = 0; pos < n; ++pos) {
     const std::size_t i = order[pos];
     const Incident& x = inc[i];
     if (!cause[i]) {
       std::optional<std::size_t> c;
       switch (x.kind) {
+        case K::BadInput:  // the data: nothing in the model explains it
+          break;
         case K::NonFiniteOutput:
-          c = earliest({K::ExplodingActivation, K::ExplodingGradient, K::LossSpike,
+          c = earliest({K::BadInput, K::ExplodingActivation, K::ExplodingGradient, K::LossSpike,
                         K::NonFiniteGradient, K::NonFiniteOutput},
                        true, x.step);
           break;
         case K::NonFiniteGradient:
-          c = earliest({K::NonFiniteOutput, K::LossDivergence}, false, x.step + 1);
+          c = earliest({K::BadInput, K::NonFiniteOutput, K::LossDivergence}, false, x.step + 1);
           if (!c)
             c = earliest({K::ExplodingActivation, K::ExplodingGradient, K::NonFiniteGradient}, true,
                          x.step);
@@ -403,6 +433,7 @@ inline Diagnosis diagnose(const HealthReport& report) {
         case K::DeadUnits:
         case K::Saturation:
           c = earliest({K::ExplodingActivation, K::ExplodingGradient, K::LossSpike}, true, x.step);
+          if (!c) c = upstream_explosion(x);
           if (!c && x.kind == K::DeadUnits && !blockers.empty() &&
               blockers.begin()->first < x.order &&
               inc[blockers.begin()->second].kind == K::DeadUnits)
@@ -410,6 +441,7 @@ inline Diagnosis diagnose(const HealthReport& report) {
           break;
         case K::ConstantOutput:
           if (!blockers.empty() && blockers.begin()->first < x.order) c = blockers.begin()->second;
+          if (!c) c = upstream_explosion(x);
           break;
         case K::ExplodingActivation:
           c = earliest({K::ExplodingGradient, K::LossSpike}, true, x.step);
@@ -432,6 +464,8 @@ inline Diagnosis diagnose(const HealthReport& report) {
       blockers[x.order] = i;
     if (x.kind == K::VanishingGradient && !cause[i] && !vanishing_group.count(x.step))
       vanishing_group[x.step] = i;
+    if (x.kind == K::ExplodingActivation && x.phase == Phase::Forward && !explode_act_in_step.count(x.step))
+      explode_act_in_step[x.step] = i;
     (void)exploding_group;
   }
 
@@ -522,8 +556,10 @@ inline Diagnosis diagnose(const HealthReport& report) {
     if (a.h.tier() != b.h.tier()) return a.h.tier() > b.h.tier();
     if (a.h.step != b.h.step) return a.h.step < b.h.step;
     if (a.phase != b.phase) return a.phase < b.phase;
-    if (a.h.confidence != b.h.confidence) return a.h.confidence > b.h.confidence;
-    return a.order < b.order;
+    // Within a step, the order things happened: forward order, and backward (reverse) order
+    // for gradients.
+    if (a.order != b.order) return a.phase == Phase::Backward ? a.order > b.order : a.order < b.order;
+    return a.h.confidence > b.h.confidence;
   });
   for (auto& r : ranked) {
     d.roots.push_back(r.node);

@@ -100,6 +100,7 @@ inline const char* to_string(LossHealth h) noexcept {
 
 /// What went wrong, for incidents and diagnosis hypotheses.
 enum class FailureKind {
+  BadInput,             ///< the model's input (the data) held NaN/Inf
   NonFiniteOutput,      ///< a layer's output became NaN/Inf while its input was finite
   NonFiniteGradient,    ///< the first NaN/Inf gradient in backward order
   ExplodingActivation,  ///< a layer's output scale jumps far above its input's
@@ -115,6 +116,8 @@ enum class FailureKind {
 
 inline const char* to_string(FailureKind k) noexcept {
   switch (k) {
+    case FailureKind::BadInput:
+      return "bad_input";
     case FailureKind::NonFiniteOutput:
       return "non_finite_output";
     case FailureKind::NonFiniteGradient:
@@ -178,6 +181,11 @@ struct ActivationInfo {
   std::string_view module_type;     ///< the module's class ("torch::nn::BatchNorm2dImpl")
   std::string_view pre_activation;  ///< the unobserved activation this output feeds ("tanh")
   std::optional<double> input_rms;  ///< RMS of the layer's input when known
+  /// NaN and ±Inf elements of the model's input, on the step's first module output (attach's
+  /// "input_nan"/"input_inf"); `input_observed` when the input was looked at at all.
+  int64_t input_nan = 0;
+  int64_t input_inf = 0;
+  bool input_observed = false;
   /// Elements above 0 per index of the unit dimension, reduced where the tensor lives when
   /// attach queued it (`install`'s prefetch); null: the monitor counts them itself.
   const std::vector<double>* unit_counts = nullptr;
@@ -265,13 +273,14 @@ struct HealthOptions {
   TORCH_ARG(std::size_t, max_layers) = 4096;
   TORCH_ARG(OnFailure, on_failure) = OnFailure::Record;
   TORCH_ARG(std::vector<FailureKind>, pause_on) = std::vector<FailureKind>{
-      FailureKind::NonFiniteOutput, FailureKind::NonFiniteGradient,
+      FailureKind::BadInput,        FailureKind::NonFiniteOutput, FailureKind::NonFiniteGradient,
       FailureKind::ExplodingActivation, FailureKind::ExplodingGradient,
       FailureKind::LossDivergence};
 };
 
 /// What a transition means.
 enum class EventType {
+  NonFiniteInput,  ///< the model's input (layer "input") held NaN/Inf
   NonFiniteActivation,
   Saturation,
   DeadUnits,
@@ -290,6 +299,8 @@ enum class EventType {
 
 inline const char* to_string(EventType t) noexcept {
   switch (t) {
+    case EventType::NonFiniteInput:
+      return "non_finite_input";
     case EventType::NonFiniteActivation:
       return "non_finite_activation";
     case EventType::Saturation:
@@ -872,6 +883,9 @@ class BasicHealthMonitor {
     grads_pending_ = false;
     prev_rms_.reset();
     fwd_nonfinite_ = false;
+    input_bad_ = false;
+    input_persist_ = 0;
+    input_incident_.reset();
     losses_.clear();
     loss_state_ = LossHealth::Healthy;
     loss_persist_ = 0;
@@ -974,7 +988,18 @@ class BasicHealthMonitor {
     if (auto it = metadata.find("input_rms"); it != metadata.end()) {
       try {
         info.input_rms = std::stod(it->second);
+        info.input_observed = true;
       } catch (...) {
+      }
+    }
+    for (auto [key, count] : {std::pair<const char*, int64_t*>{"input_nan", &info.input_nan},
+                              std::pair<const char*, int64_t*>{"input_inf", &info.input_inf}}) {
+      if (auto it = metadata.find(key); it != metadata.end()) {
+        try {
+          *count = std::max<int64_t>(0, std::stoll(it->second));
+          info.input_observed = true;
+        } catch (...) {
+        }
       }
     }
     return info;
@@ -1130,6 +1155,9 @@ class BasicHealthMonitor {
     detail::EventFields md;
     md.add("rms", L.rms);
     std::optional<FailureKind> kind;
+    if (info.input_observed) on_input(L, step, info, pauses);
+    // A NaN/Inf output is the step's origin only when nothing before it in the step (the
+    // model's input included) was non-finite.
     const bool origin = s.has_non_finite() && !fwd_nonfinite_;
 
     // Dead units (ReLU family) are tracked on every delivery to fill the window.
@@ -1160,7 +1188,7 @@ class BasicHealthMonitor {
       md.add("nan", static_cast<double>(s.nan_count));
       md.add("inf", static_cast<double>(s.inf_count));
       md.origin = origin ? 1 : 0;
-      reason = origin ? "first non-finite output of the step (its input was finite)"
+      reason = origin ? "first non-finite output of the step (every earlier value of the step was finite)"
                       : "non-finite input";
       if (origin) kind = FailureKind::NonFiniteOutput;
       fwd_nonfinite_ = true;
@@ -1255,6 +1283,46 @@ class BasicHealthMonitor {
     if (kind && (state != ActivationHealth::NonFinite || origin)) {
       L.act_incident =
           add_incident(*kind, L, step, Phase::Forward, margin, value, threshold, id, pauses);
+    }
+  }
+
+  /// The model's input as attach saw it on the step's first module output: NaN/Inf there is
+  /// the data's failure (FailureKind::BadInput, layer "input"), and no layer is its origin.
+  void on_input(const Layer& first, int64_t step, const ActivationInfo& info, Pauses& pauses) {
+    const int64_t bad = info.input_nan + info.input_inf;
+    if (bad == 0) {
+      input_bad_ = false;
+      input_incident_.reset();
+      return;
+    }
+    fwd_nonfinite_ = true;
+    if (input_bad_) {  // still bad: the same incident goes on
+      ++input_persist_;
+      if (input_incident_) update_incident(*input_incident_, step, 1.0, input_persist_, static_cast<double>(bad));
+      return;
+    }
+    input_bad_ = true;
+    input_persist_ = 1;
+    SemanticEvent e;
+    e.type = EventType::NonFiniteInput;
+    e.layer = "input";
+    e.step = step;
+    e.from = "finite";
+    e.to = "non_finite";
+    e.confidence = detail::evidence_confidence(1.0, 1, options_.persistence_steps());
+    e.metadata = {{"nan", info.input_nan}, {"inf", info.input_inf}, {"first_layer", first.name}};
+    const uint64_t id = emit(std::move(e));
+    Layer pseudo;
+    pseudo.name = pseudo.module = "input";
+    pseudo.order = -1;  // before every layer
+    input_incident_ = add_incident(FailureKind::BadInput, pseudo, step, Phase::Forward, 1.0,
+                                   static_cast<double>(bad), 0.0, id, pauses);
+    if (*input_incident_ < incidents_.size() && incidents_[*input_incident_].kind == FailureKind::BadInput &&
+        incidents_[*input_incident_].step == step) {  // not dropped at capacity
+      Incident& inc = incidents_[*input_incident_];
+      inc.details["nan"] = info.input_nan;
+      inc.details["inf"] = info.input_inf;
+      inc.details["first_layer"] = first.name;
     }
   }
 
@@ -1495,7 +1563,9 @@ class BasicHealthMonitor {
     } else {
       if (!first_loss_) first_loss_ = std::fabs(loss);
       const std::size_t n = losses_.size();
-      if (n >= 5) {
+      // From the second loss on: with few losses the mean is rough, but a jump of
+      // loss_spike_factor (10x) over it is no noise (a destructive first update).
+      if (n >= 1) {
         double mean = 0.0;
         const std::size_t from = n > window ? n - window : 0;
         for (std::size_t i = from; i < n; ++i) mean += losses_[i];
@@ -1735,6 +1805,9 @@ class BasicHealthMonitor {
   int64_t fwd_seq_ = 0;
   std::optional<double> prev_rms_;
   bool fwd_nonfinite_ = false;
+  bool input_bad_ = false;  // the last observed model input held NaN/Inf
+  int64_t input_persist_ = 0;
+  std::optional<std::size_t> input_incident_;
   int64_t bwd_arrivals_ = 0;
   bool bwd_nonfinite_ = false;
   bool grads_pending_ = false;
