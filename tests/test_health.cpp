@@ -325,6 +325,23 @@ TEST_CASE("NaN/Inf in the model's input is a bad-input incident, and the layer f
   CHECK(std::count(types.begin(), types.end(), "non_finite_input") == 1);
 }
 
+TEST_CASE("persistence counts steps, not the calls of a module called several times a step", "[health]") {
+  HealthMonitor once, twice;
+  torchdbg_test::SeededRng rng(5);
+  for (int s = 0; s < 4; ++s) {
+    const auto y = torch::tanh(torch::randn({64, 32}) * 3);
+    once.observe_activation("a/tanh", y, s, act("tanh"));
+    twice.observe_activation("a/tanh", y, s, act("tanh"));
+    twice.observe_activation("a/tanh", y, s, act("tanh"));  // a second call in the same step
+  }
+  const auto a = once.incidents(), b = twice.incidents();
+  REQUIRE(a.size() == 1);
+  REQUIRE(b.size() == 1);
+  CHECK(a[0].persisted == 4);
+  CHECK(b[0].persisted == 4);
+  CHECK(a[0].confidence == b[0].confidence);
+}
+
 TEST_CASE("confidence grows with the margin past the threshold and with persistence", "[health]") {
   HealthMonitor m;
   m.observe_activation("a/tanh", torch::tanh(torch::randn({64, 32}) * 3), 0,

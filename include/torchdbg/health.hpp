@@ -909,6 +909,7 @@ class BasicHealthMonitor {
     bool seen_fwd = false;
     ActivationHealth act = ActivationHealth::Normal;
     int64_t act_since = 0, act_persist = 0;
+    int64_t act_step = 0;  // the step of the last judged output
     std::optional<std::size_t> act_incident;
     double rms = detail::kNaN, gain = detail::kNaN, sat_frac = detail::kNaN,
            dead_frac = detail::kNaN;
@@ -1120,6 +1121,10 @@ class BasicHealthMonitor {
     const std::string_view activation = info.activation, op = info.op,
                            module_type = info.module_type;
     L.last_step = step;
+    // Persistence counts steps: a module called several times in a step judges each call,
+    // and its second call in the same state is no further evidence of persistence.
+    const bool new_step = !L.seen_fwd || L.act_step != step;
+    L.act_step = step;
     // Forward order: the position of the layer's output within the step (the module of an
     // activation takes the position of its first output).
     const int64_t pos = fwd_seq_++;
@@ -1255,7 +1260,7 @@ class BasicHealthMonitor {
     L.seen_fwd = true;
     if (state == before && !first) {
       if (state != ActivationHealth::Normal) {
-        ++L.act_persist;
+        if (new_step) ++L.act_persist;
         if (L.act_incident) update_incident(*L.act_incident, step, margin, L.act_persist, value);
       }
       return;
