@@ -499,3 +499,52 @@ TEST_CASE("the causal graph exports as Mermaid, DOT and JSON", "[diagnosis]") {
   CHECK(j["edges"][0] == nlohmann::json::array({0, 1}));
   CHECK(j["summary"].get<std::string>().find("saturated") != std::string::npos);
 }
+
+TEST_CASE("causal rules: a constant output blocks the gradient upstream and makes units downstream dead",
+          "[diagnosis]") {
+  using P = torchdbg::Phase;
+  torchdbg::HealthReport r;
+  // fc1's weight is zero: its output is constant, fc0's gradient vanishes, and the units
+  // after fc2 see one input and die; all in the step of the onset.
+  r.incidents = {incident(FailureKind::ConstantOutput, "fc1", 7, P::Forward, 2),
+                 incident(FailureKind::DeadUnits, "fc2/relu", 7, P::Forward, 4),
+                 incident(FailureKind::VanishingGradient, "fc0", 7, P::Backward, 0)};
+  const auto d = torchdbg::diagnose(r);
+  REQUIRE(d.hypotheses.size() == 1);
+  CHECK(d.hypotheses[0].kind == FailureKind::ConstantOutput);
+  CHECK(d.hypotheses[0].layer == "fc1");
+  CHECK(d.hypotheses[0].causal_chain.size() == 3);
+  // A constant output downstream of the vanishing layer only: fc3's vanishing gradient is
+  // not explained by fc1 (fc3 is downstream of it).
+  r.incidents.push_back(incident(FailureKind::VanishingGradient, "fc3", 7, P::Backward, 6));
+  const auto d2 = torchdbg::diagnose(r);
+  REQUIRE(d2.hypotheses.size() == 2);
+  CHECK(d2.hypotheses[1].kind == FailureKind::VanishingGradient);
+  CHECK(d2.hypotheses[1].layer == "fc3");
+}
+
+TEST_CASE("the exploding-gradient origin uses the amplification over its usual value when known",
+          "[diagnosis]") {
+  using P = torchdbg::Phase;
+  torchdbg::HealthReport r;
+  // A uniformly scaled backward pass: bn0 amplifies 30x, which is what it always does (its
+  // usual ratio); fc is where backward starts. Without the usual values, bn0 would be taken.
+  auto fc = incident(FailureKind::ExplodingGradient, "fc", 4, P::Backward, 6);
+  auto bn = incident(FailureKind::ExplodingGradient, "bn0", 4, P::Backward, 2);
+  auto conv = incident(FailureKind::ExplodingGradient, "conv0", 4, P::Backward, 0);
+  bn.details["amplification"] = 30.0;
+  conv.details["amplification"] = 1.5;
+  r.incidents = {fc, bn, conv};
+  CHECK(torchdbg::diagnose(r).top()->layer == "bn0");
+  bn.details["amplification_vs_usual"] = 1.02;
+  conv.details["amplification_vs_usual"] = 0.98;
+  fc.details["amplification_vs_usual"] = 1.0;
+  r.incidents = {fc, bn, conv};
+  const auto d = torchdbg::diagnose(r);
+  CHECK(d.top()->layer == "fc");
+  CHECK(d.hypotheses.size() == 1);
+  // A real jump over the usual ratio is still found.
+  bn.details["amplification_vs_usual"] = 40.0;
+  r.incidents = {fc, bn, conv};
+  CHECK(torchdbg::diagnose(r).top()->layer == "bn0");
+}

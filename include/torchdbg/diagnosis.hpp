@@ -9,15 +9,17 @@
 // forward order) and by what can cause what:
 //   NaN/Inf in the model's input (bad data) -> non-finite values -> loss divergence
 //   exploding activation/gradient  -> non-finite values -> loss divergence
-//   dead units / saturation at or downstream of a layer -> vanishing gradient at that layer
+//   dead units / saturation / constant output at or downstream of a layer -> vanishing
+//     gradient at that layer
 //   a large update (exploding gradient, loss spike) -> dead units, saturation later
 //   an exploding activation -> dead units, saturation, constant output downstream of it in
 //     the same forward pass
-//   dead units upstream -> constant output downstream
+//   dead units or a constant output upstream -> dead units, constant output downstream
 //   an exploding activation feeding a saturating activation is that layer's saturation.
 // Incidents that nothing explains are root causes; each becomes a hypothesis whose causal
-// chain lists what it explains. Hypotheses are ranked by severity, then onset (step, phase,
-// then forward order; backward order for gradients), then confidence. One sort and one sweep with ordered lookups: O(E log E) for E incidents.
+// chain lists what it explains. Hypotheses are ranked by severity (the worst tier in the
+// chain), then onset (step, phase, then forward order; backward order for gradients), then
+// confidence. One sort and one sweep with ordered lookups: O(E log E) for E incidents.
 //
 // ```cpp
 // auto d = torchdbg::diagnose(health);
@@ -60,7 +62,13 @@ struct Hypothesis {
   std::vector<CausalLink> causal_chain;  ///< the root first, then its consequences in time order
   int rank = -1;                         ///< the process where it started (distributed runs)
 
-  [[nodiscard]] int tier() const noexcept { return failure_tier(kind); }
+  /// Severity: the worst failure_tier of the root and what it explains (a constant output
+  /// that stops the gradient upstream of it breaks training like the vanishing it causes).
+  [[nodiscard]] int tier() const noexcept {
+    int t = failure_tier(kind);
+    for (const auto& c : causal_chain) t = std::max(t, failure_tier(c.kind));
+    return t;
+  }
 };
 
 inline nlohmann::json to_json(const CausalLink& c) {
@@ -296,6 +304,18 @@ inline std::string describe_root(const Incident& i, std::size_t related) {
     case FailureKind::LossPlateau:
       return "the loss has plateaued by step " + step + " (relative improvement " + num3(i.value) +
              ").";
+    case FailureKind::Custom: {
+      const auto text = [&](const char* k) {
+        return i.details.contains(k) && i.details[k].is_string() ? i.details[k].get<std::string>() : std::string();
+      };
+      const std::string label = text("label"), rule = text("rule"), reason = text("reason");
+      std::string s = (label.empty() ? std::string("a user rule's finding") : label) + " at '" + i.layer +
+                      "' from step " + step;
+      if (!reason.empty()) s += ": " + reason;
+      s += " (value " + num3(i.value) + ", limit " + num3(i.threshold);
+      if (!rule.empty()) s += ", rule '" + rule + "'";
+      return s + ").";
+    }
   }
   return {};
 }
@@ -361,20 +381,23 @@ inline Diagnosis diagnose(const HealthReport& report) {
     return best;
   };
   // Exploding-gradient origin per step: the largest amplification (where the backward signal
-  // jumps), else the most downstream exploding layer.
+  // jumps; over its usual value when both layers have gradient baselines), else the most
+  // downstream exploding layer.
   std::map<int64_t, std::size_t> explode_origin;
   for (std::size_t i = 0; i < n; ++i) {
     if (inc[i].kind != K::ExplodingGradient) continue;
     auto it = explode_origin.find(inc[i].step);
-    auto amp = [&](std::size_t k) {
-      return inc[k].details.contains("amplification")
-                 ? inc[k].details["amplification"].get<double>()
-                 : 0.0;
-    };
     if (it == explode_origin.end()) {
       explode_origin[inc[i].step] = i;
     } else {
       const std::size_t j = it->second;
+      const char* key = inc[i].details.contains("amplification_vs_usual") &&
+                                inc[j].details.contains("amplification_vs_usual")
+                            ? "amplification_vs_usual"
+                            : "amplification";
+      auto amp = [&](std::size_t k) {
+        return inc[k].details.contains(key) ? inc[k].details[key].get<double>() : 0.0;
+      };
       const double ai = amp(i), aj = amp(j);
       const double jump = 10.0;
       if ((ai >= jump || aj >= jump) ? ai > aj : inc[i].order > inc[j].order) it->second = i;
@@ -400,6 +423,7 @@ inline Diagnosis diagnose(const HealthReport& report) {
       std::optional<std::size_t> c;
       switch (x.kind) {
         case K::BadInput:  // the data: nothing in the model explains it
+        case K::Custom:    // a user rule: what causes it is not known here
           break;
         case K::NonFiniteOutput:
           c = earliest({K::BadInput, K::ExplodingActivation, K::ExplodingGradient, K::LossSpike,
@@ -436,7 +460,8 @@ inline Diagnosis diagnose(const HealthReport& report) {
           if (!c) c = upstream_explosion(x);
           if (!c && x.kind == K::DeadUnits && !blockers.empty() &&
               blockers.begin()->first < x.order &&
-              inc[blockers.begin()->second].kind == K::DeadUnits)
+              (inc[blockers.begin()->second].kind == K::DeadUnits ||
+               inc[blockers.begin()->second].kind == K::ConstantOutput))
             c = blockers.begin()->second;
           break;
         case K::ConstantOutput:
@@ -460,7 +485,8 @@ inline Diagnosis diagnose(const HealthReport& report) {
     if (!first_any) first_any = i;
     if (x.module != "loss" && failure_tier(x.kind) == 2 && !first_layer_failure)
       first_layer_failure = i;
-    if ((x.kind == K::DeadUnits || x.kind == K::Saturation) && !blockers.count(x.order))
+    if ((x.kind == K::DeadUnits || x.kind == K::Saturation || x.kind == K::ConstantOutput) &&
+        !blockers.count(x.order))
       blockers[x.order] = i;
     if (x.kind == K::VanishingGradient && !cause[i] && !vanishing_group.count(x.step))
       vanishing_group[x.step] = i;

@@ -11,7 +11,11 @@
 // * gradient: healthy, vanishing, exploding, non-finite (absolute thresholds, a threshold
 //   relative to the step's largest layer gradient, and an adaptive per-layer baseline);
 // * loss: healthy, diverging (NaN/Inf), spike, plateau.
-// Each transition, and the first observation of a layer that starts unhealthy, is a
+// The monitor keeps the bookkeeping (per-layer windows and baselines, forward and backward
+// order, events, incidents, pauses); what counts as unhealthy is decided by its rules
+// (health_rules.hpp): the built-in ones, configured by HealthOptions, and any user rules
+// (`HealthOptions::rules`, `add_rule`), whose findings become states, events and incidents the
+// same way. Each transition, and the first observation of a layer that starts unhealthy, is a
 // SemanticEvent; each onset of a failure is an Incident, the raw material of diagnose()
 // (diagnosis.hpp). Layers are ordered by forward execution order as observed.
 //
@@ -47,14 +51,16 @@
 #include "torchdbg/detail/ring_buffer.hpp"
 #include "torchdbg/detail/stats_kernel.hpp"
 #include "torchdbg/error.hpp"
+#include "torchdbg/health_rules.hpp"
 #include "torchdbg/hook_manager.hpp"
 #include "torchdbg/tensor_stats.hpp"
 
 namespace torchdbg {
 
 enum class ActivationHealth { Normal, Saturated, Dead, Anomalous, NonFinite };
-enum class GradientHealth { Healthy, Vanishing, Exploding, NonFinite };
-enum class LossHealth { Healthy, Diverging, Spike, Plateau };
+/// `Anomalous`: a user rule's finding (FailureKind::Custom).
+enum class GradientHealth { Healthy, Vanishing, Exploding, NonFinite, Anomalous };
+enum class LossHealth { Healthy, Diverging, Spike, Plateau, Anomalous };
 
 inline const char* to_string(ActivationHealth h) noexcept {
   switch (h) {
@@ -81,6 +87,8 @@ inline const char* to_string(GradientHealth h) noexcept {
       return "exploding";
     case GradientHealth::NonFinite:
       return "non_finite";
+    case GradientHealth::Anomalous:
+      return "anomalous";
   }
   return "?";
 }
@@ -94,67 +102,10 @@ inline const char* to_string(LossHealth h) noexcept {
       return "spike";
     case LossHealth::Plateau:
       return "plateau";
+    case LossHealth::Anomalous:
+      return "anomalous";
   }
   return "?";
-}
-
-/// What went wrong, for incidents and diagnosis hypotheses.
-enum class FailureKind {
-  BadInput,             ///< the model's input (the data) held NaN/Inf
-  NonFiniteOutput,      ///< a layer's output became NaN/Inf while its input was finite
-  NonFiniteGradient,    ///< the first NaN/Inf gradient in backward order
-  ExplodingActivation,  ///< a layer's output scale jumps far above its input's
-  ExplodingGradient,
-  VanishingGradient,
-  DeadUnits,
-  Saturation,
-  ConstantOutput,  ///< a layer's output is (nearly) the same value everywhere
-  LossDivergence,  ///< NaN/Inf loss
-  LossSpike,
-  LossPlateau,
-};
-
-inline const char* to_string(FailureKind k) noexcept {
-  switch (k) {
-    case FailureKind::BadInput:
-      return "bad_input";
-    case FailureKind::NonFiniteOutput:
-      return "non_finite_output";
-    case FailureKind::NonFiniteGradient:
-      return "non_finite_gradient";
-    case FailureKind::ExplodingActivation:
-      return "exploding_activation";
-    case FailureKind::ExplodingGradient:
-      return "exploding_gradient";
-    case FailureKind::VanishingGradient:
-      return "vanishing_gradient";
-    case FailureKind::DeadUnits:
-      return "dead_units";
-    case FailureKind::Saturation:
-      return "saturation";
-    case FailureKind::ConstantOutput:
-      return "constant_output";
-    case FailureKind::LossDivergence:
-      return "loss_divergence";
-    case FailureKind::LossSpike:
-      return "loss_spike";
-    case FailureKind::LossPlateau:
-      return "loss_plateau";
-  }
-  return "?";
-}
-
-/// How serious a failure kind is: 2 breaks training, 1 degrades it, 0 is informational.
-inline int failure_tier(FailureKind k) noexcept {
-  switch (k) {
-    case FailureKind::ConstantOutput:
-    case FailureKind::LossSpike:
-      return 1;
-    case FailureKind::LossPlateau:
-      return 0;
-    default:
-      return 2;
-  }
 }
 
 /// Where in a step something was seen, in the order a training step runs: the forward pass,
@@ -231,7 +182,8 @@ struct HealthOptions {
   /// Output std below this fraction of its RMS (with >= 2 elements): near-constant.
   TORCH_ARG(double, constant_ratio) = 1e-6;
   /// Output std above this multiple of its input's RMS: an exploding activation
-  /// (normalization layers excepted).
+  /// (normalization layers excepted). Once the layer's gain baseline (an EMA of its healthy
+  /// gains) is known, the limit is this multiple of the baseline, and at least 2.
   TORCH_ARG(double, activation_gain) = 10.0;
   /// Layers (regex, whole name) whose observed output is the pre-activation of an
   /// unobserved activation ("tanh", "sigmoid" or "relu"): bounds are applied to the
@@ -264,6 +216,12 @@ struct HealthOptions {
   TORCH_ARG(int64_t, plateau_window) = 200;
   TORCH_ARG(double, plateau_tolerance) = 1e-3;
 
+  // ---- rules
+  /// Rules evaluated after the built-in ones (health_rules.hpp): their findings become
+  /// states, events and incidents like the built-in rules' (FailureKind::Custom, or a
+  /// built-in kind). The built-in rules take their thresholds from the options above.
+  TORCH_ARG(std::vector<HealthRulePtr>, rules);
+
   // ---- events, confidence, policy
   /// Consecutive evaluations in a state after which persistence counts fully in confidence.
   TORCH_ARG(int64_t, persistence_steps) = 3;
@@ -278,21 +236,47 @@ struct HealthOptions {
       FailureKind::LossDivergence};
 };
 
+/// The built-in rules with the thresholds in `o`, in the order they are evaluated: an
+/// output's non-finite values, dead units, saturation, an exploding activation, a constant
+/// output; a gradient's non-finite values, explosion, vanishing; the loss's divergence,
+/// spike, plateau.
+inline std::vector<HealthRulePtr> builtin_health_rules(const HealthOptions& o) {
+  return {std::make_shared<NonFiniteOutputRule>(),
+          std::make_shared<DeadUnitsRule>(DeadUnitsRuleOptions().fraction(o.dead_fraction())),
+          std::make_shared<SaturationRule>(SaturationRuleOptions().fraction(o.saturated_fraction())),
+          std::make_shared<ExplodingActivationRule>(ExplodingActivationRuleOptions().gain(o.activation_gain())),
+          std::make_shared<ConstantOutputRule>(ConstantOutputRuleOptions().ratio(o.constant_ratio())),
+          std::make_shared<NonFiniteGradientRule>(),
+          std::make_shared<ExplodingGradientRule>(
+              ExplodingGradientRuleOptions().norm(o.exploding_norm()).jump(o.gradient_jump())),
+          std::make_shared<VanishingGradientRule>(VanishingGradientRuleOptions()
+                                                      .norm(o.vanishing_norm())
+                                                      .ratio(o.vanishing_ratio())
+                                                      .collapse(o.gradient_collapse())),
+          std::make_shared<LossDivergenceRule>(),
+          std::make_shared<LossSpikeRule>(
+              LossSpikeRuleOptions().factor(o.loss_spike_factor()).window(o.loss_window())),
+          std::make_shared<LossPlateauRule>(
+              LossPlateauRuleOptions().window(o.plateau_window()).tolerance(o.plateau_tolerance()))};
+}
+
 /// What a transition means.
 enum class EventType {
   NonFiniteInput,  ///< the model's input (layer "input") held NaN/Inf
   NonFiniteActivation,
   Saturation,
   DeadUnits,
-  ActivationAnomaly,  ///< near-constant output or exploding activation
+  ActivationAnomaly,  ///< near-constant output, exploding activation or a user rule's finding
   ActivationRecovered,
   NonFiniteGradient,
   VanishingGradient,
   ExplodingGradient,
+  GradientAnomaly,  ///< a user rule's finding on a gradient
   GradientRecovered,
   LossDiverged,
   LossSpike,
   LossPlateau,
+  LossAnomaly,  ///< a user rule's finding on the loss
   LossRecovered,
   TrainingPaused,
 };
@@ -327,6 +311,10 @@ inline const char* to_string(EventType t) noexcept {
       return "loss_plateau";
     case EventType::LossRecovered:
       return "loss_recovered";
+    case EventType::GradientAnomaly:
+      return "gradient_anomaly";
+    case EventType::LossAnomaly:
+      return "loss_anomaly";
     case EventType::TrainingPaused:
       return "training_paused";
   }
@@ -371,7 +359,10 @@ struct Incident {
   FailureKind kind = FailureKind::NonFiniteOutput;
   std::string layer;      ///< the observed name ("fc2/tanh")
   std::string module;     ///< the responsible module ("fc2"): the name before the first '/'
-  int64_t step = 0;       ///< onset
+  /// Onset: the step the failure began. Dead units are confirmed over a window of outputs;
+  /// their onset is the first output of the inactive run, and `details["detected_step"]` the
+  /// step that confirmed it.
+  int64_t step = 0;
   int64_t last_step = 0;  ///< last evaluation still in that state
   Phase phase = Phase::Forward;
   int64_t order = 0;      ///< forward execution order of `module` (smaller: upstream)
@@ -468,8 +459,6 @@ struct HealthStep {
 
 namespace detail {
 
-inline double clamp01(double v) noexcept { return v < 0.0 ? 0.0 : (v > 1.0 ? 1.0 : v); }
-
 /// Confidence from how far past its threshold a value is (`margin`, 0..1) and for how many
 /// consecutive evaluations it has held (`persisted` of `full`).
 inline double evidence_confidence(double margin, int64_t persisted, int64_t full) noexcept {
@@ -479,49 +468,9 @@ inline double evidence_confidence(double margin, int64_t persisted, int64_t full
   return clamp01(1.0 - (1.0 - m) * (1.0 - p));
 }
 
-/// log10(a / b) mapped to 0..1 by x / (x + 0.5): 0 at the threshold, 0.67 one decade past.
-inline double decade_margin(double a, double b) noexcept {
-  if (!(a > 0.0) || !(b > 0.0)) return 1.0;
-  const double x = std::log10(a / b);
-  return x <= 0.0 ? 0.0 : x / (x + 0.5);
-}
+/// A number for JSON: null when NaN/Inf.
+inline nlohmann::json json_num(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
 
-/// The numbers behind a health decision, kept without allocating until an event needs them
-/// as JSON (most evaluations emit none).
-struct EventFields {
-  std::array<std::pair<const char*, double>, 10> nums{};
-  int n = 0;
-  int origin = -1;  // -1: not applicable, else a bool
-  void add(const char* key, double v) noexcept {
-    if (n < static_cast<int>(nums.size())) nums[static_cast<std::size_t>(n++)] = {key, v};
-  }
-  [[nodiscard]] nlohmann::json json(const std::string& activation,
-                                    const std::string& reason) const {
-    nlohmann::json j = nlohmann::json::object();
-    for (int i = 0; i < n; ++i) {
-      const auto& [k, v] = nums[static_cast<std::size_t>(i)];
-      if (!std::isfinite(v)) {
-        j[k] = nullptr;
-      } else if (v == std::floor(v) && std::fabs(v) < 9e15) {
-        j[k] = static_cast<int64_t>(v);
-      } else {
-        j[k] = v;
-      }
-    }
-    if (origin >= 0) j["origin"] = origin == 1;
-    if (!activation.empty()) j["activation"] = activation;
-    if (!reason.empty()) j["reason"] = reason;
-    return j;
-  }
-};
-
-inline bool is_dead_capable(std::string_view act) noexcept {
-  return act == "relu" || act == "relu6" || act == "threshold";
-}
-inline bool is_saturating(std::string_view act) noexcept {
-  return act == "tanh" || act == "sigmoid" || act == "hardtanh" || act == "hardsigmoid" ||
-         act == "softsign";
-}
 
 }  // namespace detail
 
@@ -604,6 +553,12 @@ class BasicHealthMonitor {
                     "' for '" + pattern + "'");
       pre_acts_.emplace_back(detail::compile_pattern(pattern, "pre_activations pattern"), act);
     }
+    rules_ = builtin_health_rules(options_);
+    for (std::size_t i = 0; i < options_.rules().size(); ++i) {
+      if (!options_.rules()[i])
+        throw Error("torchdbg: HealthOptions::rules[" + std::to_string(i) + "] is null");
+      rules_.push_back(options_.rules()[i]);
+    }
   }
   BasicHealthMonitor(const BasicHealthMonitor&) = delete;
   BasicHealthMonitor& operator=(const BasicHealthMonitor&) = delete;
@@ -674,6 +629,25 @@ class BasicHealthMonitor {
       throw;
     }
     return HealthInstallation<Mutex, M>(mgr, id, cb, listener);
+  }
+
+  /// Adds `rule` after the current ones; it judges every later observation.
+  void add_rule(HealthRulePtr rule) {
+    if (!rule) throw Error("torchdbg: add_rule got a null rule");
+    std::lock_guard<Mutex> lock(mutex_);
+    rules_.push_back(std::move(rule));
+  }
+  /// Rule calls that threw (the rule judged nothing for that observation).
+  [[nodiscard]] uint64_t rule_errors() const {
+    std::lock_guard<Mutex> lock(mutex_);
+    return rule_errors_;
+  }
+  /// The rules in evaluation order (the built-in ones first).
+  [[nodiscard]] std::vector<std::string> rule_names() const {
+    std::lock_guard<Mutex> lock(mutex_);
+    std::vector<std::string> out;
+    for (const auto& r : rules_) out.push_back(r->name());
+    return out;
   }
 
   /// Called on a failure in `pause_on` when `on_failure(Pause)`; `install` sets it to the
@@ -877,7 +851,7 @@ class BasicHealthMonitor {
     index_.clear();
     incidents_.clear();
     events_.clear();
-    event_seq_ = alarms_ = ignored_ = 0;
+    event_seq_ = alarms_ = ignored_ = rule_errors_ = 0;
     touched_.clear();
     fwd_seq_ = 0;
     grads_pending_ = false;
@@ -917,8 +891,9 @@ class BasicHealthMonitor {
     double gain_base = detail::kNaN;
     int64_t gain_n = 0;
     std::vector<std::vector<int64_t>> unit_ring;
-    std::vector<int64_t> sample_ring;
+    std::vector<int64_t> sample_ring, step_ring;
     std::size_t unit_head = 0;
+    int64_t dead_since = 0;  // the step of the first output of the dead units' inactive run
     // gradient
     bool seen_bwd = false;
     GradientHealth grad = GradientHealth::Healthy;
@@ -1143,6 +1118,7 @@ class BasicHealthMonitor {
     // Counts prefetched for this output hold when they were made for the kind judged here.
     const bool prefetch_valid = k.known && k.name == L.act_kind && k.pre == L.pre_activation;
 
+    // ---- the measurements
     const double numel = static_cast<double>(s.numel);
     L.nonfinite_frac = numel > 0 ? static_cast<double>(s.nan_count + s.inf_count) / numel : 0.0;
     L.rms = s.finite_count > 0 ? std::sqrt(s.mean * s.mean + s.std * s.std) : detail::kNaN;
@@ -1153,17 +1129,11 @@ class BasicHealthMonitor {
     // The gain compares the output's spread with the input's scale: a shifted bias moves the
     // mean, not the spread, and is no explosion.
     L.gain = (L.gain_checked && in_rms && std::isfinite(s.std)) ? s.std / *in_rms : detail::kNaN;
-
-    ActivationHealth state = ActivationHealth::Normal;
-    double margin = 0.0, value = 0.0, threshold = 0.0;
-    std::string reason;
-    detail::EventFields md;
-    md.add("rms", L.rms);
-    std::optional<FailureKind> kind;
     if (info.input_observed) on_input(L, step, info, pauses);
     // A NaN/Inf output is the step's origin only when nothing before it in the step (the
     // model's input included) was non-finite.
     const bool origin = s.has_non_finite() && !fwd_nonfinite_;
+    if (s.has_non_finite()) fwd_nonfinite_ = true;
 
     // Dead units (ReLU family) are tracked on every delivery to fill the window.
     if (detail::is_dead_capable(L.act_kind) && y.dim() > 0) {
@@ -1179,73 +1149,57 @@ class BasicHealthMonitor {
         } else {
           counts = detail::count_above_per_unit(y, dim, 0.0, per_unit);
         }
-        push_units(L, std::move(counts), per_unit);
+        push_units(L, std::move(counts), per_unit, step);
       } catch (const Error&) {
         // the unit dimension does not exist for this output: no dead-unit judgement
       }
-      L.dead_frac = dead_fraction(L);
+      L.dead_frac = dead_fraction(L, &L.dead_since);
     }
-
-    if (s.has_non_finite()) {
-      state = ActivationHealth::NonFinite;
-      value = L.nonfinite_frac;
-      margin = 0.9 + 0.1 * value;
-      md.add("nan", static_cast<double>(s.nan_count));
-      md.add("inf", static_cast<double>(s.inf_count));
-      md.origin = origin ? 1 : 0;
-      reason = origin ? "first non-finite output of the step (every earlier value of the step was finite)"
-                      : "non-finite input";
-      if (origin) kind = FailureKind::NonFiniteOutput;
-      fwd_nonfinite_ = true;
-    } else if (std::isfinite(L.dead_frac) && L.dead_frac > options_.dead_fraction()) {
-      state = ActivationHealth::Dead;
-      value = L.dead_frac;
-      threshold = options_.dead_fraction();
-      margin = (value - threshold) / std::max(1e-12, 1.0 - threshold);
-      md.add("dead_fraction", static_cast<double>(value));
-      reason = "units active in fewer than " + fmt_pct(options_.dead_activity()) + " of samples";
-      kind = FailureKind::DeadUnits;
-    } else if (saturating_kind(L.act_kind, L.pre_activation)) {
+    if (!s.has_non_finite() && saturating_kind(L.act_kind, L.pre_activation)) {
       L.sat_frac = saturated_fraction(L, y, s,
                                       prefetch_valid && info.saturated_count != nullptr &&
                                               info.saturated_count->size() == 1
                                           ? std::optional<double>((*info.saturated_count)[0])
                                           : std::nullopt);
-      if (L.sat_frac > options_.saturated_fraction()) {
-        state = ActivationHealth::Saturated;
-        value = L.sat_frac;
-        threshold = options_.saturated_fraction();
-        margin = (value - threshold) / std::max(1e-12, 1.0 - threshold);
-        md.add("saturated_fraction", static_cast<double>(value));
-        reason = L.act_kind + (L.pre_activation ? " pre-activation beyond its saturation bound"
-                                                : " output saturated");
-        kind = FailureKind::Saturation;
-      }
     }
-    if (state == ActivationHealth::Normal) {
-      const bool base_ready = L.gain_n >= options_.baseline_warmup() && std::isfinite(L.gain_base);
-      const double g = L.gain;
-      if (std::isfinite(g) &&
-          (g > options_.activation_gain() ||
-           (base_ready && g > 2.0 && g > options_.activation_gain() * L.gain_base))) {
-        state = ActivationHealth::Anomalous;
-        value = g;
-        threshold = g > options_.activation_gain() ? options_.activation_gain()
-                                                   : options_.activation_gain() * L.gain_base;
-        margin = detail::decade_margin(value, threshold);
-        md.add("gain", static_cast<double>(g));
-        if (base_ready) md.add("gain_baseline", static_cast<double>(L.gain_base));
-        reason = "output spread " + fmt_num(g) + "x its input's RMS";
-        kind = FailureKind::ExplodingActivation;
-      } else if (s.numel >= 2 && s.finite_count == s.numel && std::isfinite(L.rms) &&
-                 s.std <= options_.constant_ratio() * L.rms) {
-        state = ActivationHealth::Anomalous;
-        value = L.rms > 0.0 ? s.std / L.rms : 0.0;
-        threshold = options_.constant_ratio();
-        margin = value > 0.0 ? detail::decade_margin(threshold, value) : 1.0;
-        md.add("std", static_cast<double>(s.std));
-        reason = "near-constant output";
-        kind = FailureKind::ConstantOutput;
+    const bool base_ready = L.gain_n >= options_.baseline_warmup() && std::isfinite(L.gain_base);
+
+    // ---- the rules
+    ActivationSignals sig(y, s);
+    sig.layer = L.name;
+    sig.module = L.module;
+    sig.step = step;
+    sig.kind = L.act_kind;
+    sig.pre_activation = L.pre_activation;
+    sig.module_output = L.gain_checked;
+    sig.rms = L.rms;
+    sig.gain = L.gain;
+    sig.gain_baseline = base_ready ? L.gain_base : detail::kNaN;
+    sig.dead_fraction = detail::is_dead_capable(L.act_kind) ? L.dead_frac : detail::kNaN;
+    sig.dead_since = std::min(step, L.dead_since);
+    sig.dead_activity = options_.dead_activity();
+    sig.saturated_fraction = saturating_kind(L.act_kind, L.pre_activation) && !s.has_non_finite()
+                                 ? L.sat_frac
+                                 : detail::kNaN;
+    sig.origin = origin;
+    const HealthRule* by = nullptr;
+    const std::optional<Finding> found =
+        judge(sig, [](HealthRule& r, const auto& x) { return r.check_activation(x); }, by);
+    ActivationHealth state = ActivationHealth::Normal;
+    if (found) {
+      switch (found->kind) {
+        case FailureKind::NonFiniteOutput:
+          state = ActivationHealth::NonFinite;
+          break;
+        case FailureKind::DeadUnits:
+          state = ActivationHealth::Dead;
+          break;
+        case FailureKind::Saturation:
+          state = ActivationHealth::Saturated;
+          break;
+        default:
+          state = ActivationHealth::Anomalous;
+          break;
       }
     }
     if (state == ActivationHealth::Normal && std::isfinite(L.gain)) {
@@ -1253,15 +1207,15 @@ class BasicHealthMonitor {
       L.gain_base = std::isfinite(L.gain_base) ? m * L.gain_base + (1.0 - m) * L.gain : L.gain;
       ++L.gain_n;
     }
-    if (std::isfinite(L.gain)) md.add("gain", static_cast<double>(L.gain));
 
     const ActivationHealth before = L.act;
     const bool first = !L.seen_fwd;
     L.seen_fwd = true;
     if (state == before && !first) {
-      if (state != ActivationHealth::Normal) {
+      if (found) {
         if (new_step) ++L.act_persist;
-        if (L.act_incident) update_incident(*L.act_incident, step, margin, L.act_persist, value);
+        if (L.act_incident)
+          update_incident(*L.act_incident, step, found->margin, L.act_persist, found->value);
       }
       return;
     }
@@ -1280,15 +1234,16 @@ class BasicHealthMonitor {
     e.step = step;
     e.from = first ? "unobserved" : to_string(before);
     e.to = to_string(state);
-    e.confidence = state == ActivationHealth::Normal
-                       ? 1.0
-                       : detail::evidence_confidence(margin, 1, options_.persistence_steps());
-    e.metadata = md.json(L.act_kind, reason);
-    const uint64_t id = emit(std::move(e));
-    if (kind && (state != ActivationHealth::NonFinite || origin)) {
-      L.act_incident =
-          add_incident(*kind, L, step, Phase::Forward, margin, value, threshold, id, pauses);
+    e.confidence = found ? detail::evidence_confidence(found->margin, 1, options_.persistence_steps()) : 1.0;
+    e.metadata = {{"rms", detail::json_num(L.rms)}};
+    if (std::isfinite(L.gain)) e.metadata["gain"] = L.gain;
+    if (found) {
+      for (const auto& [key, v] : found->details.items()) e.metadata[key] = v;
+      if (!found->reason.empty()) e.metadata["reason"] = found->reason;
     }
+    if (!L.act_kind.empty()) e.metadata["activation"] = L.act_kind;
+    const uint64_t id = emit(std::move(e));
+    if (found && found->incident) record_finding(*found, *by, L, step, Phase::Forward, id, pauses, L.act_incident);
   }
 
   /// The model's input as attach saw it on the step's first module output: NaN/Inf there is
@@ -1321,13 +1276,13 @@ class BasicHealthMonitor {
     pseudo.name = pseudo.module = "input";
     pseudo.order = -1;  // before every layer
     input_incident_ = add_incident(FailureKind::BadInput, pseudo, step, Phase::Forward, 1.0,
-                                   static_cast<double>(bad), 0.0, id, pauses);
-    if (*input_incident_ < incidents_.size() && incidents_[*input_incident_].kind == FailureKind::BadInput &&
-        incidents_[*input_incident_].step == step) {  // not dropped at capacity
+                                   static_cast<double>(bad), 0.0, id);
+    if (input_incident_) {  // not dropped at capacity
       Incident& inc = incidents_[*input_incident_];
       inc.details["nan"] = info.input_nan;
       inc.details["inf"] = info.input_inf;
       inc.details["first_layer"] = first.name;
+      pause_for(*input_incident_, step, pauses);
     }
   }
 
@@ -1397,24 +1352,30 @@ class BasicHealthMonitor {
     return outside / static_cast<double>(s.numel);
   }
 
-  void push_units(Layer& L, std::vector<int64_t> counts, int64_t per_unit) {
+  void push_units(Layer& L, std::vector<int64_t> counts, int64_t per_unit, int64_t step) {
     const std::size_t w = static_cast<std::size_t>(options_.dead_window());
     if (!L.unit_ring.empty() && L.unit_ring.front().size() != counts.size()) {
       L.unit_ring.clear();  // the layer's width changed: start over
       L.sample_ring.clear();
+      L.step_ring.clear();
       L.unit_head = 0;
     }
     if (L.unit_ring.size() < w) {
       L.unit_ring.push_back(std::move(counts));
       L.sample_ring.push_back(per_unit);
+      L.step_ring.push_back(step);
     } else {
       L.unit_ring[L.unit_head] = std::move(counts);
       L.sample_ring[L.unit_head] = per_unit;
+      L.step_ring[L.unit_head] = step;
       L.unit_head = (L.unit_head + 1) % w;
     }
   }
 
-  double dead_fraction(const Layer& L) const {
+  /// The fraction of dead units over the window; `since`: the step of the oldest held output
+  /// in which every one of them was inactive, in the unbroken run up to the newest (a
+  /// failure that the window confirms only after a few outputs began there).
+  double dead_fraction(const Layer& L, int64_t* since) const {
     const std::size_t held = L.unit_ring.size();
     if (held == 0) return detail::kNaN;
     const std::size_t units = L.unit_ring.front().size();
@@ -1429,11 +1390,22 @@ class BasicHealthMonitor {
       for (std::size_t u = 0; u < units; ++u) active[u] += L.unit_ring[i][u];
     }
     if (samples < options_.dead_window_samples()) return detail::kNaN;
-    std::size_t dead = 0;
+    std::vector<std::size_t> dead;
     for (std::size_t u = 0; u < units; ++u)
       if (static_cast<double>(active[u]) < options_.dead_activity() * static_cast<double>(samples))
-        ++dead;
-    return static_cast<double>(dead) / static_cast<double>(units);
+        dead.push_back(u);
+    if (since != nullptr) {
+      *since = L.step_ring[newest];
+      for (std::size_t k = 0; k < held && !dead.empty(); ++k) {
+        const std::size_t i = (newest + held - k) % held;
+        const double limit = options_.dead_activity() * static_cast<double>(L.sample_ring[i]);
+        bool inactive = true;
+        for (const std::size_t u : dead) inactive = inactive && static_cast<double>(L.unit_ring[i][u]) <= limit;
+        if (!inactive) break;
+        *since = L.step_ring[i];
+      }
+    }
+    return static_cast<double>(dead.size()) / static_cast<double>(units);
   }
 
   // ---- gradients ------------------------------------------------------------------------
@@ -1467,43 +1439,46 @@ class BasicHealthMonitor {
       L.last_step = std::max(L.last_step, step);
       // Adjacent ratio: upstream neighbour's norm over this layer's. Large where this layer
       // amplifies the backward signal (an explosion starts here).
-      double amplification = detail::kNaN;
-      if (k > 0 && L.g_norm > 0.0 && std::isfinite(layers_[mods[k - 1]].g_norm))
-        amplification = layers_[mods[k - 1]].g_norm / L.g_norm;
+      double amplification = detail::kNaN, usual_amplification = detail::kNaN;
       const bool base_ready =
           L.g_base_n >= options_.baseline_warmup() && std::isfinite(L.g_log_base);
       const double base = base_ready ? std::pow(10.0, L.g_log_base) : detail::kNaN;
+      if (k > 0 && L.g_norm > 0.0 && std::isfinite(layers_[mods[k - 1]].g_norm)) {
+        const Layer& up = layers_[mods[k - 1]];
+        amplification = up.g_norm / L.g_norm;
+        // The same ratio over its usual value (from both baselines): a uniformly scaled
+        // backward pass amplifies nothing more than usual anywhere.
+        if (base_ready && up.g_base_n >= options_.baseline_warmup() && std::isfinite(up.g_log_base))
+          usual_amplification = amplification / std::pow(10.0, up.g_log_base - L.g_log_base);
+      }
+      GradientSignals sig;
+      sig.layer = L.name;
+      sig.step = step;
+      sig.norm = L.g_norm;
+      sig.non_finite = L.g_nonfinite;
+      sig.count = L.g_count;
+      sig.max_norm = max_norm;
+      sig.baseline = base;
+      sig.origin = nf_origin && *nf_origin == mods[k];
+      const HealthRule* by = nullptr;
+      const std::optional<Finding> found =
+          judge(sig, [](HealthRule& r, const auto& x) { return r.check_gradient(x); }, by);
       GradientHealth state = GradientHealth::Healthy;
-      double margin = 0.0, value = L.g_norm, threshold = 0.0;
-      detail::EventFields md;
-      md.add("norm", L.g_norm);
-      if (std::isfinite(amplification)) md.add("amplification", amplification);
-      if (base_ready) md.add("baseline", base);
-      if (max_norm > 0.0) md.add("relative_to_max", L.g_norm / max_norm);
-      std::optional<FailureKind> kind;
-      if (L.g_nonfinite > 0 || !std::isfinite(L.g_norm)) {
-        state = GradientHealth::NonFinite;
-        value = L.g_count > 0 ? static_cast<double>(L.g_nonfinite) / static_cast<double>(L.g_count)
-                              : 1.0;
-        margin = 0.9 + 0.1 * value;
-        md.add("non_finite", static_cast<double>(L.g_nonfinite));
-        md.origin = (nf_origin && *nf_origin == mods[k]) ? 1 : 0;
-        if (nf_origin && *nf_origin == mods[k]) kind = FailureKind::NonFiniteGradient;
-      } else if (L.g_norm > options_.exploding_norm() ||
-                 (base_ready && L.g_norm > options_.gradient_jump() * base)) {
-        state = GradientHealth::Exploding;
-        threshold = L.g_norm > options_.exploding_norm() ? options_.exploding_norm()
-                                                         : options_.gradient_jump() * base;
-        margin = detail::decade_margin(L.g_norm, threshold);
-        kind = FailureKind::ExplodingGradient;
-      } else if (L.g_norm < options_.vanishing_norm() ||
-                 L.g_norm < options_.vanishing_ratio() * max_norm ||
-                 (base_ready && L.g_norm < base / options_.gradient_collapse())) {
-        state = GradientHealth::Vanishing;
-        threshold = std::max({options_.vanishing_norm(), options_.vanishing_ratio() * max_norm,
-                              base_ready ? base / options_.gradient_collapse() : 0.0});
-        margin = L.g_norm > 0.0 ? detail::decade_margin(threshold, L.g_norm) : 1.0;
-        kind = FailureKind::VanishingGradient;
+      if (found) {
+        switch (found->kind) {
+          case FailureKind::NonFiniteGradient:
+            state = GradientHealth::NonFinite;
+            break;
+          case FailureKind::ExplodingGradient:
+            state = GradientHealth::Exploding;
+            break;
+          case FailureKind::VanishingGradient:
+            state = GradientHealth::Vanishing;
+            break;
+          default:
+            state = GradientHealth::Anomalous;
+            break;
+        }
       }
       if (state == GradientHealth::Healthy && std::isfinite(L.g_norm) && L.g_norm > 0.0) {
         const double lg = std::log10(L.g_norm);
@@ -1515,10 +1490,10 @@ class BasicHealthMonitor {
       const bool first = !L.seen_bwd;
       L.seen_bwd = true;
       if (state == before && !first) {
-        if (state != GradientHealth::Healthy) {
+        if (found) {
           ++L.grad_persist;
           if (L.grad_incident)
-            update_incident(*L.grad_incident, step, margin, L.grad_persist, value);
+            update_incident(*L.grad_incident, step, found->margin, L.grad_persist, found->value);
         }
         continue;
       }
@@ -1531,21 +1506,27 @@ class BasicHealthMonitor {
       e.type = state == GradientHealth::Healthy     ? EventType::GradientRecovered
                : state == GradientHealth::NonFinite ? EventType::NonFiniteGradient
                : state == GradientHealth::Exploding ? EventType::ExplodingGradient
-                                                    : EventType::VanishingGradient;
+               : state == GradientHealth::Vanishing ? EventType::VanishingGradient
+                                                    : EventType::GradientAnomaly;
       e.layer = L.name;
       e.step = step;
       e.from = first ? "unobserved" : to_string(before);
       e.to = to_string(state);
-      e.confidence = state == GradientHealth::Healthy
-                         ? 1.0
-                         : detail::evidence_confidence(margin, 1, options_.persistence_steps());
-      e.metadata = md.json({}, {});
+      e.confidence = found ? detail::evidence_confidence(found->margin, 1, options_.persistence_steps()) : 1.0;
+      e.metadata = {{"norm", detail::json_num(L.g_norm)}};
+      if (std::isfinite(amplification)) e.metadata["amplification"] = amplification;
+      if (base_ready) e.metadata["baseline"] = base;
+      if (max_norm > 0.0) e.metadata["relative_to_max"] = L.g_norm / max_norm;
+      if (found) {
+        for (const auto& [key, v] : found->details.items()) e.metadata[key] = v;
+        if (!found->reason.empty()) e.metadata["reason"] = found->reason;
+      }
       const uint64_t id = emit(std::move(e));
-      if (kind) {
-        L.grad_incident =
-            add_incident(*kind, L, step, Phase::Backward, margin, value, threshold, id, pauses);
-        if (std::isfinite(amplification))
-          incidents_[*L.grad_incident].details["amplification"] = amplification;
+      if (found && found->incident) {
+        nlohmann::json extra = nlohmann::json::object();
+        if (std::isfinite(amplification)) extra["amplification"] = amplification;
+        if (std::isfinite(usual_amplification)) extra["amplification_vs_usual"] = usual_amplification;
+        record_finding(*found, *by, L, step, Phase::Backward, id, pauses, L.grad_incident, &extra);
       }
     }
   }
@@ -1555,66 +1536,41 @@ class BasicHealthMonitor {
   void on_loss(int64_t step, double loss, Pauses& pauses) {
     last_loss_ = loss;
     step_loss_ = loss;
-    LossHealth state = LossHealth::Healthy;
-    double margin = 0.0, value = loss, threshold = 0.0;
-    nlohmann::json md = {{"loss", std::isfinite(loss) ? nlohmann::json(loss)
-                                                      : nlohmann::json(std::to_string(loss))}};
-    std::optional<FailureKind> kind;
-    const std::size_t window = static_cast<std::size_t>(options_.loss_window());
-    if (!std::isfinite(loss)) {
-      state = LossHealth::Diverging;
-      margin = 1.0;
-      kind = FailureKind::LossDivergence;
-    } else {
-      if (!first_loss_) first_loss_ = std::fabs(loss);
-      const std::size_t n = losses_.size();
-      // From the second loss on: with few losses the mean is rough, but a jump of
-      // loss_spike_factor (10x) over it is no noise (a destructive first update).
-      if (n >= 1) {
-        double mean = 0.0;
-        const std::size_t from = n > window ? n - window : 0;
-        for (std::size_t i = from; i < n; ++i) mean += losses_[i];
-        mean /= static_cast<double>(n - from);
-        // the floor keeps a loss near zero from calling noise a spike
-        const double ref = std::max(mean, 1e-2 * *first_loss_);
-        if (loss > options_.loss_spike_factor() * ref) {
-          state = LossHealth::Spike;
-          threshold = options_.loss_spike_factor() * ref;
-          margin = detail::decade_margin(loss, threshold);
-          md["recent_mean"] = mean;
-          kind = FailureKind::LossSpike;
-        }
-      }
-      const std::size_t pw = static_cast<std::size_t>(options_.plateau_window());
-      if (state == LossHealth::Healthy && n + 1 >= pw) {
-        double a = 0.0, b = 0.0;
-        const std::size_t from = n + 1 - pw, half = pw / 2;
-        for (std::size_t i = 0; i < pw; ++i) {
-          const double v = from + i < n ? losses_[from + i] : loss;
-          (i < half ? a : b) += v;
-        }
-        a /= static_cast<double>(half);
-        b /= static_cast<double>(pw - half);
-        const double rel = (a - b) / std::max(std::fabs(a), 1e-12);
-        md["relative_improvement"] = rel;
-        if (rel < options_.plateau_tolerance() && std::fabs(rel) < options_.plateau_tolerance()) {
-          state = LossHealth::Plateau;
-          threshold = options_.plateau_tolerance();
-          value = rel;
-          margin = 1.0 - std::fabs(rel) / threshold;
-          kind = FailureKind::LossPlateau;
-        }
-      }
+    if (std::isfinite(loss) && !first_loss_) first_loss_ = std::fabs(loss);
+    LossSignals sig(loss, losses_);
+    sig.step = step;
+    sig.first_loss = first_loss_.value_or(detail::kNaN);
+    const HealthRule* by = nullptr;
+    const std::optional<Finding> found =
+        judge(sig, [](HealthRule& r, const auto& x) { return r.check_loss(x); }, by);
+    if (std::isfinite(loss)) {
       losses_.push_back(loss);
-      const std::size_t keep = std::max(window, pw);
+      const std::size_t keep = static_cast<std::size_t>(std::max(options_.loss_window(), options_.plateau_window()));
       if (losses_.size() > 2 * keep)
         losses_.erase(losses_.begin(), losses_.end() - static_cast<std::ptrdiff_t>(keep));
     }
+    LossHealth state = LossHealth::Healthy;
+    if (found) {
+      switch (found->kind) {
+        case FailureKind::LossDivergence:
+          state = LossHealth::Diverging;
+          break;
+        case FailureKind::LossSpike:
+          state = LossHealth::Spike;
+          break;
+        case FailureKind::LossPlateau:
+          state = LossHealth::Plateau;
+          break;
+        default:
+          state = LossHealth::Anomalous;
+          break;
+      }
+    }
     const LossHealth before = loss_state_;
     if (state == before) {
-      if (state != LossHealth::Healthy) {
+      if (found) {
         ++loss_persist_;
-        if (loss_incident_) update_incident(*loss_incident_, step, margin, loss_persist_, value);
+        if (loss_incident_) update_incident(*loss_incident_, step, found->margin, loss_persist_, found->value);
       }
       return;
     }
@@ -1625,22 +1581,24 @@ class BasicHealthMonitor {
     e.type = state == LossHealth::Healthy     ? EventType::LossRecovered
              : state == LossHealth::Diverging ? EventType::LossDiverged
              : state == LossHealth::Spike     ? EventType::LossSpike
-                                              : EventType::LossPlateau;
+             : state == LossHealth::Plateau   ? EventType::LossPlateau
+                                              : EventType::LossAnomaly;
     e.layer = "loss";
     e.step = step;
     e.from = to_string(before);
     e.to = to_string(state);
-    e.confidence = state == LossHealth::Healthy
-                       ? 1.0
-                       : detail::evidence_confidence(margin, 1, options_.persistence_steps());
-    e.metadata = std::move(md);
+    e.confidence = found ? detail::evidence_confidence(found->margin, 1, options_.persistence_steps()) : 1.0;
+    e.metadata = {{"loss", std::isfinite(loss) ? nlohmann::json(loss) : nlohmann::json(std::to_string(loss))}};
+    if (found) {
+      for (const auto& [key, v] : found->details.items()) e.metadata[key] = v;
+      if (!found->reason.empty()) e.metadata["reason"] = found->reason;
+    }
     const uint64_t id = emit(std::move(e));
-    if (kind) {
+    if (found && found->incident) {
       Layer pseudo;
       pseudo.name = pseudo.module = "loss";
       pseudo.order = kUnordered * 2;
-      loss_incident_ =
-          add_incident(*kind, pseudo, step, Phase::Loss, margin, value, threshold, id, pauses);
+      record_finding(*found, *by, pseudo, step, Phase::Loss, id, pauses, loss_incident_);
     }
   }
 
@@ -1654,12 +1612,14 @@ class BasicHealthMonitor {
     return id;
   }
 
-  std::size_t add_incident(FailureKind kind, const Layer& L, int64_t step, Phase phase,
-                           double margin, double value, double threshold, uint64_t event,
-                           Pauses& pauses) {
+  /// The new incident's index; none when the capacity is reached (the capacity keeps the
+  /// earliest onsets, which matter most).
+  std::optional<std::size_t> add_incident(FailureKind kind, const Layer& L, int64_t step, Phase phase,
+                                            double margin, double value, double threshold,
+                                            uint64_t event) {
     if (incidents_.size() >= options_.incident_capacity()) {
       ++dropped_incidents_;
-      return incidents_.size() - 1;  // the capacity keeps the earliest onsets, which matter most
+      return std::nullopt;
     }
     Incident inc;
     inc.kind = kind;
@@ -1675,25 +1635,71 @@ class BasicHealthMonitor {
     inc.events.push_back(event);
     if (!L.act_kind.empty()) inc.details["activation"] = L.act_kind;
     incidents_.push_back(std::move(inc));
-    const std::size_t idx = incidents_.size() - 1;
-    if (options_.on_failure() == OnFailure::Pause &&
-        std::find(options_.pause_on().begin(), options_.pause_on().end(), kind) !=
-            options_.pause_on().end()) {
-      const std::string reason = std::string("torchdbg health: ") + to_string(kind) + " at '" +
-                                 L.name + "' (step " + std::to_string(step) + ")";
-      if (!failure_report_) failure_report_ = report_locked();
-      SemanticEvent e;
-      e.type = EventType::TrainingPaused;
-      e.layer = L.name;
-      e.step = step;
-      e.from = "running";
-      e.to = "paused";
-      e.confidence = incidents_[idx].confidence;
-      e.metadata = {{"reason", reason}, {"kind", to_string(kind)}};
-      emit(std::move(e));
-      pauses.emplace_back(L.name, reason);
+    return incidents_.size() - 1;
+  }
+
+  /// Pauses on incident `idx` when its kind is in `pause_on` (call once its details are in).
+  void pause_for(std::size_t idx, int64_t step, Pauses& pauses) {
+    const Incident& inc = incidents_[idx];
+    if (options_.on_failure() != OnFailure::Pause ||
+        std::find(options_.pause_on().begin(), options_.pause_on().end(), inc.kind) == options_.pause_on().end())
+      return;
+    std::string what = to_string(inc.kind);
+    if (inc.kind == FailureKind::Custom && inc.details.contains("label") && inc.details["label"].is_string())
+      what = inc.details["label"].get<std::string>();
+    const std::string reason =
+        "torchdbg health: " + what + " at '" + inc.layer + "' (step " + std::to_string(inc.step) + ")";
+    if (!failure_report_) failure_report_ = report_locked();
+    SemanticEvent e;
+    e.type = EventType::TrainingPaused;
+    e.layer = inc.layer;
+    e.step = step;
+    e.from = "running";
+    e.to = "paused";
+    e.confidence = inc.confidence;
+    e.metadata = {{"reason", reason}, {"kind", to_string(inc.kind)}};
+    pauses.emplace_back(inc.layer, reason);
+    emit(std::move(e));
+  }
+
+  /// The first finding of the rules for `sig` (`check` calls the rule's method for it). A rule
+  /// that throws judges nothing and is counted in rule_errors().
+  template <typename Signals, typename Check>
+  std::optional<Finding> judge(const Signals& sig, Check check, const HealthRule*& by) {
+    for (const auto& rule : rules_) {
+      try {
+        std::optional<Finding> f = check(*rule, sig);
+        if (f) {
+          by = rule.get();
+          return f;
+        }
+      } catch (...) {
+        ++rule_errors_;
+      }
     }
-    return idx;
+    return std::nullopt;
+  }
+
+  /// A rule's finding becomes an incident (its onset backdated to `Finding::since`), with
+  /// the rule's name and details.
+  void record_finding(const Finding& f, const HealthRule& rule, const Layer& L, int64_t step, Phase phase,
+                      uint64_t event, Pauses& pauses, std::optional<std::size_t>& slot,
+                      const nlohmann::json* extra = nullptr) {
+    const int64_t onset = f.since ? std::min(*f.since, step) : step;
+    slot = add_incident(f.kind, L, onset, phase, f.margin, f.value, f.threshold, event);
+    if (!slot) return;
+    Incident& inc = incidents_[*slot];
+    if (onset != step) {
+      inc.last_step = step;
+      inc.details["detected_step"] = step;
+    }
+    for (const auto& [key, v] : f.details.items()) inc.details[key] = v;
+    if (!f.reason.empty()) inc.details["reason"] = f.reason;
+    inc.details["rule"] = rule.name();
+    if (extra) {
+      for (const auto& [key, v] : extra->items()) inc.details[key] = v;
+    }
+    pause_for(*slot, step, pauses);
   }
 
   void update_incident(std::size_t i, int64_t step, double margin, int64_t persisted,
@@ -1780,16 +1786,11 @@ class BasicHealthMonitor {
     return r;
   }
 
-  static std::string fmt_num(double v) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.3g", v);
-    return buf;
-  }
-  static std::string fmt_pct(double v) { return fmt_num(v * 100.0) + "%"; }
-
   static constexpr int64_t kUnordered = int64_t{1} << 40;
 
   HealthOptions options_;
+  std::vector<HealthRulePtr> rules_;
+  uint64_t rule_errors_ = 0;
   std::vector<detail::Pattern> layer_patterns_;
   std::vector<std::pair<detail::Pattern, std::string>> pre_acts_;
 

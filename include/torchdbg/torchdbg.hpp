@@ -15,6 +15,7 @@
 #include "torchdbg/exporters/jsonl.hpp"
 #include "torchdbg/exporters/summary_json.hpp"
 #include "torchdbg/health.hpp"
+#include "torchdbg/health_rules.hpp"
 #include "torchdbg/hook_condition.hpp"
 #include "torchdbg/hook_config.hpp"
 #include "torchdbg/hook_context.hpp"

@@ -1,0 +1,490 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+// Health rules: each built-in rule at its thresholds, on signals measured from real tensors;
+// user rules feeding the monitor's states, events, incidents, pauses and diagnosis.
+#include <cmath>
+#include <torchdbg/diagnosis.hpp>
+#include <torchdbg/health.hpp>
+#include <torchdbg/health_rules.hpp>
+
+#include "helpers.hpp"
+
+using torchdbg::ActivationHealth;
+using torchdbg::ActivationInfo;
+using torchdbg::ActivationSignals;
+using torchdbg::EventType;
+using torchdbg::FailureKind;
+using torchdbg::Finding;
+using torchdbg::GradientHealth;
+using torchdbg::GradientSignals;
+using torchdbg::HealthMonitor;
+using torchdbg::HealthOptions;
+using torchdbg::LossHealth;
+using torchdbg::LossSignals;
+
+namespace {
+
+torchdbg::TensorStats stats_of(const torch::Tensor& t) { return torchdbg::compute_stats(t); }
+
+ActivationInfo act(std::string_view a) {
+  ActivationInfo i;
+  i.activation = a;
+  return i;
+}
+
+/// Flags module outputs whose mean is more than `k` standard deviations from zero.
+struct MeanDrift : torchdbg::HealthRule {
+  explicit MeanDrift(double k) : k_(k) {}
+  std::string name() const override { return "mean_drift"; }
+  std::optional<Finding> check_activation(const ActivationSignals& s) override {
+    ++calls;
+    if (!s.module_output || !(s.stats.std > 0.0)) return std::nullopt;
+    const double z = std::fabs(s.stats.mean) / s.stats.std;
+    if (!(z > k_)) return std::nullopt;
+    return Finding::custom("mean_drift", z, k_, "output mean " + std::to_string(s.stats.mean) + " far from zero");
+  }
+  double k_;
+  int calls = 0;
+};
+
+/// Flags gradient norms above a fixed budget, and losses above a fixed budget.
+struct Budget : torchdbg::HealthRule {
+  std::string name() const override { return "budget"; }
+  std::optional<Finding> check_gradient(const GradientSignals& s) override {
+    if (!(s.norm > 5.0)) return std::nullopt;
+    return Finding::custom("gradient_budget", s.norm, 5.0, "gradient above its budget");
+  }
+  std::optional<Finding> check_loss(const LossSignals& s) override {
+    if (!(s.loss > 3.0)) return std::nullopt;
+    return Finding::custom("loss_budget", s.loss, 3.0, "loss above its budget");
+  }
+};
+
+struct Throws : torchdbg::HealthRule {
+  std::string name() const override { return "throws"; }
+  std::optional<Finding> check_activation(const ActivationSignals&) override {
+    throw std::runtime_error("a broken rule");
+  }
+};
+
+}  // namespace
+
+TEST_CASE("non-finite output rule: the fraction of NaN/Inf, an incident only at the origin", "[rules]") {
+  torchdbg::NonFiniteOutputRule rule;
+  auto y = torch::randn({10});
+  const auto healthy = stats_of(y);
+  ActivationSignals ok(y, healthy);
+  CHECK_FALSE(rule.check_activation(ok));
+  y[1] = std::nan("");
+  y[4] = std::nan("");
+  y[7] = std::numeric_limits<float>::infinity();
+  const auto st = stats_of(y);
+  ActivationSignals s(y, st);
+  s.origin = true;
+  auto f = rule.check_activation(s);
+  REQUIRE(f);
+  CHECK(f->kind == FailureKind::NonFiniteOutput);
+  CHECK(f->value == Approx(0.3));
+  CHECK(f->incident);
+  CHECK(f->details["nan"] == 2);
+  CHECK(f->details["inf"] == 1);
+  s.origin = false;
+  f = rule.check_activation(s);
+  REQUIRE(f);
+  CHECK_FALSE(f->incident);
+  CHECK(f->reason == "non-finite input");
+}
+
+TEST_CASE("dead-units rule: above its fraction, with the onset of the inactive run", "[rules]") {
+  auto y = torch::zeros({4, 8});
+  const auto st = stats_of(y);
+  ActivationSignals s(y, st);
+  s.step = 9;
+  s.dead_since = 9;
+  s.dead_activity = 0.01;
+  torchdbg::DeadUnitsRule rule;
+  CHECK(rule.options().fraction() == 0.5);
+  CHECK_FALSE(rule.check_activation(s));  // not measured (NaN): no judgement
+  s.dead_fraction = 0.5;
+  CHECK_FALSE(rule.check_activation(s));  // at the threshold: not above it
+  s.dead_fraction = 0.75;
+  auto f = rule.check_activation(s);
+  REQUIRE(f);
+  CHECK(f->kind == FailureKind::DeadUnits);
+  CHECK(f->value == 0.75);
+  CHECK(f->threshold == 0.5);
+  CHECK(f->margin == Approx(0.5));
+  CHECK_FALSE(f->since);
+  CHECK(f->reason == "units active in fewer than 1% of samples");
+  s.dead_since = 7;
+  f = rule.check_activation(s);
+  REQUIRE(f->since);
+  CHECK(*f->since == 7);
+  CHECK(f->details["since"] == 7);
+  torchdbg::DeadUnitsRule strict(torchdbg::DeadUnitsRuleOptions().fraction(0.8));
+  CHECK_FALSE(strict.check_activation(s));
+}
+
+TEST_CASE("saturation rule: above its fraction, worded for outputs and pre-activations", "[rules]") {
+  auto y = torch::zeros({4});
+  const auto st = stats_of(y);
+  ActivationSignals s(y, st);
+  s.kind = "tanh";
+  torchdbg::SaturationRule rule;
+  s.saturated_fraction = 0.25;
+  CHECK_FALSE(rule.check_activation(s));
+  s.saturated_fraction = 0.625;
+  auto f = rule.check_activation(s);
+  REQUIRE(f);
+  CHECK(f->kind == FailureKind::Saturation);
+  CHECK(f->margin == Approx(0.5));
+  CHECK(f->reason == "tanh output saturated");
+  s.pre_activation = true;
+  CHECK(rule.check_activation(s)->reason == "tanh pre-activation beyond its saturation bound");
+  CHECK_FALSE(torchdbg::SaturationRule(torchdbg::SaturationRuleOptions().fraction(0.7)).check_activation(s));
+}
+
+TEST_CASE("exploding-activation rule: an absolute gain before the baseline, a multiple of it after", "[rules]") {
+  auto y = torch::zeros({4});
+  const auto st = stats_of(y);
+  ActivationSignals s(y, st);
+  torchdbg::ExplodingActivationRule rule;
+  s.gain = 11.0;
+  CHECK_FALSE(rule.check_activation(s));  // not a module output (an activation or a norm)
+  s.module_output = true;
+  auto f = rule.check_activation(s);
+  REQUIRE(f);
+  CHECK(f->kind == FailureKind::ExplodingActivation);
+  CHECK(f->threshold == 10.0);
+  CHECK(f->margin == Approx(std::log10(1.1) / (std::log10(1.1) + 0.5)));
+  // A head whose gain grew to 6 while it learned: 11 is no explosion, 61 is.
+  s.gain_baseline = 6.0;
+  CHECK_FALSE(rule.check_activation(s));
+  s.gain = 61.0;
+  f = rule.check_activation(s);
+  REQUIRE(f);
+  CHECK(f->threshold == Approx(60.0));
+  CHECK(f->details["gain_baseline"] == 6.0);
+  // A small baseline: the limit is 10x it, but never below min_gain.
+  s.gain_baseline = 0.1;
+  s.gain = 1.9;
+  CHECK_FALSE(rule.check_activation(s));
+  s.gain = 2.5;
+  REQUIRE(rule.check_activation(s));
+  CHECK(rule.check_activation(s)->threshold == 2.0);
+  s.gain = std::nan("");
+  CHECK_FALSE(rule.check_activation(s));
+}
+
+TEST_CASE("constant-output rule: std below a fraction of the RMS, finite outputs of 2+ elements", "[rules]") {
+  torchdbg::ConstantOutputRule rule;
+  auto judge = [&](const torch::Tensor& y) {
+    const auto st = stats_of(y);
+    ActivationSignals s(y, st);
+    s.rms = std::sqrt(st.mean * st.mean + st.std * st.std);
+    return rule.check_activation(s);
+  };
+  auto f = judge(torch::full({3, 4}, 0.5));
+  REQUIRE(f);
+  CHECK(f->kind == FailureKind::ConstantOutput);
+  CHECK(f->value == 0.0);
+  CHECK(f->margin == 1.0);
+  CHECK(judge(torch::zeros({5})));  // all zeros: constant
+  CHECK_FALSE(judge(torch::randn({3, 4})));
+  CHECK_FALSE(judge(torch::full({1}, 2.0)));  // one element is no evidence
+  auto nan = torch::full({4}, 0.5);
+  nan[0] = std::nan("");
+  CHECK_FALSE(judge(nan));
+}
+
+TEST_CASE("gradient rules: non-finite at the origin, exploding and vanishing by norm, ratio and baseline",
+          "[rules]") {
+  GradientSignals s;
+  s.norm = 1.0;
+  s.max_norm = 1.0;
+  s.count = 100;
+  torchdbg::NonFiniteGradientRule nf;
+  torchdbg::ExplodingGradientRule ex;
+  torchdbg::VanishingGradientRule va;
+  CHECK_FALSE(nf.check_gradient(s));
+  CHECK_FALSE(ex.check_gradient(s));
+  CHECK_FALSE(va.check_gradient(s));
+  s.non_finite = 5;
+  s.origin = true;
+  auto f = nf.check_gradient(s);
+  REQUIRE(f);
+  CHECK(f->value == Approx(0.05));
+  CHECK(f->incident);
+  s.origin = false;
+  CHECK_FALSE(nf.check_gradient(s)->incident);
+  s.non_finite = 0;
+  s.norm = 2e3;
+  f = ex.check_gradient(s);
+  REQUIRE(f);
+  CHECK(f->threshold == 1e3);
+  s.norm = 50.0;
+  CHECK_FALSE(ex.check_gradient(s));
+  s.baseline = 0.4;  // 50 > 100 * 0.4
+  f = ex.check_gradient(s);
+  REQUIRE(f);
+  CHECK(f->threshold == Approx(40.0));
+  s.norm = 1e-8;
+  s.baseline = std::nan("");
+  f = va.check_gradient(s);
+  REQUIRE(f);
+  CHECK(f->threshold == Approx(1e-4));  // the larger limit: 1e-4 of the step's largest norm
+  s.norm = 5e-5;
+  s.max_norm = 1.0;
+  CHECK(va.check_gradient(s));
+  s.max_norm = 0.1;
+  CHECK_FALSE(va.check_gradient(s));
+  s.baseline = 1.0;  // 5e-5 < 1 / 1e4
+  CHECK(va.check_gradient(s));
+  CHECK_FALSE(torchdbg::VanishingGradientRule(torchdbg::VanishingGradientRuleOptions().collapse(1e5))
+                  .check_gradient(s));
+}
+
+TEST_CASE("loss rules: divergence, a spike from the second loss on, a plateau over its window", "[rules]") {
+  std::vector<double> history;
+  torchdbg::LossDivergenceRule div;
+  torchdbg::LossSpikeRule spike;
+  torchdbg::LossPlateauRule plateau(torchdbg::LossPlateauRuleOptions().window(4).tolerance(1e-3));
+  {
+    LossSignals s(std::nan(""), history);
+    CHECK(div.check_loss(s));
+    CHECK_FALSE(spike.check_loss(s));
+  }
+  {
+    LossSignals s(5.0, history);  // no earlier loss: no spike
+    s.first_loss = 5.0;
+    CHECK_FALSE(spike.check_loss(s));
+  }
+  history = {1.0, 1.2};
+  {
+    LossSignals s(11.5, history);
+    s.first_loss = 1.0;
+    auto f = spike.check_loss(s);
+    REQUIRE(f);
+    CHECK(f->threshold == Approx(11.0));
+    CHECK(f->details["recent_mean"] == Approx(1.1));
+    LossSignals t(10.9, history);
+    t.first_loss = 1.0;
+    CHECK_FALSE(spike.check_loss(t));
+  }
+  {
+    // A loss near zero: the mean is floored at 1% of the first loss.
+    std::vector<double> tiny{1e-6, 1e-6};
+    LossSignals s(0.05, tiny);
+    s.first_loss = 1.0;
+    CHECK_FALSE(spike.check_loss(s));
+    LossSignals t(0.2, tiny);
+    t.first_loss = 1.0;
+    CHECK(spike.check_loss(t));
+  }
+  {
+    std::vector<double> flat{2.0, 2.0, 2.0};
+    LossSignals s(2.0, flat);
+    auto f = plateau.check_loss(s);
+    REQUIRE(f);
+    CHECK(f->kind == FailureKind::LossPlateau);
+    CHECK(f->value == 0.0);
+    std::vector<double> falling{4.0, 3.0, 2.0};
+    LossSignals t(1.0, falling);
+    CHECK_FALSE(plateau.check_loss(t));
+    std::vector<double> short_history{2.0, 2.0};
+    LossSignals u(2.0, short_history);
+    CHECK_FALSE(plateau.check_loss(u));  // 3 losses < window 4
+  }
+}
+
+TEST_CASE("the built-in rules take their thresholds from HealthOptions, in evaluation order", "[rules]") {
+  const auto rules = torchdbg::builtin_health_rules(HealthOptions().dead_fraction(0.7).saturated_fraction(0.4));
+  std::vector<std::string> names;
+  for (const auto& r : rules) names.push_back(r->name());
+  CHECK(names == std::vector<std::string>{"non_finite_output", "dead_units", "saturation", "exploding_activation",
+                                          "constant_output", "non_finite_gradient", "exploding_gradient",
+                                          "vanishing_gradient", "loss_divergence", "loss_spike", "loss_plateau"});
+  CHECK(dynamic_cast<const torchdbg::DeadUnitsRule&>(*rules[1]).options().fraction() == 0.7);
+  CHECK(dynamic_cast<const torchdbg::SaturationRule&>(*rules[2]).options().fraction() == 0.4);
+  HealthMonitor m(HealthOptions().rules({std::make_shared<MeanDrift>(3.0)}));
+  auto listed = m.rule_names();
+  REQUIRE(listed.size() == names.size() + 1);
+  CHECK(listed.back() == "mean_drift");
+}
+
+TEST_CASE("a user rule's findings become states, events, incidents, pauses and hypotheses", "[rules]") {
+  auto drift = std::make_shared<MeanDrift>(3.0);
+  HealthMonitor m(HealthOptions()
+                      .rules({drift})
+                      .on_failure(torchdbg::OnFailure::Pause)
+                      .pause_on({FailureKind::Custom}));
+  std::vector<std::string> paused;
+  m.set_pause_callback([&](int64_t, const std::string& layer, const std::string& reason) {
+    paused.push_back(layer + ": " + reason);
+  });
+  ActivationInfo module_output;
+  module_output.input_rms = 1.0;
+  for (int64_t step = 0; step < 4; ++step) m.observe_activation("fc1", torch::randn({32, 8}), step, module_output);
+  CHECK(m.incidents().empty());
+  CHECK(drift->calls == 4);
+  // The output moves far from zero (a bias of +20), with its spread unchanged.
+  for (int64_t step = 4; step < 7; ++step)
+    m.observe_activation("fc1", torch::randn({32, 8}) + 20.0, step, module_output);
+  const auto l = m.layer("fc1");
+  CHECK(l->activation == ActivationHealth::Anomalous);
+  CHECK(l->activation_since == 4);
+  const auto incidents = m.incidents();
+  REQUIRE(incidents.size() == 1);
+  const auto& inc = incidents[0];
+  CHECK(inc.kind == FailureKind::Custom);
+  CHECK(inc.layer == "fc1");
+  CHECK(inc.step == 4);
+  CHECK(inc.last_step == 6);
+  CHECK(inc.persisted == 3);
+  CHECK(inc.details["rule"] == "mean_drift");
+  CHECK(inc.details["label"] == "mean_drift");
+  CHECK(inc.value > 3.0);
+  CHECK(inc.threshold == 3.0);
+  const auto anomalies = [&] {
+    std::size_t n = 0;
+    for (const auto& e : m.events())
+      if (e.type == EventType::ActivationAnomaly && e.metadata.value("label", "") == "mean_drift") ++n;
+    return n;
+  }();
+  CHECK(anomalies == 1);
+  REQUIRE(paused.size() == 1);
+  CHECK(paused[0] == "fc1: torchdbg health: mean_drift at 'fc1' (step 4)");
+  REQUIRE(m.failure_report());
+  CHECK(m.failure_report()->incidents.size() == 1);
+  CHECK(m.failure_report()->incidents[0].details["rule"] == "mean_drift");
+  const auto d = torchdbg::diagnose(m);
+  REQUIRE(d.top() != nullptr);
+  CHECK(d.top()->kind == FailureKind::Custom);
+  CHECK(d.top()->layer == "fc1");
+  CHECK(d.top()->description.find("mean_drift at 'fc1' from step 4") != std::string::npos);
+  CHECK(d.top()->description.find("far from zero") != std::string::npos);
+  CHECK(d.top()->tier() == 1);
+  // Back to normal: a recovery event, and a later drift is a new incident.
+  m.observe_activation("fc1", torch::randn({32, 8}), 7, module_output);
+  CHECK(m.layer("fc1")->activation == ActivationHealth::Normal);
+  m.observe_activation("fc1", torch::randn({32, 8}) - 30.0, 8, module_output);
+  CHECK(m.incidents().size() == 2);
+}
+
+TEST_CASE("built-in rules come first: a user rule judges only what none of them flags", "[rules]") {
+  auto drift = std::make_shared<MeanDrift>(0.0);  // flags every module output with a spread
+  HealthMonitor m(HealthOptions().rules({drift}).dead_window_samples(16));
+  ActivationInfo info = act("relu");
+  // A dead ReLU layer: dead units, whatever the user rule would say (it sees no module output).
+  m.observe_activation("fc/relu", torch::zeros({16, 4}), 0, info);
+  CHECK(m.layer("fc/relu")->activation == ActivationHealth::Dead);
+  // An exploding module output: the built-in explosion, not the user rule's finding.
+  ActivationInfo mod;
+  mod.input_rms = 1e-3;
+  m.observe_activation("fc", torch::randn({16, 4}), 1, mod);
+  REQUIRE(m.incidents().size() == 2);
+  CHECK(m.incidents()[1].kind == FailureKind::ExplodingActivation);
+  CHECK(m.incidents()[1].details["rule"] == "exploding_activation");
+}
+
+TEST_CASE("user rules on gradients and on the loss: anomalous states and their events", "[rules]") {
+  HealthMonitor m;
+  m.add_rule(std::make_shared<Budget>());
+  m.observe_gradient("fc", "weight", torch::full({4}, 1.0), 0);  // norm 2
+  m.end_backward();
+  CHECK(m.layer("fc")->gradient == GradientHealth::Healthy);
+  m.observe_gradient("fc", "weight", torch::full({4}, 4.0), 1);  // norm 8 > 5
+  m.end_backward();
+  CHECK(m.layer("fc")->gradient == GradientHealth::Anomalous);
+  m.observe_loss(1, 2.0);
+  CHECK(m.loss_health() == LossHealth::Healthy);
+  m.observe_loss(2, 4.0);
+  CHECK(m.loss_health() == LossHealth::Anomalous);
+  std::size_t grad_events = 0, loss_events = 0;
+  for (const auto& e : m.events()) {
+    if (e.type == EventType::GradientAnomaly) ++grad_events;
+    if (e.type == EventType::LossAnomaly) ++loss_events;
+  }
+  CHECK(grad_events == 1);
+  CHECK(loss_events == 1);
+  CHECK(std::string(torchdbg::to_string(EventType::GradientAnomaly)) == "gradient_anomaly");
+  CHECK(std::string(torchdbg::to_string(GradientHealth::Anomalous)) == "anomalous");
+  const auto incidents = m.incidents();
+  REQUIRE(incidents.size() == 2);
+  CHECK(incidents[0].details["label"] == "gradient_budget");
+  CHECK(incidents[0].phase == torchdbg::Phase::Backward);
+  CHECK(incidents[1].details["label"] == "loss_budget");
+  CHECK(incidents[1].layer == "loss");
+}
+
+TEST_CASE("a rule that throws is counted and judges nothing; null rules are rejected by position",
+          "[rules]") {
+  HealthMonitor m(HealthOptions().rules({std::make_shared<Throws>(), std::make_shared<MeanDrift>(3.0)}));
+  ActivationInfo mod;
+  mod.input_rms = 1.0;
+  m.observe_activation("fc", torch::randn({8, 8}) + 50.0, 0, mod);  // Throws throws, MeanDrift flags it
+  CHECK(m.rule_errors() == 1);
+  REQUIRE(m.incidents().size() == 1);
+  CHECK(m.incidents()[0].details["rule"] == "mean_drift");
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().rules({std::make_shared<MeanDrift>(1.0), nullptr})),
+                    Catch::Contains("HealthOptions::rules[1] is null"));
+  CHECK_THROWS_WITH(m.add_rule(nullptr), Catch::Contains("add_rule got a null rule"));
+}
+
+TEST_CASE("dead units are dated from the first output of their inactive run", "[rules]") {
+  // 32 samples per output, a window of 64: confirmed one output after they die.
+  HealthMonitor m(HealthOptions().dead_window_samples(64));
+  const auto info = act("relu");
+  for (int64_t step = 0; step < 5; ++step) m.observe_activation("fc/relu", torch::rand({32, 8}) + 0.1, step, info);
+  for (int64_t step = 5; step < 8; ++step) m.observe_activation("fc/relu", torch::zeros({32, 8}), step, info);
+  const auto incidents = m.incidents();
+  REQUIRE(incidents.size() == 1);
+  CHECK(incidents[0].kind == FailureKind::DeadUnits);
+  CHECK(incidents[0].step == 5);                    // the units died at step 5
+  CHECK(incidents[0].details["detected_step"] == 6);  // the window confirmed it at step 6
+  CHECK(incidents[0].last_step == 7);
+  CHECK(m.layer("fc/relu")->activation_since == 6);
+  // Half the units die: the others' activity does not shorten the dead units' run.
+  HealthMonitor h(HealthOptions().dead_window_samples(64));
+  for (int64_t step = 0; step < 3; ++step) h.observe_activation("fc/relu", torch::rand({32, 8}) + 0.1, step, info);
+  auto half = torch::rand({32, 8}) + 0.1;
+  half.index_put_({torch::indexing::Slice(), torch::indexing::Slice(0, 6)}, 0.0);
+  for (int64_t step = 3; step < 6; ++step) h.observe_activation("fc/relu", half, step, info);
+  REQUIRE(h.incidents().size() == 1);
+  CHECK(h.incidents()[0].step == 3);
+}
+
+TEST_CASE("an output whose gain grows steadily is no explosion; a jump over its history is", "[rules]") {
+  HealthMonitor m;
+  torchdbg_test::SeededRng rng(11);
+  ActivationInfo mod;
+  mod.input_rms = 1.0;
+  double scale = 1.0;
+  for (int64_t step = 0; step < 40; ++step) {  // from 1x to ~40x, 10% a step
+    m.observe_activation("head", torch::randn({64, 4}) * scale, step, mod);
+    scale *= 1.1;
+  }
+  CHECK(m.incidents().empty());
+  m.observe_activation("head", torch::randn({64, 4}) * scale * 20.0, 40, mod);
+  REQUIRE(m.incidents().size() == 1);
+  CHECK(m.incidents()[0].kind == FailureKind::ExplodingActivation);
+  CHECK(m.incidents()[0].step == 40);
+}
+
+TEST_CASE("an all-zero ReLU output is left to the dead-units rule; a constant non-zero one is constant",
+          "[rules]") {
+  torchdbg::ConstantOutputRule rule;
+  auto zeros = torch::zeros({8, 4});
+  const auto zs = stats_of(zeros);
+  ActivationSignals s(zeros, zs);
+  s.rms = 0.0;
+  CHECK(rule.check_activation(s));  // an unknown kind: constant
+  s.kind = "relu";
+  CHECK_FALSE(rule.check_activation(s));
+  auto half = torch::full({8, 4}, 0.5);
+  const auto hs = stats_of(half);
+  ActivationSignals h(half, hs);
+  h.kind = "relu";
+  h.rms = 0.5;
+  CHECK(rule.check_activation(h));
+}
