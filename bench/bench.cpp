@@ -7,6 +7,11 @@
 //
 //   torchdbg_bench [--threads N] [--rounds R] [--steps S] [--rss-steps N] [--json FILE] [--models
 //   mlp,cnn,tiny] [--modes detached,full,every10,idle] [--no-health] [--device cpu|cuda]
+//   [--default-malloc]
+//
+// glibc's mmap and trim thresholds are fixed (32 MiB, 1 GiB) unless --default-malloc: with
+// its dynamic threshold, the baseline steps' allocation cost depends on what the monitored
+// steps freed before them.
 //
 // `tiny` is the MLP at 16 features: it prints what one delivery costs outside the kernel.
 //
@@ -14,6 +19,7 @@
 // synchronize, and the run also prints how many copies brought statistics to the host per
 // monitored step (StatsBatching::Device: one per step, not one per layer).
 #include <dlfcn.h>
+#include <malloc.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
 
@@ -88,6 +94,7 @@ struct Args {
   std::string modes = "detached,full,every10,idle";
   bool health = true;  // --no-health: statistics hooks only, to see the health monitor's share
   std::string device = "cpu";
+  bool fixed_malloc = true;  // --default-malloc: glibc's dynamic mmap/trim thresholds
 };
 
 Args parse(int argc, char** argv) {
@@ -99,6 +106,8 @@ Args parse(int argc, char** argv) {
     };
     if (!std::strcmp(argv[i], "--threads"))
       a.threads = std::stoi(next("--threads"));
+    else if (!std::strcmp(argv[i], "--default-malloc"))
+      a.fixed_malloc = false;
     else if (!std::strcmp(argv[i], "--rounds"))
       a.rounds = std::stoi(next("--rounds"));
     else if (!std::strcmp(argv[i], "--steps"))
@@ -389,11 +398,21 @@ void set_blas_threads(int n) {
 int main(int argc, char** argv) {
   try {
     const Args a = parse(argc, argv);
+    if (a.fixed_malloc) {
+      // glibc raises its mmap threshold after large frees, so what the monitored steps free
+      // changes how the baseline steps allocate (page faults on fresh mmaps): fixed
+      // thresholds give both halves the same allocator.
+      mallopt(M_MMAP_THRESHOLD, 32 << 20);
+      mallopt(M_TRIM_THRESHOLD, 1 << 30);
+    }
     torch::set_num_threads(a.threads);
     set_blas_threads(a.threads);
     torch::manual_seed(0);
-    nlohmann::json report{
-        {"threads", a.threads}, {"rounds", a.rounds}, {"steps_per_round", a.steps}, {"device", a.device}};
+    nlohmann::json report{{"threads", a.threads},
+                           {"rounds", a.rounds},
+                           {"steps_per_round", a.steps},
+                           {"device", a.device},
+                           {"fixed_malloc", a.fixed_malloc}};
     if (a.models.find("mlp") != std::string::npos)
       report["mlp"] = bench_model<Mlp>("mlp", {784}, 128, a);
     if (a.models.find("cnn") != std::string::npos)

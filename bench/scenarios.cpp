@@ -13,9 +13,10 @@
 // its failure is reported as such instead of counting as a miss or a hit.
 //
 //   torchdbg_scenarios [--seeds N] [--only REGEX] [--min-accuracy F]
-//                      [--min-scenario-accuracy F] [--verbose]
+//                      [--min-scenario-accuracy F] [--by-kind] [--verbose]
 //
-// Prints one row per scenario (a Markdown table) and the totals. Exit status 1 when a ground
+// Prints one row per scenario (a Markdown table; --by-kind: one row per failure, with its
+// scenarios' hits in one cell) and the totals. Exit status 1 when a ground
 // truth check fails, a healthy run raises an incident, the failure accuracy is below
 // --min-accuracy, or a scenario's is below --min-scenario-accuracy.
 #include <torch/torch.h>
@@ -292,7 +293,8 @@ double std_all(const torch::Tensor& t) { return t.to(torch::kDouble).std(/*unbia
 bool finite(const torch::Tensor& t) { return torch::isfinite(t).all().item<bool>(); }
 
 struct Scenario {
-  std::string name;
+  std::string group;  // the failure ("dead units"), "healthy" for none
+  std::string name;   // group: architecture [activation] [layer] optimizer
   Arch arch = Arch::Mlp;
   Act act = Act::Relu;
   bool adam = false;
@@ -362,7 +364,14 @@ std::string check_constant(const Onset& o, const std::string& layer) {
 
 std::vector<Scenario> scenarios() {
   std::vector<Scenario> v;
-  auto add = [&](Scenario s) { v.push_back(std::move(s)); };
+  auto add = [&](Scenario s) {
+    s.name = s.group + ": " + arch_name(s.arch);
+    if (s.act == Act::Tanh) s.name += " tanh";
+    if (s.act == Act::Sigmoid) s.name += " sigmoid";
+    if (!s.layer.empty() && s.layer != "input" && s.layer != "loss" && s.layer != "*") s.name += " " + s.layer;
+    s.name += s.adam ? " Adam" : " SGD";
+    v.push_back(std::move(s));
+  };
   // ---- healthy runs
   const std::pair<Arch, Act> healthy_models[] = {
       {Arch::Mlp, Act::Relu}, {Arch::Mlp, Act::Tanh}, {Arch::Cnn, Act::Relu},
@@ -373,8 +382,7 @@ std::vector<Scenario> scenarios() {
     s.arch = healthy_models[i].first;
     s.act = healthy_models[i].second;
     s.adam = i % 2 == 1 || i == 6;
-    s.name = std::string("healthy ") + arch_name(s.arch) + (s.act == Act::Tanh ? " tanh" : "") +
-             (s.adam ? " Adam" : " SGD");
+    s.group = "healthy";
     s.how = "no failure";
     add(std::move(s));
   }
@@ -386,7 +394,7 @@ std::vector<Scenario> scenarios() {
     Scenario s;
     s.arch = first_layers[i].first;
     s.adam = i % 2 == 0;
-    s.name = std::string("bad input ") + arch_name(s.arch);
+    s.group = "bad input";
     s.kind = FailureKind::BadInput;
     s.layer = "input";
     s.how = "3 NaN values in the batch";
@@ -407,10 +415,10 @@ std::vector<Scenario> scenarios() {
     Scenario s;
     s.arch = arch;
     s.adam = adam;
-    s.name = std::string("non-finite output ") + arch_name(arch) + " " + layer;
+    s.group = "non-finite output";
     s.kind = FailureKind::NonFiniteOutput;
     s.layer = layer;
-    s.how = "one weight of " + layer + " set to Inf";
+    s.how = "one weight of the layer set to Inf";
     const std::string l = layer;
     s.induce = [l](Model& m) { m.weight(l).view({-1})[0] = std::numeric_limits<float>::infinity(); };
     s.truth = [l](const Onset& o) { return check_nonfinite_origin(o, l); };
@@ -427,10 +435,10 @@ std::vector<Scenario> scenarios() {
     Scenario s;
     s.arch = arch;
     s.adam = adam;
-    s.name = std::string("dead units ") + arch_name(arch) + " " + layer + (adam ? " Adam" : " SGD");
+    s.group = "dead units";
     s.kind = FailureKind::DeadUnits;
     s.layer = layer;
-    s.how = layer + "'s bias set to -50";
+    s.how = "the bias before a ReLU set to -50";
     const std::string l = layer;
     s.induce = [l](Model& m) { m.bias(l).fill_(-50.0); };
     const int64_t unit_dim = 1;
@@ -445,10 +453,10 @@ std::vector<Scenario> scenarios() {
     s.arch = Arch::Mlp;
     s.act = act;
     s.adam = adam;
-    s.name = std::string("saturation MLP ") + (act == Act::Tanh ? "tanh " : "sigmoid ") + layer;
+    s.group = "saturation";
     s.kind = FailureKind::Saturation;
     s.layer = layer;
-    s.how = layer + "'s bias shifted by " + std::to_string(static_cast<int>(shift));
+    s.how = "the bias before a tanh shifted by +-4, before a sigmoid by -9";
     const std::string l = layer;
     const double d = shift;
     s.induce = [l, d](Model& m) { m.bias(l).add_(d); };
@@ -464,10 +472,10 @@ std::vector<Scenario> scenarios() {
     Scenario s;
     s.arch = arch;
     s.adam = adam;
-    s.name = std::string("exploding activation ") + arch_name(arch) + " " + layer;
+    s.group = "exploding activation";
     s.kind = FailureKind::ExplodingActivation;
     s.layer = layer;
-    s.how = layer + "'s weight scaled by 1000";
+    s.how = "the layer's weight times 1000";
     const std::string l = layer;
     s.induce = [l](Model& m) { m.weight(l).mul_(1000.0); };
     s.truth = [l](const Onset& o) { return check_gain_above(o, l, 10.0); };
@@ -481,7 +489,7 @@ std::vector<Scenario> scenarios() {
     Scenario s;
     s.arch = arch;
     s.adam = adam;
-    s.name = std::string("exploding gradient ") + arch_name(arch) + (adam ? " Adam" : " SGD");
+    s.group = "exploding gradient";
     s.kind = FailureKind::ExplodingGradient;
     s.layer = layer;
     s.how = "backward of the loss times 1e9";
@@ -502,7 +510,7 @@ std::vector<Scenario> scenarios() {
     Scenario s;
     s.arch = arch;
     s.adam = adam;
-    s.name = std::string("vanishing gradient ") + arch_name(arch);
+    s.group = "vanishing gradient";
     s.kind = FailureKind::VanishingGradient;
     s.layer = layer;
     s.how = "backward of the loss times 1e-12";
@@ -522,10 +530,10 @@ std::vector<Scenario> scenarios() {
     Scenario s;
     s.arch = arch;
     s.adam = adam;
-    s.name = std::string("constant output ") + arch_name(arch) + " " + layer;
+    s.group = "constant output";
     s.kind = FailureKind::ConstantOutput;
     s.layer = layer;
-    s.how = layer + "'s weight zeroed, bias 0.5";
+    s.how = "the layer's weight zeroed, its bias 0.5";
     const std::string l = layer;
     s.induce = [l](Model& m) {
       m.weight(l).zero_();
@@ -541,7 +549,7 @@ std::vector<Scenario> scenarios() {
     Scenario s;
     s.arch = arch;
     s.adam = adam;
-    s.name = std::string("loss divergence ") + arch_name(arch);
+    s.group = "loss divergence";
     s.kind = FailureKind::LossDivergence;
     s.layer = "loss";
     s.how = "logits divided by a zero temperature in the loss";
@@ -561,13 +569,13 @@ std::vector<Scenario> scenarios() {
     Scenario s;
     s.arch = arch;
     s.adam = adam;
-    s.name = std::string("learning rate too high ") + arch_name(arch) + (adam ? " Adam" : " SGD");
+    s.group = "learning rate too high";
     // No layer is at fault, and attach sees no update: the right answer is the update's
     // first consequence, an exploding activation (any layer) or a loss spike.
     s.kind = FailureKind::ExplodingActivation;
     s.or_kind = FailureKind::LossSpike;
     s.layer = "*";
-    s.how = "learning rate times " + std::to_string(static_cast<int>(factor));
+    s.how = "the learning rate times 200 (SGD) or 1000 (Adam)";
     s.lr_factor = factor;
     s.truth_later = [](const Onset& o) -> std::string {
       for (const auto& m : o.order)
@@ -585,7 +593,7 @@ std::vector<Scenario> scenarios() {
     Scenario s;
     s.arch = arch;
     s.adam = adam;
-    s.name = std::string("loss spike ") + arch_name(arch);
+    s.group = "loss spike";
     s.kind = FailureKind::LossSpike;
     s.layer = "loss";
     s.how = "logits times 1000 in the loss (temperature 0.001)";
@@ -738,7 +746,7 @@ int main(int argc, char** argv) {
   int64_t seeds = 5;
   double min_accuracy = 0.0, min_scenario = 0.0;
   std::string only;
-  bool verbose = false;
+  bool verbose = false, by_kind = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -758,17 +766,24 @@ int main(int argc, char** argv) {
       only = next();
     } else if (a == "--verbose") {
       verbose = true;
+    } else if (a == "--by-kind") {
+      by_kind = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--seeds N] [--only REGEX] [--min-accuracy F] [--min-scenario-accuracy F] [--verbose]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--seeds N] [--only REGEX] [--min-accuracy F] [--min-scenario-accuracy F] [--by-kind] [--verbose]\n", argv[0]);
       return 2;
     }
   }
   torch::set_num_threads(1);
   const std::regex filter(only.empty() ? std::string(".*") : only);
-  std::printf("| scenario | induced at the onset (step 9 to 13) | expected top hypothesis | hits |\n");
-  std::printf("|---|---|---|---|\n");
+  if (!by_kind) {
+    std::printf("| scenario | induced at the onset (step 9 to 13) | expected top hypothesis | hits |\n");
+    std::printf("|---|---|---|---|\n");
+  }
   int64_t fail_hits = 0, fail_runs = 0, healthy_hits = 0, healthy_runs = 0, truth_failures = 0,
           weak_scenarios = 0;
+  // --by-kind: one row per failure, its scenarios' hits in one cell.
+  std::vector<std::string> groups;
+  std::map<std::string, std::string> group_how, group_expected, group_cells;
   for (const auto& sc : scenarios()) {
     if (!std::regex_search(sc.name, filter)) continue;
     int64_t hits = 0;
@@ -787,12 +802,26 @@ int main(int argc, char** argv) {
     if (sc.kind) {
       expected = std::string(torchdbg::to_string(*sc.kind));
       if (sc.or_kind) expected += std::string(" or ") + torchdbg::to_string(*sc.or_kind);
-      expected += sc.layer == "*" ? " (any layer)" : " @ " + sc.layer;
+      expected += sc.layer == "*" ? " (any layer)" : sc.layer == "input" || sc.layer == "loss" ? " @ " + sc.layer : "";
     }
-    std::printf("| %s (%s, %s) | %s | %s | %lld/%lld |%s\n", sc.name.c_str(), arch_name(sc.arch),
-                sc.adam ? "Adam" : "SGD", sc.how.c_str(), expected.c_str(), static_cast<long long>(hits),
-                static_cast<long long>(seeds), misses.empty() ? "" : (" misses:" + misses).c_str());
-    std::fflush(stdout);
+    const std::string score = std::to_string(hits) + "/" + std::to_string(seeds);
+    if (by_kind) {
+      if (!group_how.count(sc.group)) {
+        groups.push_back(sc.group);
+        group_how[sc.group] = sc.how;
+        group_expected[sc.group] = expected + (sc.kind && sc.layer != "input" && sc.layer != "loss" && sc.layer != "*"
+                                                   ? " @ the layer"
+                                                   : "");
+      }
+      std::string& cell = group_cells[sc.group];
+      cell += (cell.empty() ? "" : ", ") + sc.name.substr(sc.group.size() + 2) + " " + score;
+    } else {
+      std::printf("| %s | %s | %s | %s |%s\n", sc.name.c_str(), sc.how.c_str(),
+                  (expected + (sc.layer != "input" && sc.layer != "loss" && sc.layer != "*" && sc.kind ? " @ " + sc.layer : ""))
+                      .c_str(),
+                  score.c_str(), misses.empty() ? "" : (" misses:" + misses).c_str());
+      std::fflush(stdout);
+    }
     if (static_cast<double>(hits) < min_scenario * static_cast<double>(seeds)) ++weak_scenarios;
     if (sc.kind) {
       fail_hits += hits;
@@ -801,6 +830,13 @@ int main(int argc, char** argv) {
       healthy_hits += hits;
       healthy_runs += seeds;
     }
+  }
+  if (by_kind) {
+    std::printf("| induced at the onset (step 9 to 13) | expected top hypothesis | hits per scenario |\n");
+    std::printf("|---|---|---|\n");
+    for (const auto& g : groups)
+      std::printf("| %s: %s | %s | %s |\n", g.c_str(), group_how[g].c_str(), group_expected[g].c_str(),
+                  group_cells[g].c_str());
   }
   const double acc = fail_runs > 0 ? static_cast<double>(fail_hits) / static_cast<double>(fail_runs) : 1.0;
   std::printf("\nfailures: %lld/%lld runs with the right top hypothesis (%.1f%%); healthy: %lld/%lld runs without an incident; ground truth failures: %lld\n",

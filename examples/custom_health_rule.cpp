@@ -14,6 +14,7 @@
 
 namespace {
 
+// [snippet rule]
 /// Flags the output of the layers named `layer` when its largest |logit| exceeds `limit`.
 class OverconfidentLogits : public torchdbg::HealthRule {
  public:
@@ -36,6 +37,7 @@ class OverconfidentLogits : public torchdbg::HealthRule {
   std::string layer_;
   double limit_;
 };
+// [/snippet]
 
 struct Classifier : torch::nn::Module {
   Classifier()
@@ -56,6 +58,7 @@ int main() {
   const auto y = x.matmul(torch::randn({16, 4})).argmax(1);
 
   torchdbg::HookManager hooks;
+  // [snippet install]
   torchdbg::HealthMonitor health(torchdbg::HealthOptions()
                                      .rules({std::make_shared<OverconfidentLogits>("head", 25.0)})
                                      .on_failure(torchdbg::OnFailure::Pause)
@@ -63,6 +66,7 @@ int main() {
   auto installed = health.install(hooks);
   auto session = torchdbg::attach(*model, hooks);
   fmt::print("rules: {}\n", fmt::join(health.rule_names(), ", "));
+  // [/snippet]
 
   int64_t step = 0;
   for (; step < 2000 && !hooks.is_paused(); ++step) {

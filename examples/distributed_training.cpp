@@ -86,8 +86,10 @@ c10::intrusive_ptr<c10d::Store> make_store(const Args& a) {
 int main(int argc, char** argv) try {
   const Args a = parse(argc, argv);
   torch::set_num_threads(1);
-  auto store = make_store(a);
+  // [snippet group]
+  auto store = make_store(a);  // a c10d::TCPStore or c10d::FileStore
   auto group = torchdbg::make_gloo_group(store, a.rank, a.world, std::chrono::seconds(30));
+  // [/snippet]
 
   torch::manual_seed(0);  // the same initial weights on every rank
   auto model = std::make_shared<Net>();
@@ -99,9 +101,11 @@ int main(int argc, char** argv) try {
   torchdbg::HealthMonitor health(torchdbg::HealthOptions().on_failure(torchdbg::OnFailure::Pause));
   auto health_fed = health.install(hooks);
   auto session = torchdbg::attach(*model, hooks);
+  // [snippet monitor]
   torchdbg::DistributedMonitor dist(
       group, store, hooks, &health,
       torchdbg::DistributedOptions().report_interval(10).timeout_ms(30000));
+  // [/snippet]
 
   for (int64_t step = 0; step < a.steps; ++step) {
     if (a.rank == a.nan_rank && step == a.nan_step) {
@@ -125,6 +129,7 @@ int main(int argc, char** argv) try {
       p.mutable_grad().copy_(flat[0].slice(0, off, off + p.numel()).view_as(p) / a.world);
       off += p.numel();
     }
+    // [snippet boundary]
     const auto b = dist.step_boundary(step);  // every rank, once per step
     if (b.reported && a.rank == 0) {
       for (const auto& g : dist.global_stats())
@@ -145,6 +150,7 @@ int main(int argc, char** argv) try {
       }
       break;
     }
+    // [/snippet]
     opt.step();
     if (a.rank == 0 && step % 10 == 0)
       fmt::print("[rank 0] step {:>3} loss {:.4f}\n", step, loss.item<double>());

@@ -71,6 +71,7 @@ int main(int argc, char** argv) {
 
   // The debugger: a loss guard hook, a health monitor that pauses on failures, a reporter
   // with four outputs, and the model attached as it is.
+  // [snippet setup]
   torchdbg::HookManager hooks(
       torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.1)));
   hooks.register_hook(
@@ -93,6 +94,7 @@ int main(int argc, char** argv) {
   auto report_fed = reporter.install(hooks, &health);
   auto session = torchdbg::attach(*model, hooks);
   auto pause = hooks.pause_flag();
+  // [/snippet]
 
   std::string checkpoint = serialize(*model);
   int64_t checkpoint_step = 0;
@@ -109,6 +111,7 @@ int main(int argc, char** argv) {
     hooks.set_loss(loss_value);
     loss.backward();
 
+    // [snippet pause]
     // Between steps the loop polls the flag; torchdbg never blocks.
     if (pause->load()) {
       const auto info = hooks.pause_info();
@@ -128,6 +131,7 @@ int main(int argc, char** argv) {
       hooks.resume_training();
       continue;  // this step's update is skipped
     }
+    // [/snippet]
     if (step % 25 == 0) {  // the weights that gave this step's healthy loss
       checkpoint = serialize(*model);
       checkpoint_step = step;

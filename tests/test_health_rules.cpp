@@ -144,7 +144,7 @@ TEST_CASE("saturation rule: above its fraction, worded for outputs and pre-activ
   CHECK_FALSE(torchdbg::SaturationRule(torchdbg::SaturationRuleOptions().fraction(0.7)).check_activation(s));
 }
 
-TEST_CASE("exploding-activation rule: an absolute gain before the baseline, a multiple of it after", "[rules]") {
+TEST_CASE("exploding-activation rule: an absolute gain, widened by a grown baseline, narrowed by a small one", "[rules]") {
   auto y = torch::zeros({4});
   const auto st = stats_of(y);
   ActivationSignals s(y, st);
@@ -157,14 +157,23 @@ TEST_CASE("exploding-activation rule: an absolute gain before the baseline, a mu
   CHECK(f->kind == FailureKind::ExplodingActivation);
   CHECK(f->threshold == 10.0);
   CHECK(f->margin == Approx(std::log10(1.1) / (std::log10(1.1) + 0.5)));
-  // A head whose gain grew to 6 while it learned: 11 is no explosion, 61 is.
+  // A head whose gain grew to 6 while it learned: 11 is no explosion, 3x its history is.
   s.gain_baseline = 6.0;
   CHECK_FALSE(rule.check_activation(s));
-  s.gain = 61.0;
+  s.gain = 17.9;
+  CHECK_FALSE(rule.check_activation(s));
+  s.gain = 19.0;
   f = rule.check_activation(s);
   REQUIRE(f);
-  CHECK(f->threshold == Approx(60.0));
+  CHECK(f->threshold == Approx(18.0));
   CHECK(f->details["gain_baseline"] == 6.0);
+  // A baseline of 0.5: a 10x jump (5) counts below the absolute limit of 10.
+  s.gain_baseline = 0.5;
+  s.gain = 4.9;
+  CHECK_FALSE(rule.check_activation(s));
+  s.gain = 5.1;
+  REQUIRE(rule.check_activation(s));
+  CHECK(rule.check_activation(s)->threshold == Approx(5.0));
   // A small baseline: the limit is 10x it, but never below min_gain.
   s.gain_baseline = 0.1;
   s.gain = 1.9;

@@ -85,7 +85,10 @@
 //   Linears tied to one weight) are told apart only by call order: the first use in a step
 //   goes to the first registered;
 // - a module output that nothing consumes before the step ends is delivered at the step
-//   change or `flush()`, and an in-place change made to it before then is what hooks see.
+//   change or `flush()`, and an in-place change made to it before then is what hooks see;
+// - an operator that reads a module's output before its activation does (a
+//   `y.detach().clone()` kept for logging between `fc(x)` and `relu`) is what the output
+//   was consumed by: the activation after it is not delivered as "<module>/<activation>".
 // Where a call must be seen exactly as the module made it (one delivery per call, the
 // returned tensor, read/replace/stop), route it through torchdbg: `Hooked<>` members or
 // `hooked_call` (hooked.hpp).

@@ -183,7 +183,9 @@ struct HealthOptions {
   TORCH_ARG(double, constant_ratio) = 1e-6;
   /// Output std above this multiple of its input's RMS: an exploding activation
   /// (normalization layers excepted). Once the layer's gain baseline (an EMA of its healthy
-  /// gains) is known, the limit is this multiple of the baseline, and at least 2.
+  /// gains) is known, the limit is min(max(this, 3 x baseline), max(2, 10 x baseline)): a
+  /// layer whose healthy gain grew may exceed it, and a 10x jump over the history counts
+  /// below it (ExplodingActivationRuleOptions).
   TORCH_ARG(double, activation_gain) = 10.0;
   /// Layers (regex, whole name) whose observed output is the pre-activation of an
   /// unobserved activation ("tanh", "sigmoid" or "relu"): bounds are applied to the

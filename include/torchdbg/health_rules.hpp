@@ -319,10 +319,13 @@ class SaturationRule : public HealthRule {
 };
 
 struct ExplodingActivationRuleOptions {
-  /// Output std above this multiple of its input's RMS; once the layer's gain baseline is
-  /// known, above this multiple of the baseline.
+  /// Output std above this multiple of its input's RMS is an explosion...
   TORCH_ARG(double, gain) = 10.0;
-  /// The limit against a baseline is never below this gain.
+  /// ...unless the layer's own healthy gains (its baseline, once known) reach it: then the
+  /// limit is this multiple of the baseline (a classifier head whose logits grow as it learns).
+  TORCH_ARG(double, tolerance) = 3.0;
+  /// A jump to this multiple of the baseline is an explosion at any gain above `min_gain`.
+  TORCH_ARG(double, jump) = 10.0;
   TORCH_ARG(double, min_gain) = 2.0;
 };
 
@@ -333,10 +336,14 @@ class ExplodingActivationRule : public HealthRule {
   std::string name() const override { return "exploding_activation"; }
   std::optional<Finding> check_activation(const ActivationSignals& s) override {
     if (!s.module_output || !std::isfinite(s.gain)) return std::nullopt;
-    // Against the layer's own healthy gain once it is known: a classifier's head whose
-    // logits grow as it learns is no explosion; a jump of 10x over its history is.
+    // With the layer's own healthy gain known: a head whose logits grew as it learned may
+    // exceed `gain` up to `tolerance` times its history, and a jump of `jump` times its
+    // history is an explosion even below `gain`.
     const bool base = std::isfinite(s.gain_baseline);
-    const double limit = base ? std::max(o_.min_gain(), o_.gain() * s.gain_baseline) : o_.gain();
+    const double limit =
+        base ? std::min(std::max(o_.gain(), o_.tolerance() * s.gain_baseline),
+                        std::max(o_.min_gain(), o_.jump() * s.gain_baseline))
+             : o_.gain();
     if (!(s.gain > limit)) return std::nullopt;
     Finding f;
     f.kind = FailureKind::ExplodingActivation;
