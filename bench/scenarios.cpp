@@ -362,6 +362,18 @@ std::string check_constant(const Onset& o, const std::string& layer) {
   return {};
 }
 
+/// A failure scenario's common fields.
+Scenario failure(std::string group, FailureKind kind, Arch arch, std::string layer, bool adam, std::string how) {
+  Scenario s;
+  s.group = std::move(group);
+  s.kind = kind;
+  s.arch = arch;
+  s.layer = std::move(layer);
+  s.adam = adam;
+  s.how = std::move(how);
+  return s;
+}
+
 std::vector<Scenario> scenarios() {
   std::vector<Scenario> v;
   auto add = [&](Scenario s) {
@@ -391,13 +403,8 @@ std::vector<Scenario> scenarios() {
       {Arch::Mlp, "fc0"}, {Arch::Cnn, "conv0"}, {Arch::Residual, "stem"},
       {Arch::LayerNormGelu, "embed"}, {Arch::Lstm, "lstm"}, {Arch::Attention, "embed"}};
   for (std::size_t i = 0; i < std::size(first_layers); ++i) {
-    Scenario s;
-    s.arch = first_layers[i].first;
-    s.adam = i % 2 == 0;
-    s.group = "bad input";
-    s.kind = FailureKind::BadInput;
-    s.layer = "input";
-    s.how = "3 NaN values in the batch";
+    Scenario s = failure("bad input", FailureKind::BadInput, first_layers[i].first, "input", i % 2 == 0,
+                         "3 NaN values in the batch");
     s.corrupt = [](torch::Tensor& x) {
       auto flat = x.view({-1});
       for (int64_t j : {5, 77, 300}) flat[j % flat.numel()] = std::numeric_limits<float>::quiet_NaN();
@@ -412,13 +419,8 @@ std::vector<Scenario> scenarios() {
       {Arch::Mlp, "fc1", false},        {Arch::Cnn, "conv1", true},     {Arch::Residual, "block1_b", false},
       {Arch::LayerNormGelu, "block0_ff2", true}, {Arch::Lstm, "fc", false}, {Arch::Attention, "k", true}};
   for (const auto& [arch, layer, adam] : nonfinite) {
-    Scenario s;
-    s.arch = arch;
-    s.adam = adam;
-    s.group = "non-finite output";
-    s.kind = FailureKind::NonFiniteOutput;
-    s.layer = layer;
-    s.how = "one weight of the layer set to Inf";
+    Scenario s = failure("non-finite output", FailureKind::NonFiniteOutput, arch, layer, adam,
+                         "one weight of the layer set to Inf");
     const std::string l = layer;
     s.induce = [l](Model& m) { m.weight(l).view({-1})[0] = std::numeric_limits<float>::infinity(); };
     s.truth = [l](const Onset& o) { return check_nonfinite_origin(o, l); };
@@ -432,13 +434,8 @@ std::vector<Scenario> scenarios() {
       {Arch::Residual, "block0_a", true, "bias"},
       {Arch::Residual, "stem", false, "bias"}};
   for (const auto& [arch, layer, adam, what] : dead) {
-    Scenario s;
-    s.arch = arch;
-    s.adam = adam;
-    s.group = "dead units";
-    s.kind = FailureKind::DeadUnits;
-    s.layer = layer;
-    s.how = "the bias before a ReLU set to -50";
+    Scenario s = failure("dead units", FailureKind::DeadUnits, arch, layer, adam,
+                         "the bias before a ReLU set to -50");
     const std::string l = layer;
     s.induce = [l](Model& m) { m.bias(l).fill_(-50.0); };
     const int64_t unit_dim = 1;
@@ -449,14 +446,9 @@ std::vector<Scenario> scenarios() {
   const std::tuple<Act, std::string, bool, double> sat[] = {
       {Act::Tanh, "fc1", false, 4.0}, {Act::Tanh, "fc2", true, -4.0}, {Act::Sigmoid, "fc1", false, -9.0}};
   for (const auto& [act, layer, adam, shift] : sat) {
-    Scenario s;
-    s.arch = Arch::Mlp;
+    Scenario s = failure("saturation", FailureKind::Saturation, Arch::Mlp, layer, adam,
+                         "the bias before a tanh shifted by +-4, before a sigmoid by -9");
     s.act = act;
-    s.adam = adam;
-    s.group = "saturation";
-    s.kind = FailureKind::Saturation;
-    s.layer = layer;
-    s.how = "the bias before a tanh shifted by +-4, before a sigmoid by -9";
     const std::string l = layer;
     const double d = shift;
     s.induce = [l, d](Model& m) { m.bias(l).add_(d); };
@@ -469,13 +461,8 @@ std::vector<Scenario> scenarios() {
       {Arch::Mlp, "fc1", true}, {Arch::Cnn, "conv0", false}, {Arch::LayerNormGelu, "block0_ff1", true},
       {Arch::Attention, "v", false}, {Arch::Residual, "block0_b", true}};
   for (const auto& [arch, layer, adam] : explode) {
-    Scenario s;
-    s.arch = arch;
-    s.adam = adam;
-    s.group = "exploding activation";
-    s.kind = FailureKind::ExplodingActivation;
-    s.layer = layer;
-    s.how = "the layer's weight times 1000";
+    Scenario s = failure("exploding activation", FailureKind::ExplodingActivation, arch, layer, adam,
+                         "the layer's weight times 1000");
     const std::string l = layer;
     s.induce = [l](Model& m) { m.weight(l).mul_(1000.0); };
     s.truth = [l](const Onset& o) { return check_gain_above(o, l, 10.0); };
@@ -486,13 +473,8 @@ std::vector<Scenario> scenarios() {
   const std::tuple<Arch, std::string, bool> egrad[] = {
       {Arch::Mlp, "fc3", false}, {Arch::Cnn, "fc", true}, {Arch::Lstm, "fc", true}};
   for (const auto& [arch, layer, adam] : egrad) {
-    Scenario s;
-    s.arch = arch;
-    s.adam = adam;
-    s.group = "exploding gradient";
-    s.kind = FailureKind::ExplodingGradient;
-    s.layer = layer;
-    s.how = "backward of the loss times 1e9";
+    Scenario s = failure("exploding gradient", FailureKind::ExplodingGradient, arch, layer, adam,
+                         "backward of the loss times 1e9");
     s.backward_scale = 1e9;
     const std::string l = layer;
     s.truth = [l](const Onset& o) -> std::string {
@@ -507,13 +489,8 @@ std::vector<Scenario> scenarios() {
   const std::tuple<Arch, std::string, bool> vgrad[] = {
       {Arch::Mlp, "fc0", false}, {Arch::Lstm, "lstm", true}};
   for (const auto& [arch, layer, adam] : vgrad) {
-    Scenario s;
-    s.arch = arch;
-    s.adam = adam;
-    s.group = "vanishing gradient";
-    s.kind = FailureKind::VanishingGradient;
-    s.layer = layer;
-    s.how = "backward of the loss times 1e-12";
+    Scenario s = failure("vanishing gradient", FailureKind::VanishingGradient, arch, layer, adam,
+                         "backward of the loss times 1e-12");
     s.backward_scale = 1e-12;
     const std::string l = layer;
     s.truth = [l](const Onset& o) -> std::string {
@@ -527,13 +504,8 @@ std::vector<Scenario> scenarios() {
   const std::tuple<Arch, std::string, bool> constant[] = {
       {Arch::Mlp, "fc1", false}, {Arch::Residual, "block0_a", true}};
   for (const auto& [arch, layer, adam] : constant) {
-    Scenario s;
-    s.arch = arch;
-    s.adam = adam;
-    s.group = "constant output";
-    s.kind = FailureKind::ConstantOutput;
-    s.layer = layer;
-    s.how = "the layer's weight zeroed, its bias 0.5";
+    Scenario s = failure("constant output", FailureKind::ConstantOutput, arch, layer, adam,
+                         "the layer's weight zeroed, its bias 0.5");
     const std::string l = layer;
     s.induce = [l](Model& m) {
       m.weight(l).zero_();
@@ -546,13 +518,8 @@ std::vector<Scenario> scenarios() {
   // unnormalised data (a loss spike)
   const std::pair<Arch, bool> diverge[] = {{Arch::Mlp, false}, {Arch::Attention, true}};
   for (const auto& [arch, adam] : diverge) {
-    Scenario s;
-    s.arch = arch;
-    s.adam = adam;
-    s.group = "loss divergence";
-    s.kind = FailureKind::LossDivergence;
-    s.layer = "loss";
-    s.how = "logits divided by a zero temperature in the loss";
+    Scenario s = failure("loss divergence", FailureKind::LossDivergence, arch, "loss", adam,
+                         "logits divided by a zero temperature in the loss");
     s.temperature = 0.0;
     s.truth = [](const Onset& o) -> std::string {
       if (!finite(o.logits)) return "the logits are non-finite";
@@ -590,13 +557,8 @@ std::vector<Scenario> scenarios() {
   }
   const std::pair<Arch, bool> spike[] = {{Arch::Mlp, true}, {Arch::Lstm, false}};
   for (const auto& [arch, adam] : spike) {
-    Scenario s;
-    s.arch = arch;
-    s.adam = adam;
-    s.group = "loss spike";
-    s.kind = FailureKind::LossSpike;
-    s.layer = "loss";
-    s.how = "logits times 1000 in the loss (temperature 0.001)";
+    Scenario s = failure("loss spike", FailureKind::LossSpike, arch, "loss", adam,
+                         "logits times 1000 in the loss (temperature 0.001)");
     s.temperature = 0.001;
     s.truth = [](const Onset& o) -> std::string {
       double mean = 0.0;

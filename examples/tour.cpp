@@ -37,6 +37,27 @@ void train(const std::shared_ptr<Net>& model, torchdbg::HookManager& hooks, int6
   }
 }
 
+void quick_start() {
+  auto model = std::make_shared<Net>();
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05));
+  // [snippet quickstart]
+  torchdbg::HookManager hooks;
+  torchdbg::HealthMonitor health(torchdbg::HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+  auto fed = health.install(hooks);                // fed by every delivery, set_step, set_loss
+  auto session = torchdbg::attach(*model, hooks);  // no change to the model's code
+  for (int64_t step = 0; step < 100 && !hooks.is_paused(); ++step) {
+    hooks.set_step(step);
+    opt.zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(model->forward(torch::randn({32, 8})),
+                                                     torch::randint(0, 4, {32}));
+    hooks.set_loss(loss.item<double>());
+    loss.backward();
+    opt.step();
+  }
+  std::cout << torchdbg::diagnose(health).summary() << "\n";  // what went wrong, and where
+  // [/snippet]
+}
+
 void hooks_section() {
   // [snippet manager]
   torchdbg::HookManager hooks;
@@ -210,6 +231,7 @@ void reports_section() {
 
 int main() {
   torch::manual_seed(0);
+  quick_start();
   hooks_section();
   attach_section();
   exact_section();

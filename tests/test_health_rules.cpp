@@ -281,14 +281,19 @@ TEST_CASE("loss rules: divergence, a spike from the second loss on, a plateau ov
     CHECK_FALSE(spike.check_loss(t));
   }
   {
-    // A loss near zero: the mean is floored at 1% of the first loss.
-    std::vector<double> tiny{1e-6, 1e-6};
-    LossSignals s(0.05, tiny);
-    s.first_loss = 1.0;
+    // A loss near zero: the mean is floored at 10% of the first loss, so one hard batch of a
+    // converged model (0.08 -> 0.9 with a first loss of 1.4) is no spike; 1.5 is.
+    std::vector<double> tiny{0.08, 0.09, 0.085};
+    LossSignals s(0.9, tiny);
+    s.first_loss = 1.4;
     CHECK_FALSE(spike.check_loss(s));
-    LossSignals t(0.2, tiny);
-    t.first_loss = 1.0;
-    CHECK(spike.check_loss(t));
+    LossSignals t(1.5, tiny);
+    t.first_loss = 1.4;
+    auto f = spike.check_loss(t);
+    REQUIRE(f);
+    CHECK(f->threshold == Approx(1.4));
+    torchdbg::LossSpikeRule loose(torchdbg::LossSpikeRuleOptions().floor(0.0));
+    CHECK(loose.check_loss(s));
   }
   {
     std::vector<double> flat{2.0, 2.0, 2.0};

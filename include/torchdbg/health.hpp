@@ -212,6 +212,8 @@ struct HealthOptions {
   // ---- loss
   /// Loss above `loss_spike_factor` times the mean of the last `loss_window` losses: spike.
   TORCH_ARG(double, loss_spike_factor) = 10.0;
+  /// That mean is taken as at least this fraction of the first loss (LossSpikeRuleOptions).
+  TORCH_ARG(double, loss_spike_floor) = 0.1;
   TORCH_ARG(int64_t, loss_window) = 20;
   /// Relative improvement between the halves of the last `plateau_window` losses below
   /// `plateau_tolerance`: plateau.
@@ -257,7 +259,7 @@ inline std::vector<HealthRulePtr> builtin_health_rules(const HealthOptions& o) {
                                                       .collapse(o.gradient_collapse())),
           std::make_shared<LossDivergenceRule>(),
           std::make_shared<LossSpikeRule>(
-              LossSpikeRuleOptions().factor(o.loss_spike_factor()).window(o.loss_window())),
+              LossSpikeRuleOptions().factor(o.loss_spike_factor()).window(o.loss_window()).floor(o.loss_spike_floor())),
           std::make_shared<LossPlateauRule>(
               LossPlateauRuleOptions().window(o.plateau_window()).tolerance(o.plateau_tolerance()))};
 }
@@ -946,6 +948,9 @@ class BasicHealthMonitor {
     positive(o.gradient_jump(), "gradient_jump");
     positive(o.gradient_collapse(), "gradient_collapse");
     positive(o.loss_spike_factor(), "loss_spike_factor");
+    if (!(o.loss_spike_floor() >= 0.0))
+      throw Error("torchdbg: HealthOptions::loss_spike_floor must be >= 0, got " +
+                  std::to_string(o.loss_spike_floor()));
     positive(o.plateau_tolerance(), "plateau_tolerance");
     if (o.sigmoid_low() >= o.sigmoid_high())
       throw Error("torchdbg: HealthOptions::sigmoid_low must be below sigmoid_high");

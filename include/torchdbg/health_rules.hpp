@@ -225,7 +225,8 @@ struct Finding {
 };
 
 /// A health rule. Override the checks for the signals it judges; each returns a Finding when
-/// the signal is unhealthy. Called under the monitor's lock, in rule order.
+/// the signal is unhealthy. Called under the monitor's lock, in rule order: a rule must not
+/// call back into its monitor.
 class HealthRule {
  public:
   virtual ~HealthRule() = default;
@@ -487,8 +488,9 @@ struct LossSpikeRuleOptions {
   /// Loss above this multiple of the mean of the last `window` losses: spike.
   TORCH_ARG(double, factor) = 10.0;
   TORCH_ARG(int64_t, window) = 20;
-  /// The mean is taken as at least this fraction of the first loss (a loss near zero).
-  TORCH_ARG(double, floor) = 1e-2;
+  /// The mean is taken as at least this fraction of the first loss: near convergence one hard
+  /// batch is 10x a tiny mean, and a spike there must also reach the untrained loss's level.
+  TORCH_ARG(double, floor) = 0.1;
 };
 
 /// A jump over the recent mean, from the second loss on: with few losses the mean is rough,
