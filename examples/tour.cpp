@@ -23,10 +23,11 @@ struct Net : torch::nn::Module {
   torch::nn::Linear fc1, fc2;
 };
 
-/// Trains `model` for `steps` steps on random data, telling `hooks` the step and the loss.
+/// Trains `model` for `steps` steps on random data, telling `hooks` the step and the loss;
+/// stops early when training is paused.
 void train(const std::shared_ptr<Net>& model, torchdbg::HookManager& hooks, int64_t steps, int64_t first_step = 0) {
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05));
-  for (int64_t step = first_step; step < first_step + steps; ++step) {
+  for (int64_t step = first_step; step < first_step + steps && !hooks.is_paused(); ++step) {
     hooks.set_step(step);
     opt.zero_grad();
     auto loss = torch::nn::functional::cross_entropy(model->forward(torch::randn({32, 8})),
@@ -162,8 +163,8 @@ void health_section() {
   torchdbg::HealthMonitor health(torchdbg::HealthOptions().on_failure(torchdbg::OnFailure::Pause));
   auto fed = health.install(hooks);  // fed by every delivery, set_step, set_loss
   auto session = torchdbg::attach(*model, hooks);
-  // ... train; when hooks.is_paused(), diagnose the state at the failure:
-  train(model, hooks, 20);
+  train(model, hooks, 20);  // the training loop; it stops when hooks.is_paused()
+  // the state when the failure was detected (or now, when there was none):
   const auto report = health.failure_report().value_or(health.report());
   const auto d = torchdbg::diagnose(report);
   std::cout << d.summary() << "\n" << d.to_mermaid();  // or d.to_dot(), d.to_json()
