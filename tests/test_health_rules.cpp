@@ -60,6 +60,18 @@ struct Budget : torchdbg::HealthRule {
   }
 };
 
+/// Returns findings whose numbers are NaN.
+struct Undefined : torchdbg::HealthRule {
+  std::string name() const override { return "undefined"; }
+  std::optional<Finding> check_activation(const ActivationSignals& s) override {
+    if (!s.module_output) return std::nullopt;
+    Finding f;
+    f.value = f.threshold = f.margin = std::nan("");
+    f.reason = "no numbers";
+    return f;
+  }
+};
+
 struct Throws : torchdbg::HealthRule {
   std::string name() const override { return "throws"; }
   std::optional<Finding> check_activation(const ActivationSignals&) override {
@@ -501,4 +513,23 @@ TEST_CASE("an all-zero ReLU output is left to the dead-units rule; a constant no
   h.kind = "relu";
   h.rms = 0.5;
   CHECK(rule.check_activation(h));
+}
+
+TEST_CASE("a finding with NaN numbers gets a confidence in [0, 1] and a diagnosis", "[rules]") {
+  HealthMonitor m(HealthOptions().rules({std::make_shared<Undefined>()}));
+  ActivationInfo mod;
+  mod.input_rms = 1.0;
+  for (int64_t step = 0; step < 3; ++step) m.observe_activation("fc", torch::randn({8, 8}), step, mod);
+  REQUIRE(m.incidents().size() == 1);
+  const auto inc = m.incidents()[0];
+  CHECK(inc.confidence >= 0.0);
+  CHECK(inc.confidence <= 1.0);
+  CHECK(inc.persisted == 3);
+  const auto d = torchdbg::diagnose(m);
+  REQUIRE(d.top() != nullptr);
+  CHECK(d.top()->kind == FailureKind::Custom);
+  CHECK(d.top()->confidence >= 0.0);
+  CHECK(d.top()->confidence <= 1.0);
+  CHECK_NOTHROW(d.to_json().dump());
+  for (const auto& e : m.events()) CHECK(std::isfinite(e.confidence));
 }

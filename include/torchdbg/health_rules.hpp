@@ -114,7 +114,8 @@ inline int failure_tier(FailureKind k) noexcept {
 
 namespace detail {
 
-inline double clamp01(double v) noexcept { return v < 0.0 ? 0.0 : (v > 1.0 ? 1.0 : v); }
+/// `v` within [0, 1]; NaN (a rule's undefined margin) is 0.
+inline double clamp01(double v) noexcept { return !(v > 0.0) ? 0.0 : (v > 1.0 ? 1.0 : v); }
 
 /// log10(a / b) mapped to 0..1 by x / (x + 0.5): 0 at the threshold, 0.67 one decade past.
 inline double decade_margin(double a, double b) noexcept {
