@@ -128,3 +128,74 @@ TEST_CASE("empty activations of any shape are recorded with empty statistics, no
   CHECK(h.rows == 4);
   CHECK(std::isnan(h.at(0, 0)));
 }
+
+namespace {
+
+/// The heatmap computed naively from a contiguous double copy: mean over the leading
+/// dimensions (NaN propagates), the 1-D layout, then NaN-ignoring block means.
+torchdbg::Heatmap naive_heatmap(const torch::Tensor& t, int64_t max_size) {
+  const torch::Tensor d = t.to(torch::kDouble).contiguous();
+  int64_t rows = 1, cols = 1;
+  std::vector<double> full;
+  if (d.dim() >= 2) {
+    rows = d.size(-2);
+    cols = d.size(-1);
+    const torch::Tensor m = d.reshape({-1, rows, cols}).mean(0).contiguous();
+    full.assign(m.data_ptr<double>(), m.data_ptr<double>() + m.numel());
+  } else {
+    const int64_t n = d.numel();
+    rows = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(n))));
+    cols = (n + rows - 1) / rows;
+    std::swap(rows, cols);
+    full.assign(static_cast<std::size_t>(rows * cols), std::nan(""));
+    for (int64_t k = 0; k < n; ++k) full[static_cast<std::size_t>(k)] = d.reshape({-1})[k].item<double>();
+  }
+  torchdbg::Heatmap h;
+  h.rows = std::min(rows, max_size);
+  h.cols = std::min(cols, max_size);
+  for (int64_t r = 0; r < h.rows; ++r)
+    for (int64_t c = 0; c < h.cols; ++c) {
+      double sum = 0;
+      int64_t n = 0;
+      for (int64_t i = r * rows / h.rows; i < (r + 1) * rows / h.rows; ++i)
+        for (int64_t j = c * cols / h.cols; j < (c + 1) * cols / h.cols; ++j) {
+          const double v = full[static_cast<std::size_t>(i * cols + j)];
+          if (!std::isnan(v)) sum += v, ++n;
+        }
+      h.values.push_back(n > 0 ? sum / static_cast<double>(n) : std::nan(""));
+    }
+  return h;
+}
+
+}  // namespace
+
+TEST_CASE("heatmaps of expanded views equal the naive heatmap of their values, read from storage", "[visualizer]") {
+  torchdbg_test::SeededRng rng(17);
+  auto base = torch::randn({3, 1, 5});
+  base[0][0][2] = std::nan("");
+  const std::vector<std::pair<std::string, torch::Tensor>> views = {
+      {"rows expanded", base.expand({3, 70, 5})},
+      {"columns expanded", torch::randn({4, 9, 1}).expand({4, 9, 130})},
+      {"leading expanded", torch::randn({1, 6, 7}).expand({50, 6, 7})},
+      {"all expanded", torch::randn({1, 1, 1}).expand({4, 66, 66})},
+      {"1-D expanded", torch::randn({1}).expand({1000})},
+      {"0-d", torch::randn({})},
+      {"transposed expansion", base.expand({3, 70, 5}).transpose(1, 2)},
+      {"overlapping windows", torch::randn({40}).unfold(0, 6, 2)},
+  };
+  for (const auto& [name, v] : views) {
+    INFO(name << " " << v.sizes());
+    for (int64_t size : {64, 7}) {
+      const auto got = torchdbg::make_heatmap(v, size);
+      const auto want = naive_heatmap(v, size);
+      REQUIRE(got.rows == want.rows);
+      REQUIRE(got.cols == want.cols);
+      for (std::size_t i = 0; i < want.values.size(); ++i) CHECK_CLOSE(got.values[i], want.values[i], 1e-12);
+    }
+  }
+  // 2^28 values from 16 KiB of storage: computed without copying them.
+  const auto huge = torch::randn({1, 4096}).expand({int64_t{1} << 16, 4096});
+  const auto h = torchdbg::make_heatmap(huge, 8);
+  CHECK(h.rows == 8);
+  CHECK(h.cols == 8);
+}

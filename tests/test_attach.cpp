@@ -205,7 +205,8 @@ TEST_CASE("per-module gradient norms and the global norm come from one backward"
   double total = 0;
   for (const auto& [name, n] : norms) {
     double ref = 0;
-    for (const auto& p : net->named_modules()[name]->parameters(false)) ref += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
+    const auto module = net->named_modules()[name];
+    for (const auto& p : module->parameters(false)) ref += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
     INFO("module " << name);
     CHECK_CLOSE(n, std::sqrt(ref), 1e-6);  // float32 gradients: the kernel's float path
     total += ref;
@@ -1032,4 +1033,94 @@ TEST_CASE("an activation after a view, reshape or transpose of a module's output
   (void)torch::relu(torch::randn({4, 2}).view({8}));
   session.flush();
   CHECK(session.forward_deliveries() == before);
+}
+
+namespace {
+
+/// A custom autograd Function whose backward throws.
+struct ThrowingBackward : torch::autograd::Function<ThrowingBackward> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list) {
+    throw std::runtime_error("custom Function's backward failed");
+  }
+};
+
+/// fc1 -> (a place where backward can throw) -> tanh -> fc2: a failing pass has delivered
+/// fc2's gradients and not fc1's when it throws.
+struct FailNet : torch::nn::Module {
+  FailNet()
+      : fc1(register_module("fc1", torch::nn::Linear(4, 8))), fc2(register_module("fc2", torch::nn::Linear(8, 2))) {}
+  torch::Tensor forward(const torch::Tensor& x, int fail) {
+    torch::Tensor h = fc1(x);
+    if (fail == 1) h.register_hook([](const torch::Tensor&) -> torch::Tensor { throw std::runtime_error("tensor hook failed"); });
+    if (fail == 2) h = ThrowingBackward::apply(h);
+    if (fail == 3) h = h + torch::sqrt(h - h) * 0;  // NaN gradient: anomaly mode throws
+    return fc2(torch::tanh(h));
+  }
+  torch::nn::Linear fc1, fc2;
+};
+
+}  // namespace
+
+TEST_CASE("a backward pass that throws leaves attach working: the next pass is observed as if it had not happened",
+          "[attach]") {
+  auto& observer = torchdbg::detail::ForwardObserver::instance();
+  const char* sources[] = {"", "a tensor hook", "a custom Function", "anomaly mode's NaN check"};
+  for (int fail = 1; fail <= 3; ++fail) {
+    INFO("the pass throws in " << sources[fail]);
+    torchdbg_test::SeededRng rng(40 + static_cast<uint64_t>(fail));
+    auto net = std::make_shared<FailNet>();
+    HookManager hooks;
+    hooks.create_gradient_tracking_hook({});
+    std::vector<std::string> names;
+    hooks.register_callback("n", [&](const torchdbg::HookContext& c) { names.emplace_back(c.layer_name()); });
+    hooks.register_hook(HookConfig().trigger(HookTrigger::every_forward()).actions({HookAction::custom_callback("n")}));
+    torchdbg::HealthMonitor health;
+    auto installed = health.install(hooks);
+    auto session = torchdbg::attach(*net, hooks, AttachOptions().auto_step(true));
+    const auto x = torch::randn({5, 4});
+    const auto reference_norm = [&] {
+      double sq = 0;
+      for (const auto& p : net->parameters()) sq += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
+      return std::sqrt(sq);
+    };
+    const auto good_pass = [&] {
+      names.clear();
+      net->zero_grad();
+      net->forward(x, 0).pow(2).mean().backward();
+    };
+    good_pass();
+    const std::vector<std::string> expected = names;
+    CHECK(expected == std::vector<std::string>{"fc1", "fc1/tanh", "fc2", "fc2/pow"});
+    CHECK(hooks.step() == 1);
+
+    for (int round = 0; round < 2; ++round) {  // twice: a second failure is counted as well
+      net->zero_grad();
+      {
+        std::optional<torch::autograd::DetectAnomalyGuard> anomaly;
+        if (fail == 3) anomaly.emplace();
+        const torch::Tensor loss = net->forward(x, fail).pow(2).mean();
+        CHECK_THROWS(loss.backward());
+      }
+      CHECK(session.failed_backward_passes() == static_cast<uint64_t>(round + 1));
+      CHECK(hooks.step() == 1 + round);  // a failed pass is not a step
+      CHECK(observer.registered());      // forward observation is back
+
+      good_pass();
+      CHECK(names == expected);  // forward deliveries go on
+      CHECK(hooks.step() == 2 + round);
+      REQUIRE(hooks.state().gradient_norm);
+      // Only this pass's gradients: the failed pass's partial squares (fc2's) are dropped.
+      CHECK_CLOSE(*hooks.state().gradient_norm, reference_norm(), 1e-6);
+      const auto norms = session.gradient_norms();
+      REQUIRE(norms.size() == 2);
+      const double fc2_norm = std::sqrt(net->fc2->weight.grad().to(torch::kDouble).pow(2).sum().item<double>() +
+                                        net->fc2->bias.grad().to(torch::kDouble).pow(2).sum().item<double>());
+      CHECK_CLOSE(norms[1].second, fc2_norm, 1e-6);
+      // The health monitor judged this pass's gradients alone, too.
+      const auto fc2 = health.layer("fc2");
+      REQUIRE(fc2);
+      CHECK_CLOSE(fc2->gradient_norm, fc2_norm, 1e-6);
+    }
+  }
 }

@@ -350,7 +350,8 @@ std::vector<std::pair<std::string, std::vector<std::pair<std::string, torch::Ten
   std::unordered_set<const c10::TensorImpl*> seen;
   for (const auto& item : model.named_modules("", true)) {
     std::vector<std::pair<std::string, torch::Tensor>> own;
-    for (const auto& p : item.value()->named_parameters(false)) {
+    const auto params = item.value()->named_parameters(false);
+    for (const auto& p : params) {
       const auto t = used_tensor(*item.value(), p.key(), p.value());
       if (seen.insert(t.unsafeGetTensorImpl()).second) own.emplace_back(p.key(), t);
     }

@@ -271,7 +271,9 @@ TEST_CASE("a layer computing the log of negative values is the NaN origin", "[di
       CHECK(o.diagnosis.top()->observed == "fc" + std::to_string(layer) + "/log");
       // The loss divergence that followed is explained by it.
       bool loss_in_chain = false;
-      for (const auto& c : o.diagnosis.top()->causal_chain)
+      const torchdbg::Hypothesis* top = o.diagnosis.top();
+      REQUIRE(top != nullptr);
+      for (const auto& c : top->causal_chain)
         loss_in_chain = loss_in_chain || c.kind == FailureKind::LossDivergence;
       CHECK(loss_in_chain);
     }

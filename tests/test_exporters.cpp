@@ -1,9 +1,12 @@
 // torchdbg — module hooks and a training debugger for LibTorch.
 // SPDX-License-Identifier: MIT
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <fstream>
 #include <sstream>
 #include <torchdbg/exporters/csv.hpp>
@@ -430,4 +433,84 @@ TEST_CASE("HTML: steps at the ends of int64 and steps going backwards stay in ra
     const std::string page = html.render();
     CHECK(page.find("id=\"health-heatmap\"") != std::string::npos);
   }
+}
+
+TEST_CASE("streams never block: a FIFO without a reader is refused, a slow or vanished reader costs lines, not the loop",
+          "[exporters]") {
+  const std::string dir = torchdbg_test::tmp_dir("fifo");
+  const std::string fifo = dir + "/run.jsonl";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  const auto started = std::chrono::steady_clock::now();
+  const auto seconds = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  };
+  // No reader: open would wait for one; the exporter refuses at once and says why.
+  CHECK_THROWS_WITH(torchdbg::JsonlExporter(fifo), Catch::Contains("FIFO") && Catch::Contains("no reader") &&
+                                                       Catch::Contains(fifo));
+  CHECK_THROWS_WITH(torchdbg::CsvExporter(fifo), Catch::Contains("no reader"));
+  CHECK(seconds() < 5.0);
+
+  // A reader that reads nothing yet: the pipe fills, flushes return at once, the buffer
+  // stays bounded and drops whole lines (counted); what the reader gets parses line by line.
+  const int rfd = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK);
+  REQUIRE(rfd >= 0);
+  uint64_t dropped = 0, failures = 0, pending = 0;
+  {
+    torchdbg::JsonlExporter x(fifo, torchdbg::StreamOptions().flush_every_steps(1).max_buffer_bytes(64 << 10));
+    for (int64_t s = 0; s < 400; ++s) x.write_step(make_step(s, 8));  // ~2 MB: far past the pipe's 64 KiB
+    CHECK(seconds() < 30.0);
+    failures = x.failures();
+    dropped = x.dropped_lines();
+    pending = x.pending_lines();
+    CHECK_THAT(x.last_error(), Catch::Contains("not keeping up"));
+  }
+  CHECK(failures > 0);
+  CHECK(dropped > 0);
+  std::string got;
+  char buf[65536];
+  for (ssize_t n; (n = ::read(rfd, buf, sizeof buf)) > 0;) got.append(buf, static_cast<std::size_t>(n));
+  ::close(rfd);
+  std::istringstream lines(got);
+  int parsed = 0;
+  for (std::string l; std::getline(lines, l); ++parsed) {
+    INFO("line " << parsed << ": " << l.substr(0, 120));
+    CHECK(nlohmann::json::accept(l));  // no line torn and joined to another
+  }
+  CHECK(parsed > 10);
+  // Every line is accounted for: read, dropped (counted) or still pending when destroyed.
+  CHECK(static_cast<uint64_t>(parsed) + dropped + pending == 400u * 25u);
+  CHECK(pending > 0);
+  CHECK(!got.empty());
+  CHECK(got.back() == '\n');
+
+  // The reader goes away: EPIPE is an error the exporter counts; no SIGPIPE kills the process.
+  {
+    const int r2 = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK);
+    REQUIRE(r2 >= 0);
+    torchdbg::JsonlExporter x(fifo, torchdbg::StreamOptions().flush_every_steps(1));
+    ::close(r2);
+    x.write_step(make_step(0, 2));
+    CHECK(x.failures() == 1);
+    CHECK_THAT(x.last_error(), Catch::Contains("reader has gone"));
+  }
+  CHECK(seconds() < 60.0);
+}
+
+TEST_CASE("atomic writes follow a symbolic link and refuse a FIFO or device instead of replacing it",
+          "[exporters]") {
+  const std::string dir = torchdbg_test::tmp_dir("atomic_kinds");
+  const std::string target = dir + "/real.json", link = dir + "/link.json", fifo = dir + "/fifo.json";
+  torchdbg::detail::atomic_write_file(target, "old", 3);
+  REQUIRE(::symlink(target.c_str(), link.c_str()) == 0);
+  torchdbg::detail::atomic_write_file(link, "new", 3);
+  CHECK(std::filesystem::is_symlink(link));  // the link stays a link
+  CHECK(slurp(target) == "new");
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  CHECK_THROWS_WITH(torchdbg::detail::atomic_write_file(fifo, "x", 1),
+                    Catch::Contains("a FIFO") && Catch::Contains(fifo));
+  CHECK(std::filesystem::is_fifo(fifo));
+  CHECK_THROWS_WITH(torchdbg::detail::atomic_write_file(dir, "x", 1), Catch::Contains("a directory"));
+  if (access("/dev/null", W_OK) == 0)
+    CHECK_THROWS_WITH(torchdbg::detail::atomic_write_file("/dev/null", "x", 1), Catch::Contains("character device"));
+  CHECK(std::filesystem::is_character_file("/dev/null"));
 }

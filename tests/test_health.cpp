@@ -1,5 +1,6 @@
 // torchdbg — module hooks and a training debugger for LibTorch.
 // SPDX-License-Identifier: MIT
+#include <optional>
 #include <thread>
 #include <torchdbg/attach.hpp>
 #include <torchdbg/health.hpp>
@@ -556,4 +557,58 @@ TEST_CASE("layers keep their own records when deliveries change order between st
   }
   CHECK(mon.layer("c")->last_step == 1);  // not observed at step 2
   CHECK(mon.layer("b")->last_step == 2);
+}
+
+TEST_CASE("remove() undoes all of install: a monitor used afterwards never reaches that manager", "[health]") {
+  HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+  auto first = std::make_unique<torchdbg::HookManager>();
+  auto inst = m.install(*first);
+  inst.remove();
+  first.reset();  // the manager is gone: a pause sent to it now is a use after free (ASan)
+  // A later manager, perhaps at the same address, with nothing installed.
+  auto later = std::make_unique<torchdbg::HookManager>();
+  m.observe_loss(5, 1.0);
+  m.observe_loss(6, std::nan(""));  // loss divergence: a pause-worthy failure
+  CHECK(m.loss_health() == LossHealth::Diverging);
+  CHECK_FALSE(later->is_paused());
+
+  // Each installation pauses its own manager; removing one leaves the others' and the user's
+  // own callback in place.
+  torchdbg::HookManager a, b;
+  HealthMonitor m2(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+  int user_pauses = 0;
+  m2.set_pause_callback([&](int64_t, const std::string&, const std::string&) { ++user_pauses; });
+  auto ia = m2.install(a);
+  std::optional<torchdbg::HealthInstallation<std::mutex, std::mutex>> ib(m2.install(b));
+  CHECK_THROWS_WITH(m2.install(a), Catch::Contains("already installed"));
+  ib.reset();
+  m2.observe_loss(1, 1.0);
+  m2.observe_loss(2, std::nan(""));
+  CHECK(a.is_paused());
+  CHECK_FALSE(b.is_paused());
+  CHECK(user_pauses == 1);
+  ia.remove();
+  a.resume_training();
+  HealthMonitor m3(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+  {
+    auto i3 = m3.install(a);
+  }
+  m3.observe_loss(1, 1.0);
+  m3.observe_loss(2, std::nan(""));
+  CHECK_FALSE(a.is_paused());
+}
+
+TEST_CASE("an installation's removal waits for a pause of its manager running on another thread", "[health]") {
+  for (int round = 0; round < 20; ++round) {
+    HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+    auto mgr = std::make_unique<torchdbg::HookManager>();
+    std::optional<torchdbg::HealthInstallation<std::mutex, std::mutex>> inst(m.install(*mgr));
+    std::thread feeder([&] {
+      m.observe_loss(1, 1.0);
+      m.observe_loss(2, std::nan(""));  // pauses the manager, maybe while it is being removed
+    });
+    inst.reset();
+    mgr.reset();  // freed: a pause that got past removal would be a use after free (ASan)
+    feeder.join();
+  }
 }

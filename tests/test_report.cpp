@@ -219,3 +219,59 @@ TEST_CASE("browser fixture: a real run's report and a 120-layer, 10000-step repo
   big.flush();
   CHECK(std::filesystem::file_size(out + "/big.html") < (4u << 20));
 }
+
+TEST_CASE("a backward pass that throws leaves no record in the step's report", "[report]") {
+  for (const bool with_health : {false, true}) {
+    INFO("steps from the health monitor: " << with_health);
+    torch::manual_seed(9);
+    auto net = std::make_shared<Net>();
+    torchdbg::HookManager hooks;
+    torchdbg::HealthMonitor health;
+    torchdbg::Reporter reporter(torchdbg::ReporterOptions().histogram_interval(0));
+    auto rec = std::make_shared<torchdbg::RecordingExporter>();
+    reporter.add_exporter(rec);
+    auto fed = with_health ? health.install(hooks) : torchdbg::HealthInstallation<std::mutex, std::mutex>();
+    auto installed = reporter.install(hooks, with_health ? &health : nullptr);
+    CHECK_THROWS_WITH(reporter.install(hooks), Catch::Contains("already installed"));
+    auto session = torchdbg::attach(*net, hooks, torchdbg::AttachOptions().auto_step(true));
+    const auto x = torch::randn({6, 8});
+    std::map<int64_t, double> reference;
+    const auto pass = [&](bool fail) {
+      net->zero_grad();
+      const int64_t step = hooks.step();
+      const auto loss = net->forward(x).pow(2).mean();
+      hooks.set_loss(loss.item<double>());
+      if (fail) {  // fc2's, fc1's and fc0.weight's gradients are delivered, then it throws
+        const auto h = net->fc0->weight.register_hook(
+            [](const torch::Tensor&) -> torch::Tensor { throw std::runtime_error("no"); });
+        CHECK_THROWS(loss.backward());
+        net->fc0->weight.remove_hook(h);
+        return;
+      }
+      loss.backward();
+      double sq = 0;
+      for (const auto& p : net->parameters()) sq += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
+      reference[step] = std::sqrt(sq);
+    };
+    pass(false);
+    pass(true);  // at step 1: its forward outputs and most gradients were recorded, then it threw
+    pass(false);
+    pass(false);
+    reporter.finish(with_health ? torchdbg::make_summary(hooks, health) : torchdbg::RunSummary{});
+    CHECK(session.failed_backward_passes() == 1);
+    int seen = 0;
+    for (const auto& r : rec->steps()) {
+      if (r.step < 0 || r.step > 2) continue;
+      ++seen;
+      INFO("step " << r.step);
+      std::map<std::string, int> forward, backward;
+      for (const auto& l : r.layers) (l.forward ? forward : backward)[l.layer + "." + l.parameter] += 1;
+      CHECK(forward["fc1."] == 1);  // one forward per step, the failed iteration's dropped
+      CHECK(backward["fc2.weight"] == 1);
+      CHECK(backward["fc0.weight"] == 1);
+      REQUIRE(r.gradient_norm);
+      CHECK_CLOSE(*r.gradient_norm, reference.at(r.step), 1e-6);
+    }
+    CHECK(seen == 3);
+  }
+}

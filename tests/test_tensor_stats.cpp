@@ -2,6 +2,7 @@
 // SPDX-License-Identifier: MIT
 #include <limits>
 #include <random>
+#include <sstream>
 #include <torchdbg/tensor_stats.hpp>
 
 #include "helpers.hpp"
@@ -755,4 +756,177 @@ TEST_CASE("beyond max_quantile_values the quantiles come from a sample; histogra
   CHECK(exact.distribution->quantile_values == r.finite);
   CHECK_THROWS_WITH(torchdbg::compute_stats(t, torchdbg::StatsOptions().distribution(true).max_quantile_values(0)),
                     Catch::Contains("max_quantile_values"));
+}
+
+namespace {
+
+/// A random tensor as users make them by broadcasting and windowing: expanded dimensions
+/// (stride 0), transposes, strided slices and overlapping windows (unfold), of a random dtype
+/// with NaN/Inf in floating data. `code` is the C++ that builds it, for a regression test.
+struct ViewCase {
+  torch::Tensor t;
+  std::string code;
+};
+
+ViewCase random_view(std::mt19937_64& g) {
+  const auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); };
+  const std::vector<torch::ScalarType> dtypes = {torch::kFloat, torch::kFloat, torch::kDouble, torch::kHalf,
+                                                 torch::kBFloat16, torch::kInt, torch::kByte, torch::kBool};
+  const auto dtype = dtypes[static_cast<std::size_t>(pick(0, static_cast<int64_t>(dtypes.size()) - 1))];
+  std::vector<int64_t> shape;
+  for (int64_t d = pick(1, 3); d > 0; --d) shape.push_back(pick(1, 24));
+  const uint64_t seed = g();
+  torch::manual_seed(seed);
+  torch::Tensor t = (torch::randn(shape) * 3).to(dtype);
+  std::ostringstream code;
+  code << "torch::manual_seed(" << seed << "); auto t = (torch::randn(" << torch::IntArrayRef(shape)
+       << ") * 3).to(" << dtype << ")";
+  if (t.is_floating_point() && t.numel() > 4) {
+    auto flat = t.view(-1);
+    flat[0] = kNaN;
+    flat[t.numel() / 2] = kInf;
+    flat[t.numel() - 1] = -kInf;
+    code << "; /* [0] = NaN, [n/2] = Inf, [n-1] = -Inf */";
+  }
+  constexpr int64_t kMaxNumel = int64_t{1} << 21;  // the reference copies and sorts the values
+  for (int64_t ops = pick(1, 4); ops > 0; --ops) {
+    const torch::Tensor before = t;
+    const std::size_t code_len = code.str().size();
+    switch (pick(0, 3)) {
+      case 0: {  // broadcast: a new or existing size-1 dimension expanded
+        const int64_t at = pick(0, t.dim());
+        const int64_t n = pick(2, 400);
+        t = t.unsqueeze(at);
+        std::vector<int64_t> sizes = t.sizes().vec();
+        sizes[static_cast<std::size_t>(at)] = n;
+        t = t.expand(sizes);
+        code << ".unsqueeze(" << at << ").expand(" << torch::IntArrayRef(sizes) << ")";
+        break;
+      }
+      case 1:
+        if (t.dim() >= 2) {
+          const int64_t a = pick(0, t.dim() - 1), b = pick(0, t.dim() - 1);
+          t = t.transpose(a, b);
+          code << ".transpose(" << a << ", " << b << ")";
+        }
+        break;
+      case 2: {  // overlapping windows
+        const int64_t d = pick(0, t.dim() - 1);
+        if (t.size(d) >= 2) {
+          const int64_t size = pick(2, t.size(d)), step = pick(1, std::max<int64_t>(1, size - 1));
+          t = t.unfold(d, size, step);
+          code << ".unfold(" << d << ", " << size << ", " << step << ")";
+        }
+        break;
+      }
+      default: {
+        const int64_t d = pick(0, t.dim() - 1);
+        code << ".slice(" << d << ", 0, " << t.size(d) << ", 2)";
+        t = t.slice(d, 0, t.size(d), 2);
+        break;
+      }
+    }
+    if (t.numel() > kMaxNumel) {  // too large for the reference: undone
+      t = before;
+      std::string kept = code.str().substr(0, code_len);
+      code.str(kept);
+      code.seekp(0, std::ios_base::end);
+    }
+  }
+  code << ";";
+  return {t, code.str()};
+}
+
+}  // namespace
+
+TEST_CASE("property: expanded, windowed and strided views give the statistics of their values", "[stats]") {
+  std::mt19937_64 g(20261201);
+  int pieces = 0;
+  std::vector<ViewCase> cases;
+  torch::manual_seed(5);  // overlapping windows beyond a piece: read piece by piece
+  cases.push_back({with_non_finite(torch::randn({1 << 19})).unfold(0, 8, 2),
+                   "auto t = with_non_finite(torch::randn({1 << 19})).unfold(0, 8, 2);"});
+  for (int i = 0; i < 40; ++i) cases.push_back(random_view(g));
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    const ViewCase& c = cases[i];
+    const torch::Tensor& t = c.t;
+    INFO("case " << i << ": " << c.code << " shape " << t.sizes() << " strides " << t.strides());
+    pieces += torchdbg::detail::read_in_pieces(torchdbg::detail::collapse_repeats(t).base) ? 1 : 0;
+    const auto s = torchdbg::compute_stats(t, torchdbg::StatsOptions().distribution(true).histogram_bins(9));
+    check_summary(s, t);
+    const Reference r = reference(t);
+    REQUIRE(s.distribution);
+    if (r.finite > 0 && r.finite <= (int64_t{1} << 20)) {  // all values: exact quantiles
+      CHECK_CLOSE(s.distribution->p25, torchdbg_test::ref_quantile(r.sorted, 0.25), 1e-12);
+      CHECK_CLOSE(s.distribution->p50, torchdbg_test::ref_quantile(r.sorted, 0.5), 1e-12);
+      CHECK_CLOSE(s.distribution->p99, torchdbg_test::ref_quantile(r.sorted, 0.99), 1e-12);
+    }
+    int64_t total = 0;
+    for (auto n : s.distribution->bin_counts) total += n;
+    CHECK(total == r.finite);
+    // Counts where the values lie, against torch on a contiguous copy.
+    const torch::Tensor dense = t.contiguous().to(torch::kDouble);
+    CHECK(torchdbg::detail::count_outside(t, -1.0, 2.0) ==
+          ((dense < -1.0).logical_or(dense > 2.0)).sum().item<int64_t>());
+    if (t.dim() >= 1 && t.numel() > 0) {
+      const int64_t dim = t.dim() - 1;
+      int64_t per_unit = 0;
+      const auto counts = torchdbg::detail::count_above_per_unit(t, dim, 0.0, per_unit);
+      const torch::Tensor ref = (dense > 0.0).to(torch::kLong).reshape({-1, t.size(dim)}).sum(0);
+      REQUIRE(counts.size() == static_cast<std::size_t>(t.size(dim)));
+      for (int64_t u = 0; u < t.size(dim); ++u) CHECK(counts[static_cast<std::size_t>(u)] == ref[u].item<int64_t>());
+      CHECK(per_unit == t.numel() / t.size(dim));
+    }
+  }
+  CHECK(pieces > 0);  // some cases overlap beyond a piece and are read piece by piece
+}
+
+TEST_CASE("an expanded tensor of 2^40 elements is summarised from its storage, exactly", "[stats]") {
+  torchdbg_test::SeededRng rng(11);
+  auto base = with_non_finite(torch::randn({1024, 1}));
+  const int64_t repeats = int64_t{1} << 30;
+  const auto t = base.expand({1024, repeats});  // 4 TiB as float32 if it were made contiguous
+  const Reference r = reference(base);
+  const auto s = torchdbg::compute_stats(t, torchdbg::StatsOptions().distribution(true).histogram_bins(16));
+  CHECK(s.numel == 1024 * repeats);
+  CHECK(s.finite_count == r.finite * repeats);
+  CHECK(s.nan_count == r.nan * repeats);
+  CHECK(s.pos_inf_count == r.pos_inf * repeats);
+  CHECK(s.neg_inf_count == r.neg_inf * repeats);
+  CHECK(s.zero_count == r.zeros * repeats);
+  CHECK(s.positive_count == r.pos * repeats);
+  CHECK_SCALED(s.mean, r.mean, r.scale(), 1e-6);
+  CHECK_CLOSE(s.std, r.std, 1e-6);
+  CHECK(s.min == r.min);
+  CHECK(s.max == r.max);
+  CHECK_CLOSE(s.l2_norm, r.l2 * std::sqrt(static_cast<double>(repeats)), 1e-6);
+  CHECK_CLOSE(s.l1_norm, r.l1 * static_cast<double>(repeats), 1e-6);
+  REQUIRE(s.distribution);
+  int64_t total = 0;
+  for (auto n : s.distribution->bin_counts) {
+    CHECK(n % repeats == 0);  // every distinct value stands 2^30 times
+    total += n;
+  }
+  CHECK(total == r.finite * repeats);
+  // Quantiles from a uniform sample of the values: near the base's own.
+  CHECK(std::fabs(s.distribution->p50 - torchdbg_test::ref_quantile(r.sorted, 0.5)) < 0.1);
+  CHECK(torchdbg::detail::count_outside(t, -1.0, 1.0) ==
+        repeats * ((base < -1.0).logical_or(base > 1.0)).sum().item<int64_t>());
+  int64_t per_unit = 0;
+  const auto per_row = torchdbg::detail::count_above_per_unit(t, 0, 0.0, per_unit);
+  CHECK(per_unit == repeats);
+  CHECK(per_row[5] == (base[5][0].item<double>() > 0 ? repeats : 0));
+  const auto per_col = torchdbg::detail::count_above_per_unit(t.narrow(1, 0, 3), 1, 0.0, per_unit);
+  CHECK(per_col == std::vector<int64_t>(3, (base > 0).sum().item<int64_t>()));
+  // On the device path (torch operators), the same counts come back scaled.
+  const auto packed = torchdbg::detail::unpack_moments(torchdbg::detail::pack_moments(t));
+  CHECK(packed.count == 1024 * repeats);
+  CHECK(packed.finite == r.finite * repeats);
+  CHECK_SCALED(packed.mean, r.mean, r.scale(), 1e-12);
+
+  // Autograd's storage-less zeros of many elements: read in pieces of zeros.
+  const auto z = at::_efficientzerotensor({3, int64_t{1} << 21}, torch::kFloat);
+  const auto zs = torchdbg::compute_stats(z, torchdbg::StatsOptions().distribution(true));
+  CHECK(zs.zero_count == 3 * (int64_t{1} << 21));
+  CHECK(zs.max == 0.0);
 }

@@ -67,21 +67,38 @@ struct Heatmap {
 /// Heatmap of `t`: a >= 2-D tensor is averaged over its leading dimensions onto its last
 /// two; a 1-D tensor is laid row by row into a near-square matrix (cells past the end are
 /// NaN); a 0-d tensor is 1 x 1. Then block means (NaN cells ignored) reduce it to at most
-/// `max_size` x `max_size`.
+/// `max_size` x `max_size`. An expanded dimension is read once (its copies are equal), and the
+/// leading dimensions are reduced in place, so memory follows the tensor's storage.
 inline Heatmap make_heatmap(const at::Tensor& t, int64_t max_size) {
   if (max_size < 1) throw Error(fmt::format("torchdbg: heatmap_max_size must be >= 1, got {}", max_size));
-  at::Tensor x = t.detach().to(at::kCPU, at::kDouble);
+  const at::Tensor src = t.detach();
+  const detail::Repeated rep = detail::collapse_repeats(src);
+  at::Tensor x = rep.base;
   int64_t rows = 1, cols = 1;
-  std::vector<double> full;
-  if (x.dim() >= 2) {
-    rows = x.size(-2);
-    cols = x.size(-1);
-    if (x.dim() > 2) x = x.flatten(0, -3).mean(0);  // flatten, not reshape(-1, ...): 0 elements
-    x = x.contiguous();
-    full.assign(x.data_ptr<double>(), x.data_ptr<double>() + x.numel());
+  // The values, and how a cell (i, j) of the full matrix (or element k of a 1-D tensor) reads
+  // them: a collapsed dimension has one row or column that stands for all.
+  std::vector<double> vals;
+  int64_t vrows = 1, vcols = 1;
+  const auto read = [&](const at::Tensor& m) {
+    const at::Tensor c = m.to(at::kCPU, at::kDouble).contiguous();
+    vals.assign(c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
+  };
+  if (src.dim() >= 2) {
+    rows = src.size(-2);
+    cols = src.size(-1);
+    if (x.dim() > 2) {  // the mean over the leading dimensions, reduced where the data lies
+      std::vector<int64_t> lead;
+      for (int64_t d = 0; d < x.dim() - 2; ++d) lead.push_back(d);
+      x = x.numel() == 0 ? at::full({x.size(-2), x.size(-1)}, detail::kNaN, x.options().dtype(at::kDouble))
+                         : x.mean(lead, /*keepdim=*/false, at::kDouble);
+    }
+    vrows = x.size(-2);
+    vcols = x.size(-1);
+    read(x);
   } else {
-    const int64_t n = x.numel();
-    x = x.contiguous();
+    const int64_t n = src.numel();
+    read(x.reshape({-1}));
+    vcols = static_cast<int64_t>(vals.size());
     if (n > 0) {
       rows = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(n))));
       cols = (n + rows - 1) / rows;
@@ -89,22 +106,36 @@ inline Heatmap make_heatmap(const at::Tensor& t, int64_t max_size) {
     } else {
       rows = cols = 0;
     }
-    full.assign(static_cast<std::size_t>(rows * cols), detail::kNaN);
-    std::copy(x.data_ptr<double>(), x.data_ptr<double>() + n, full.begin());
   }
+  const int64_t n1 = src.dim() >= 2 ? 0 : src.numel();
+  const auto at = [&](int64_t i, int64_t j) -> double {
+    if (src.dim() >= 2) {
+      return vals[static_cast<std::size_t>((vrows == 1 ? 0 : i) * vcols + (vcols == 1 ? 0 : j))];
+    }
+    const int64_t k = i * cols + j;
+    if (k >= n1) return detail::kNaN;
+    return vals[static_cast<std::size_t>(vcols == 1 ? 0 : k)];
+  };
   Heatmap h;
   h.rows = std::min(rows, max_size);
   h.cols = std::min(cols, max_size);
   h.values.assign(static_cast<std::size_t>(h.rows * h.cols), detail::kNaN);
+  // Equal rows (columns) of a collapsed dimension give a block the mean of one of them.
+  const bool one_row = src.dim() >= 2 && vrows == 1, one_col = src.dim() >= 2 && vcols == 1;
+  const bool one_value = src.dim() < 2 && vcols == 1;  // an expanded 1-D tensor or a 0-d one
   for (int64_t r = 0; r < h.rows; ++r) {
     const int64_t r0 = r * rows / h.rows, r1 = (r + 1) * rows / h.rows;
     for (int64_t c = 0; c < h.cols; ++c) {
       const int64_t c0 = c * cols / h.cols, c1 = (c + 1) * cols / h.cols;
+      if (one_value) {  // the block's first cell is its smallest index: past the end, all are
+        if (r0 * cols + c0 < n1 && !std::isnan(vals[0])) h.values[static_cast<std::size_t>(r * h.cols + c)] = vals[0];
+        continue;
+      }
       double sum = 0;
       int64_t n = 0;
-      for (int64_t i = r0; i < r1; ++i)
-        for (int64_t j = c0; j < c1; ++j) {
-          const double v = full[static_cast<std::size_t>(i * cols + j)];
+      for (int64_t i = r0; i < (one_row ? std::min(r1, r0 + 1) : r1); ++i)
+        for (int64_t j = c0; j < (one_col ? std::min(c1, c0 + 1) : c1); ++j) {
+          const double v = at(i, j);
           if (!std::isnan(v)) {
             sum += v;
             ++n;

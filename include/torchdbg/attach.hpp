@@ -7,9 +7,15 @@
 // Mechanism (measured and chosen on LibTorch 1.13, valid on 2.x):
 // * Backward: a tensor hook on every parameter of every attached module delivers the
 //   gradient (`is_forward == false`, metadata {"parameter": name}) as autograd produces it.
+//   The hook is registered on a parameter's first attach and stays for the tensor's life
+//   (sessions subscribe to it): LibTorch cannot add or remove a tensor hook safely while a
+//   backward pass on another thread may run it, and detach() must be safe at any time.
 //   The first hook of a backward pass queues an autograd final callback, which computes the
 //   per-module gradient norms (one host copy for all modules), reports the global norm to
-//   the manager (`set_gradient_norm`) and, with `auto_step`, advances the step.
+//   the manager (`set_gradient_norm`) and, with `auto_step`, advances the step. A pass that
+//   throws (LibTorch then drops its final callbacks) is noticed when the pass is freed: it is
+//   counted (`failed_backward_passes`), its partial norms are dropped and the next pass
+//   starts afresh.
 // * Forward: Module::forward is not virtual and `fc1(x)` inside a user's forward never
 //   passes through any registry, so the output is observed one level down: an ATen
 //   RecordFunction observer sees every operator with its inputs and outputs. An operator
@@ -256,6 +262,39 @@ static_assert(same_name(FollowUpOps::kNames[FollowUpOps::kFirstMath - 1], "logsi
                   same_name(FollowUpOps::kNames[FollowUpOps::kFirstMath], "log"),
               "kFirstMath must point at the first elementwise function");
 
+/// Queues `on_end` as a final callback of the running autograd pass, and calls `on_dropped`
+/// instead when the pass ends without running it: LibTorch drops a pass's final callbacks when
+/// the pass throws (a tensor hook, a custom Function's backward, anomaly mode's NaN check), and
+/// whatever waited for the end would otherwise wait forever. `on_dropped` runs on the thread
+/// that frees the pass (the one whose backward() is throwing). False, with neither called,
+/// when no pass is running on this thread. Neither may throw.
+inline bool queue_pass_end(std::function<void()> on_end, std::function<void()> on_dropped) {
+  struct Token {
+    std::function<void()> end, dropped;
+    std::atomic<bool> ran{false};
+    ~Token() {
+      if (ran.load()) return;
+      try {
+        dropped();
+      } catch (...) {
+      }
+    }
+  };
+  auto token = std::make_shared<Token>();
+  token->end = std::move(on_end);
+  token->dropped = std::move(on_dropped);
+  try {
+    torch::autograd::Engine::get_default_engine().queue_callback([token] {
+      token->ran.store(true);
+      token->end();
+    });
+  } catch (...) {
+    token->ran.store(true);  // not inside a backward pass: nothing was queued
+    return false;
+  }
+  return true;
+}
+
 /// State shared by a session, its gradient hooks and the forward observer. Held by
 /// shared_ptr so that a hook still running while the session detaches finds it alive.
 class AttachCore : public std::enable_shared_from_this<AttachCore> {
@@ -263,8 +302,6 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
   struct Param {
     std::string name;
     WeakImpl impl;
-    unsigned hook = 0;
-    bool hooked = false;
     Metadata grad_md;  // {"parameter", name}: built once, sent with every gradient
   };
   /// What a module computes, as far as telling tied modules apart needs: an embedding
@@ -287,6 +324,11 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
     /// gradients, no name of its own.
     bool hidden = false;
   };
+
+  static uint64_t next_id() {
+    static std::atomic<uint64_t> n{0};
+    return ++n;
+  }
 
   static Kind kind_of_module(std::string_view type) {
     if (type.find("Embedding") != std::string_view::npos) return Kind::Embedding;
@@ -312,6 +354,9 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
     return module == op ? 2 : 0;
   }
 
+  /// Unique in the process (never reused, unlike an address): what thread-local state that
+  /// outlives a session names it by.
+  const uint64_t id = next_id();
   AttachOptions options;
   std::vector<Module> modules;
   /// Own parameters and buffers of attached modules -> the modules that registered them, in
@@ -365,7 +410,7 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
       at::Tensor t = p.value();
       for (const auto& [member, tensor] : members)
         if (member == p.key() && tensor.defined()) t = tensor;
-      info.params.push_back({p.key(), weak_of(t), 0, false, Metadata{{"parameter", p.key()}}});
+      info.params.push_back({p.key(), weak_of(t), Metadata{{"parameter", p.key()}}});
       own(t);
     }
     for (const auto& b : buffers)
@@ -419,6 +464,8 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
   std::atomic<bool> input_due{true};
   std::atomic<uint64_t> forward_deliveries{0};
   std::atomic<uint64_t> backward_deliveries{0};
+  /// Backward passes with hooks due that threw before their end (their norm is not reported).
+  std::atomic<uint64_t> failed_passes{0};
   /// Copies that brought queued statistics to the host (one per device per flush).
   std::atomic<uint64_t> host_transfers{0};
 
@@ -430,6 +477,7 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
                                                                 const Metadata&)>
       prefetch;
   std::function<void(double)> report_gradient_norm;
+  std::function<void()> report_failed_pass;
   std::function<void()> advance_step;
 
   /// Whether a delivery of `t` is queued for the step's batch rather than run at once.
@@ -680,6 +728,22 @@ class AttachCore : public std::enable_shared_from_this<AttachCore> {
     }
   }
 
+  /// The pass threw: what it queued is delivered (those gradients were computed), its partial
+  /// norms are dropped, the step does not advance, and the next pass starts afresh.
+  void on_backward_failed() noexcept {
+    end_queued_.store(false);
+    failed_passes.fetch_add(1);
+    flush_deferred();
+    try {
+      {
+        std::lock_guard<std::mutex> lock(grad_mutex_);
+        for (auto& g : grad_sq_) g = GradSq{};
+      }
+      if (active.load() && report_failed_pass) report_failed_pass();
+    } catch (...) {
+    }
+  }
+
   mutable std::mutex order_mutex_;
   std::vector<std::size_t> order_;
   std::vector<char> seen_;
@@ -705,14 +769,15 @@ inline void AttachCore::on_grad(std::size_t m, std::size_t param, const at::Tens
   // due) and auto_step only: a step with nothing due costs this one check per gradient.
   const bool due = backward_due.load();
   if ((due || options.auto_step()) && !end_queued_.exchange(true)) {
-    try {
-      std::weak_ptr<AttachCore> self = weak_from_this();
-      torch::autograd::Engine::get_default_engine().queue_callback([self] {
-        if (auto s = self.lock()) s->on_backward_end();
-      });
-    } catch (...) {
-      end_queued_.store(false);  // not inside a backward pass (a manual hook call)
-    }
+    std::weak_ptr<AttachCore> self = weak_from_this();
+    const bool queued = queue_pass_end(
+        [self] {
+          if (auto s = self.lock()) s->on_backward_end();
+        },
+        [self] {
+          if (auto s = self.lock()) s->on_backward_failed();
+        });
+    if (!queued) end_queued_.store(false);  // not inside a backward pass (a manual hook call)
   }
   if (!due || !g.defined()) return;
   const Metadata& md = modules[m].params[param].grad_md;
@@ -732,6 +797,78 @@ inline void AttachCore::on_grad(std::size_t m, std::size_t param, const at::Tens
   send(m, modules[m].name, g, false, md, stats ? &*stats : nullptr);
 }
 
+/// The one tensor hook torchdbg puts on a parameter, shared by every session that watches it.
+/// LibTorch's tensor hooks cannot be added or removed while a backward pass may run them
+/// (removal frees the hook while it runs; adding may move the list being walked), so a tap
+/// is registered once, on the first attach, and stays for the tensor's life: sessions
+/// subscribe and unsubscribe under the tap's own lock, from any thread, at any time. With no
+/// subscriber a tap costs one list check per gradient.
+class GradientTap {
+ public:
+  struct Subscriber {
+    std::shared_ptr<AttachCore> core;
+    std::size_t module = 0;
+    std::size_t param = 0;
+  };
+
+  /// The tap of `t`, registering its hook if `t` has none yet.
+  static std::shared_ptr<GradientTap> of(const at::Tensor& t) {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    auto& slot = r.taps[t.unsafeGetTensorImpl()];
+    if (auto tap = slot.lock(); tap && !tap->tensor_.expired() && tap->tensor_._unsafe_get_target() == t.unsafeGetTensorImpl())
+      return tap;
+    auto tap = std::shared_ptr<GradientTap>(new GradientTap(weak_of(t)));
+    // The hook owns the tap; the registry only finds it.
+    t.register_hook([tap](const at::Tensor& g) { tap->fire(g); });
+    slot = tap;
+    if (r.taps.size() >= 2 * r.live_at_sweep + 64) {  // forget the taps of freed tensors
+      for (auto it = r.taps.begin(); it != r.taps.end();)
+        it = it->second.expired() ? r.taps.erase(it) : std::next(it);
+      r.live_at_sweep = r.taps.size();
+    }
+    return tap;
+  }
+
+  void subscribe(Subscriber s) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto next = std::make_shared<List>(*std::atomic_load(&subscribers_));
+    next->push_back(std::move(s));
+    std::atomic_store(&subscribers_, std::shared_ptr<const List>(std::move(next)));
+  }
+  void unsubscribe(const AttachCore* core) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto next = std::make_shared<List>();
+    const auto current = std::atomic_load(&subscribers_);
+    for (const auto& s : *current)
+      if (s.core.get() != core) next->push_back(s);
+    std::atomic_store(&subscribers_, std::shared_ptr<const List>(std::move(next)));
+  }
+
+ private:
+  using List = std::vector<Subscriber>;
+  struct Registry {
+    std::mutex mutex;
+    std::unordered_map<const c10::TensorImpl*, std::weak_ptr<GradientTap>> taps;
+    std::size_t live_at_sweep = 0;
+  };
+  static Registry& registry() {
+    static Registry* r = new Registry();  // never destroyed: hooks may run during static destruction
+    return *r;
+  }
+
+  explicit GradientTap(WeakImpl tensor) : tensor_(std::move(tensor)) {}
+
+  void fire(const at::Tensor& g) const {
+    const auto subscribers = std::atomic_load(&subscribers_);  // held for the whole loop
+    for (const auto& s : *subscribers) s.core->on_grad(s.module, s.param, g);
+  }
+
+  WeakImpl tensor_;
+  std::mutex mutex_;
+  std::shared_ptr<const List> subscribers_ = std::make_shared<const List>();
+};
+
 /// The process-wide ATen observer behind forward attachment. RecordFunction callbacks are
 /// plain function pointers, so the attached sessions live in a registry here; the callback
 /// is registered while at least one session wants forward outputs.
@@ -742,9 +879,12 @@ class ForwardObserver {
     return o;
   }
 
-  /// Adds (`on`) or removes `core` from the sessions the observer serves.
+  /// Adds (`on`) or removes `core` from the sessions the observer serves. A detached core is
+  /// never added: a manager listener racing with detach() on another thread cannot bring it
+  /// back (detach clears `active` before it removes the core, both under this lock's order).
   void set(const std::shared_ptr<AttachCore>& core, bool on) {
     std::lock_guard<std::mutex> lock(mutex_);
+    on = on && core->active.load();
     auto next = std::make_shared<std::vector<std::shared_ptr<AttachCore>>>();
     bool present = false;
     const auto current = cores();
@@ -780,9 +920,8 @@ class ForwardObserver {
       for (const auto& c : *current)
         if (c->options.concurrent_forward()) return;
     }
-    try {
-      torch::autograd::Engine::get_default_engine().queue_callback([] { instance().resume(); });
-    } catch (...) {
+    // Back at the pass's end, also when the pass throws and LibTorch drops its callbacks.
+    if (!queue_pass_end([] { instance().resume(); }, [] { instance().resume(); })) {
       return;  // not inside a running backward pass
     }
     std::lock_guard<std::mutex> lock(mutex_);
@@ -816,9 +955,9 @@ class ForwardObserver {
   static void discard(const AttachCore* core) {
     Tls& t = tls();
     if (t.pending.core.get() == core) t.pending = {};
-    if (t.alias.core == core) t.alias = {};
+    if (t.alias.core == core->id) t.alias = {};
     for (auto& d : t.derived)
-      if (d.core == core) d = {};
+      if (d.core == core->id) d = {};
   }
 
  private:
@@ -850,7 +989,7 @@ class ForwardObserver {
     AttachCore::InputMoments input;
   };
   struct Derived {
-    const AttachCore* core = nullptr;
+    uint64_t core = 0;  // AttachCore::id; 0: empty
     std::size_t module = 0;  // alias: the module whose output it views
     uint32_t call = 0;       // alias: that output's call
     /// Weights: the module-registered tensor this one is derived from (`weight.t()`).
@@ -937,12 +1076,14 @@ class ForwardObserver {
     if (v.isTensor()) {
       f(v.toTensor());
     } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList().vec()) f(t);
+      const std::vector<at::Tensor> list = v.toTensorList().vec();
+      for (const at::Tensor& t : list) f(t);
     } else if (v.isList()) {
       for (const c10::IValue& e : v.toListRef())
         if (e.isTensor()) f(e.toTensor());
     } else if (v.isTuple()) {
-      for (const c10::IValue& e : v.toTupleRef().elements())
+      const auto& tuple = v.toTupleRef();
+      for (const c10::IValue& e : tuple.elements())
         if (e.isTensor()) f(e.toTensor());
     }
   }
@@ -963,7 +1104,8 @@ class ForwardObserver {
     if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {
       if (t.backward_depth == 0) {
         if (t.pending.core) flush_pending(t);
-        for (const auto& c : *instance().cores()) c->reset_calls();  // the next forward counts from 0
+        const auto cores = instance().cores();  // held: the loop must not outlive a temporary
+        for (const auto& c : *cores) c->reset_calls();  // the next forward counts from 0
       }
       if (++t.backward_depth == 1) instance().pause_for_backward();
       return std::make_unique<OpCtx>();
@@ -1006,7 +1148,7 @@ class ForwardObserver {
     bool consumes_pending = false, consumes_alias = false;
     const c10::TensorImpl* pending_impl =
         t.pending.core && t.pending.out.defined() ? t.pending.out.unsafeGetTensorImpl() : nullptr;
-    const c10::TensorImpl* alias_impl = t.alias.core != nullptr && t.alias.impl && !t.alias.impl->expired()
+    const c10::TensorImpl* alias_impl = t.alias.core != 0 && t.alias.impl && !t.alias.impl->expired()
                                             ? t.alias.impl->_unsafe_get_target()
                                             : nullptr;
     bool first_input = true;
@@ -1051,10 +1193,10 @@ class ForwardObserver {
           }
         }
         for (const auto& d : t.derived) {
-          if (d.core != nullptr && d.impl && d.impl->_unsafe_get_target() == impl && !d.impl->expired()) {
+          if (d.core != 0 && d.impl && d.impl->_unsafe_get_target() == impl && !d.impl->expired()) {
             for (std::size_t ci = 0; ci < cores->size(); ++ci) {
               const AttachCore& c = *(*cores)[ci];
-              if (&c != d.core) continue;
+              if (c.id != d.core) continue;
               auto it = c.owner.find(d.source);
               if (it == c.owner.end()) return;
               add_candidates(ci, it->second, /*direct=*/false);
@@ -1147,7 +1289,7 @@ class ForwardObserver {
         flush_pending(t);
       } else {
         for (const auto& c : *cores)
-          if (c.get() == t.alias.core) core = c;
+          if (c->id == t.alias.core) core = c;
         m = t.alias.module;
         call = t.alias.call;
       }
@@ -1194,7 +1336,7 @@ class ForwardObserver {
     try {
       switch (ctx->kind) {
         case OpCtx::Weights: {
-          t.derived[t.next_derived] = Derived{ctx->core.get(), ctx->module, 0, ctx->source, weak_of(out)};
+          t.derived[t.next_derived] = Derived{ctx->core->id, ctx->module, 0, ctx->source, weak_of(out)};
           t.next_derived = (t.next_derived + 1) % t.derived.size();
           break;
         }
@@ -1217,7 +1359,7 @@ class ForwardObserver {
           break;
         }
         case OpCtx::Alias:
-          t.alias = Derived{ctx->core.get(), ctx->module, ctx->call, nullptr, weak_of(out)};
+          t.alias = Derived{ctx->core->id, ctx->module, ctx->call, nullptr, weak_of(out)};
           break;
         case OpCtx::Activation: {
           const auto f = ctx->core->delivery_info(ctx->module, ctx->follow_up, ctx->call);
@@ -1323,6 +1465,7 @@ class BasicAttachSession {
       return mgr->run_prefetches(layer, t, fwd, md);
     };
     core_->report_gradient_norm = [mgr](double n) { mgr->set_gradient_norm(n); };
+    core_->report_failed_pass = [mgr] { mgr->backward_failed(); };
     core_->advance_step = [mgr] { mgr->set_step(mgr->step() + 1); };
     if (core_->options.backward()) {
       for (std::size_t m = 0; m < core_->modules.size(); ++m) {
@@ -1335,32 +1478,40 @@ class BasicAttachSession {
           // A tied tensor's gradient (the sum over its uses) comes once, under the module
           // that registered it first.
           if (core_->owner.at(t.unsafeGetTensorImpl()).front() != m) continue;
-          std::shared_ptr<detail::AttachCore> core = core_;
-          p.hook = t.register_hook([core, m, i](const at::Tensor& g) { core->on_grad(m, i, g); });
-          p.hooked = true;
+          auto tap = detail::GradientTap::of(t);
+          tap->subscribe({core_, m, i});
+          taps_.push_back(std::move(tap));
         }
       }
     }
     std::weak_ptr<detail::AttachCore> weak = core_;
-    listener_ = hooks_->add_listener([weak, mgr](typename BasicHookManager<Mutex>::Change change) {
-      auto c = weak.lock();
-      if (!c) return;
-      using Change = typename BasicHookManager<Mutex>::Change;
-      if (change == Change::Before) {
-        detail::ForwardObserver::flush(c.get());  // an output pending under the old state
-        c->flush_deferred();                      // and what is queued, under the old step
-      } else if (change == Change::After) {
-        update(c, *mgr);
-      }
-    });
-    update(core_, *hooks_);
+    try {
+      listener_ = hooks_->add_listener([weak, mgr](typename BasicHookManager<Mutex>::Change change) {
+        auto c = weak.lock();
+        if (!c) return;
+        using Change = typename BasicHookManager<Mutex>::Change;
+        if (change == Change::Before) {
+          detail::ForwardObserver::flush(c.get());  // an output pending under the old state
+          c->flush_deferred();                      // and what is queued, under the old step
+        } else if (change == Change::After) {
+          update(c, *mgr);
+        }
+      });
+      update(core_, *hooks_);
+    } catch (...) {  // nothing stays attached
+      core_->active.store(false);
+      for (const auto& tap : taps_) tap->unsubscribe(core_.get());
+      if (listener_ != 0) hooks_->remove_listener(listener_);
+      detail::ForwardObserver::instance().set(core_, false);
+      throw;
+    }
     release.m = nullptr;  // attached: detach() gives the place back
   }
 
   BasicAttachSession(const BasicAttachSession&) = delete;
   BasicAttachSession& operator=(const BasicAttachSession&) = delete;
   BasicAttachSession(BasicAttachSession&& o) noexcept
-      : hooks_(o.hooks_), core_(std::move(o.core_)), listener_(o.listener_) {
+      : hooks_(o.hooks_), core_(std::move(o.core_)), listener_(o.listener_), taps_(std::move(o.taps_)) {
     o.hooks_ = nullptr;
   }
   BasicAttachSession& operator=(BasicAttachSession&& o) noexcept {
@@ -1369,6 +1520,7 @@ class BasicAttachSession {
       hooks_ = o.hooks_;
       core_ = std::move(o.core_);
       listener_ = o.listener_;
+      taps_ = std::move(o.taps_);
       o.hooks_ = nullptr;
     }
     return *this;
@@ -1385,14 +1537,9 @@ class BasicAttachSession {
       hooks_->remove_listener(listener_);
       detail::ForwardObserver::instance().set(core_, false);
       detail::ForwardObserver::discard(core_.get());
-      for (auto& m : core_->modules) {
-        for (auto& p : m.params) {
-          if (!p.hooked) continue;
-          at::Tensor t(p.impl.lock());  // undefined when the model is gone: nothing to remove
-          if (t.defined()) t.remove_hook(p.hook);
-          p.hooked = false;
-        }
-      }
+      // Unsubscribed, not removed: a pass running on another thread may be calling the taps.
+      for (const auto& tap : taps_) tap->unsubscribe(core_.get());
+      taps_.clear();
     } catch (...) {
     }
   }
@@ -1418,6 +1565,11 @@ class BasicAttachSession {
   /// Forward outputs and gradients delivered so far.
   [[nodiscard]] uint64_t forward_deliveries() const noexcept { return core_->forward_deliveries.load(); }
   [[nodiscard]] uint64_t backward_deliveries() const noexcept { return core_->backward_deliveries.load(); }
+  /// Backward passes that threw (a tensor hook, a custom Function, anomaly mode) while this
+  /// session waited for their end. Such a pass reports no gradient norm and does not advance
+  /// the step; the gradients it delivered before it threw were delivered; the next pass is
+  /// observed as if it had not happened.
+  [[nodiscard]] uint64_t failed_backward_passes() const noexcept { return core_->failed_passes.load(); }
 
   /// Delivers the calling thread's last module output now if it has not been consumed yet
   /// (e.g. after an inference-only forward whose result is not used by another operator),
@@ -1448,6 +1600,7 @@ class BasicAttachSession {
   BasicHookManager<Mutex>* hooks_;
   std::shared_ptr<detail::AttachCore> core_;
   uint64_t listener_ = 0;
+  std::vector<std::shared_ptr<detail::GradientTap>> taps_;  // subscribed to for gradients
 };
 
 using AttachSession = BasicAttachSession<std::mutex>;

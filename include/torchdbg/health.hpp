@@ -482,14 +482,21 @@ template <typename Mutex>
 class BasicHealthMonitor;
 
 /// The link between a monitor and a HookManager made by `install`: a hook, its callback and
-/// a manager listener. Removes them when destroyed or on `remove()`. Movable.
+/// prefetches, a manager listener, and the monitor's pause of that manager. Removes all of them
+/// when destroyed or on `remove()` (waiting for a pause of that manager running on another
+/// thread), so a monitor used after `remove()` never reaches the manager again. Movable.
 template <typename Mutex, typename ManagerMutex>
 class HealthInstallation {
  public:
   HealthInstallation() = default;
-  HealthInstallation(BasicHookManager<ManagerMutex>* mgr, HookId hook, std::string callback,
-                     uint64_t listener)
-      : mgr_(mgr), hook_(std::move(hook)), callback_(std::move(callback)), listener_(listener) {}
+  HealthInstallation(BasicHookManager<ManagerMutex>* mgr, BasicHealthMonitor<Mutex>* monitor, HookId hook,
+                     std::string callback, uint64_t listener, uint64_t pause_token)
+      : mgr_(mgr),
+        monitor_(monitor),
+        hook_(std::move(hook)),
+        callback_(std::move(callback)),
+        listener_(listener),
+        pause_token_(pause_token) {}
   HealthInstallation(const HealthInstallation&) = delete;
   HealthInstallation& operator=(const HealthInstallation&) = delete;
   HealthInstallation(HealthInstallation&& o) noexcept { *this = std::move(o); }
@@ -497,10 +504,13 @@ class HealthInstallation {
     if (this != &o) {
       remove();
       mgr_ = o.mgr_;
+      monitor_ = o.monitor_;
       hook_ = std::move(o.hook_);
       callback_ = std::move(o.callback_);
       listener_ = o.listener_;
+      pause_token_ = o.pause_token_;
       o.mgr_ = nullptr;
+      o.monitor_ = nullptr;
     }
     return *this;
   }
@@ -518,16 +528,20 @@ class HealthInstallation {
       (void)mgr_->remove_callback(callback_);
       (void)mgr_->remove_prefetch(callback_ + ".units");
       (void)mgr_->remove_prefetch(callback_ + ".saturation");
+      if (monitor_ != nullptr) monitor_->release_pause_callback(pause_token_);
     } catch (...) {
     }
     mgr_ = nullptr;
+    monitor_ = nullptr;
   }
 
  private:
   BasicHookManager<ManagerMutex>* mgr_ = nullptr;
+  BasicHealthMonitor<Mutex>* monitor_ = nullptr;
   HookId hook_;
   std::string callback_;
   uint64_t listener_ = 0;
+  uint64_t pause_token_ = 0;
 };
 
 /// Per-layer health states, semantic events and failure incidents.
@@ -574,6 +588,9 @@ class BasicHealthMonitor {
   template <typename M>
   [[nodiscard]] HealthInstallation<Mutex, M> install(BasicHookManager<M>& hooks) {
     const std::string cb = callback_name();
+    if (hooks.has_callback(cb))
+      throw Error("torchdbg: this HealthMonitor is already installed on this HookManager (callback '" + cb +
+                  "'); remove that installation first");
     hooks.register_callback(cb, [this](const HookContext& ctx) { on_hook(ctx); }, CallbackStats::Moments);
     // Queued device deliveries (attach's StatsBatching) bring the counts the judgement needs
     // in the step's one copy instead of a sync per layer.
@@ -602,9 +619,8 @@ class BasicHealthMonitor {
                             .actions({HookAction::custom_callback(cb)})
                             .layer_patterns(options_.layers());
     BasicHookManager<M>* mgr = &hooks;
-    set_pause_callback([mgr](int64_t, const std::string&, const std::string& reason) {
-      mgr->pause_training(reason);
-    });
+    const uint64_t pause_token = add_install_pause(
+        [mgr](int64_t, const std::string&, const std::string& reason) { mgr->pause_training(reason); });
     const uint64_t listener =
         hooks.add_listener([this, mgr](typename BasicHookManager<M>::Change change) {
           using Change = typename BasicHookManager<M>::Change;
@@ -616,6 +632,8 @@ class BasicHealthMonitor {
               if (st.loss) observe_loss(st.loss_step.value_or(st.step), *st.loss);
             } else if (change == Change::GradientNorm) {
               end_backward();
+            } else if (change == Change::BackwardFailed) {
+              abandon_backward();
             }
           } catch (...) {
             // a listener must not throw into set_step/set_loss
@@ -630,9 +648,10 @@ class BasicHealthMonitor {
       (void)hooks.remove_callback(cb);
       (void)hooks.remove_prefetch(units_key_);
       (void)hooks.remove_prefetch(saturation_key_);
+      release_pause_callback(pause_token);
       throw;
     }
-    return HealthInstallation<Mutex, M>(mgr, id, cb, listener);
+    return HealthInstallation<Mutex, M>(mgr, this, id, cb, listener, pause_token);
   }
 
   /// Adds `rule` after the current ones; it judges every later observation.
@@ -654,11 +673,30 @@ class BasicHealthMonitor {
     return out;
   }
 
-  /// Called on a failure in `pause_on` when `on_failure(Pause)`; `install` sets it to the
-  /// manager's pause_training.
+  /// Called on a failure in `pause_on` when `on_failure(Pause)`, besides the pause of every
+  /// manager the monitor is installed on (each installation pauses its own manager).
   void set_pause_callback(PauseFn fn) {
     std::lock_guard<Mutex> lock(mutex_);
     pause_fn_ = std::move(fn);
+  }
+
+  /// Takes back the manager pause an installation added (its `remove()` calls this). Waits
+  /// for a pause of that manager running on another thread, so after it returns the manager
+  /// may be destroyed.
+  void release_pause_callback(uint64_t token) {
+    std::shared_ptr<PauseSlot> slot;
+    {
+      std::lock_guard<Mutex> lock(mutex_);
+      for (auto it = install_pauses_.begin(); it != install_pauses_.end(); ++it) {
+        if (it->first != token) continue;
+        slot = it->second;
+        install_pauses_.erase(it);
+        break;
+      }
+    }
+    if (!slot) return;
+    std::lock_guard<std::mutex> lock(slot->mutex);
+    slot->live = false;
   }
 
   using StepSink = std::function<void(const HealthStep&)>;
@@ -848,6 +886,22 @@ class BasicHealthMonitor {
     std::lock_guard<Mutex> lock(mutex_);
     return failure_report_;
   }
+  /// The backward pass under way threw: forgets the gradients received since the last
+  /// end_backward, so the next pass's are judged alone (install calls this on
+  /// HookManager::backward_failed).
+  void abandon_backward() {
+    std::lock_guard<Mutex> lock(mutex_);
+    for (const auto i : touched_) {
+      Layer& L = layers_[i];
+      L.g_touched = false;
+      L.g_sq = 0.0;
+      L.g_nonfinite = 0;
+      L.g_count = 0;
+    }
+    touched_.clear();
+    grads_pending_ = false;
+  }
+
   /// Forgets all state, events and incidents (options stay).
   void reset() {
     std::lock_guard<Mutex> lock(mutex_);
@@ -954,6 +1008,21 @@ class BasicHealthMonitor {
     positive(o.plateau_tolerance(), "plateau_tolerance");
     if (o.sigmoid_low() >= o.sigmoid_high())
       throw Error("torchdbg: HealthOptions::sigmoid_low must be below sigmoid_high");
+  }
+
+  /// A manager's pause added by install; the slot's lock makes removal wait for a running call.
+  struct PauseSlot {
+    std::mutex mutex;
+    PauseFn fn;
+    bool live = true;
+  };
+  uint64_t add_install_pause(PauseFn fn) {
+    auto slot = std::make_shared<PauseSlot>();
+    slot->fn = std::move(fn);
+    std::lock_guard<Mutex> lock(mutex_);
+    const uint64_t token = ++pause_seq_;
+    install_pauses_.emplace_back(token, std::move(slot));
+    return token;
   }
 
   std::string callback_name() const {
@@ -1724,15 +1793,23 @@ class BasicHealthMonitor {
   void run_pauses(int64_t step, const Pauses& pauses) {
     if (pauses.empty()) return;
     PauseFn fn;
+    std::vector<std::shared_ptr<PauseSlot>> slots;
     {
       std::lock_guard<Mutex> lock(mutex_);
       fn = pause_fn_;
+      for (const auto& p : install_pauses_) slots.push_back(p.second);
     }
-    if (!fn) return;
     for (const auto& [layer, reason] : pauses) {
       try {
-        fn(step, layer, reason);
+        if (fn) fn(step, layer, reason);
       } catch (...) {
+      }
+      for (const auto& s : slots) {
+        try {
+          std::lock_guard<std::mutex> lock(s->mutex);  // removal waits for this call
+          if (s->live) s->fn(step, layer, reason);
+        } catch (...) {
+        }
       }
     }
   }
@@ -1832,7 +1909,9 @@ class BasicHealthMonitor {
   int64_t loss_persist_ = 0;
   std::optional<std::size_t> loss_incident_;
 
-  PauseFn pause_fn_;
+  PauseFn pause_fn_;  // the user's (set_pause_callback)
+  std::vector<std::pair<uint64_t, std::shared_ptr<PauseSlot>>> install_pauses_;
+  uint64_t pause_seq_ = 0;
   std::optional<HealthReport> failure_report_;
   std::vector<std::pair<uint64_t, StepSink>> sinks_;
   uint64_t sink_seq_ = 0;

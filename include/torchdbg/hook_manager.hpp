@@ -159,6 +159,12 @@ class BasicHookManager {
     notify(Change::After);
   }
 
+  /// Whether a callback is registered under `name`.
+  [[nodiscard]] bool has_callback(std::string_view name) const {
+    std::lock_guard<Mutex> lock(mutex_);
+    return callbacks_.count(std::string(name)) > 0;
+  }
+
   /// Removes a callback; false if none was registered under `name`.
   bool remove_callback(std::string_view name) {
     notify(Change::Before);
@@ -339,7 +345,10 @@ class BasicHookManager {
   /// When a listener is called: just before or just after a change of which hooks are due
   /// (Before/After), or after `set_loss` (Loss) or `set_gradient_norm` (GradientNorm, which
   /// attached models report at the end of each backward pass with hooks due).
-  enum class Change { Before, After, Loss, GradientNorm };
+  /// Before/After: a change of which hooks are due (see add_listener); Loss: set_loss;
+  /// GradientNorm: set_gradient_norm (an attached backward pass ended); BackwardFailed:
+  /// backward_failed (an attached backward pass threw before its end).
+  enum class Change { Before, After, Loss, GradientNorm, BackwardFailed };
   using Listener = std::function<void(Change)>;
 
   /// Calls `listener` (without locks held) just before and just after every change that can
@@ -414,6 +423,11 @@ class BasicHookManager {
     }
     notify(Change::Loss);
   }
+  /// An attached backward pass threw before its end (attach calls this; LibTorch drops the
+  /// pass's final callbacks): listeners forget what they gathered for that pass, e.g. the
+  /// health monitor its gradients, so the next pass is judged on its own.
+  void backward_failed() { notify(Change::BackwardFailed); }
+
   void set_gradient_norm(double norm) {
     {
       std::lock_guard<Mutex> lock(state_mutex_);

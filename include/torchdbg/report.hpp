@@ -105,35 +105,43 @@ class BasicReporter {
 
   /// Records every delivery of `hooks` (every `interval` steps). With `health`, steps end
   /// when the monitor finishes them (with their health, events and loss); without, when the
-  /// manager's step changes. Keep the result alive while recording and destroy it before the
-  /// reporter, the manager or the monitor.
+  /// manager's step changes. An attached backward pass that throws drops the records made
+  /// since the last pass ended (see drop_failed_pass). Keep the result alive while recording
+  /// and destroy it before the reporter, the manager or the monitor.
   template <typename M, typename HM = std::mutex>
   [[nodiscard]] ReporterInstallation install(BasicHookManager<M>& hooks,
                                              BasicHealthMonitor<HM>* health = nullptr) {
     const std::string cb =
         "torchdbg.report." + std::to_string(reinterpret_cast<std::uintptr_t>(this));
+    if (hooks.has_callback(cb))
+      throw Error("torchdbg: this Reporter is already installed on this HookManager (callback '" + cb +
+                  "'); remove that installation first");
     hooks.register_callback(cb, [this](const HookContext& ctx) { on_hook(ctx); });
     BasicHookManager<M>* mgr = &hooks;
     uint64_t listener = 0, sink = 0;
-    if (health != nullptr) {
-      sink = health->add_step_sink([this](const HealthStep& h) { end_step(h.step, &h); });
-    } else {
-      listener = hooks.add_listener([this, mgr](typename BasicHookManager<M>::Change change) {
-        using Change = typename BasicHookManager<M>::Change;
-        try {
-          if (change == Change::Before) {
-            before_step_.store(mgr->step());
-          } else if (change == Change::After) {
-            const int64_t before = before_step_.load();
-            if (mgr->step() != before) end_step(before);
-          } else if (change == Change::Loss) {
-            const TrainingState st = mgr->state();
-            if (st.loss) record_loss(st.loss_step.value_or(st.step), *st.loss);
-          }
-        } catch (...) {
+    const bool steps_from_health = health != nullptr;
+    if (steps_from_health) sink = health->add_step_sink([this](const HealthStep& h) { end_step(h.step, &h); });
+    listener = hooks.add_listener([this, mgr, steps_from_health](typename BasicHookManager<M>::Change change) {
+      using Change = typename BasicHookManager<M>::Change;
+      try {
+        if (change == Change::GradientNorm) {
+          end_pass();
+        } else if (change == Change::BackwardFailed) {
+          drop_failed_pass();
+        } else if (steps_from_health) {
+          return;  // steps end and losses come with the monitor's steps
+        } else if (change == Change::Before) {
+          before_step_.store(mgr->step());
+        } else if (change == Change::After) {
+          const int64_t before = before_step_.load();
+          if (mgr->step() != before) end_step(before);
+        } else if (change == Change::Loss) {
+          const TrainingState st = mgr->state();
+          if (st.loss) record_loss(st.loss_step.value_or(st.step), *st.loss);
         }
-      });
-    }
+      } catch (...) {
+      }
+    });
     HookId id = hooks.register_hook(HookConfig()
                                         .name("torchdbg.report")
                                         .trigger(HookTrigger::every_n_steps(options_.interval()))
@@ -162,6 +170,22 @@ class BasicReporter {
     std::lock_guard<Mutex> lock(mutex_);
     pending(step).loss = loss;
   }
+  /// An attached backward pass ended: what has been recorded so far is kept.
+  void end_pass() {
+    std::lock_guard<Mutex> lock(mutex_);
+    for (const auto& [step, r] : pending_) kept_[step] = r.layers.size();
+  }
+  /// An attached backward pass threw (HookManager::backward_failed): the records made since
+  /// the last pass ended (that iteration's forward outputs and the gradients it delivered)
+  /// are dropped, so the step is reported as its successful pass saw it.
+  void drop_failed_pass() {
+    std::lock_guard<Mutex> lock(mutex_);
+    for (auto& [step, r] : pending_) {
+      const auto k = kept_.find(step);
+      const std::size_t keep = k == kept_.end() ? 0 : k->second;
+      if (r.layers.size() > keep) r.layers.resize(keep);
+    }
+  }
   /// Writes step `step` (with the monitor's view of it when given) to every exporter.
   void end_step(int64_t step, const HealthStep* health = nullptr) {
     std::lock_guard<Mutex> lock(mutex_);
@@ -171,6 +195,7 @@ class BasicReporter {
       r = std::move(it->second);
       pending_.erase(it);
     }
+    kept_.erase(step);
     r.step = step;
     if (health != nullptr) {
       if (health->loss) r.loss = health->loss;
@@ -248,6 +273,7 @@ class BasicReporter {
   }
 
   void write_locked(StepRecord& r) {
+    kept_.erase(r.step);
     double sq = 0.0;
     bool any = false;
     for (const auto& l : r.layers) {
@@ -278,6 +304,8 @@ class BasicReporter {
   mutable Mutex mutex_;
   std::vector<std::shared_ptr<Exporter>> exporters_;
   std::map<int64_t, StepRecord> pending_;
+  /// Per pending step, the records made before the last attached backward pass ended.
+  std::map<int64_t, std::size_t> kept_;
   uint64_t written_ = 0, errors_ = 0, dropped_ = 0;
   std::string last_error_;
   std::atomic<int64_t> before_step_{0};  // written by the manager's listener, any thread

@@ -700,9 +700,97 @@ constexpr int64_t kPackedMoments = 14;
 
 /// The moments of a tensor on any device, reduced on that device and packed into a float64
 /// vector of kPackedMoments values (still on the device: no host sync here).
+inline at::Tensor pack_moments(const at::Tensor& t);
+
+/// A tensor with its expanded dimensions removed: `base` holds each distinct element of `t`
+/// once and every one stands `repeats` times in `t`.
+struct Repeated {
+  at::Tensor base;
+  int64_t repeats = 1;
+};
+
+/// `t` with every dimension of stride 0 and size > 1 (an expanded one: `x.expand(...)`, a
+/// broadcast) narrowed to size 1, except dimension `keep` (-1: none). Statistics of the
+/// result, with counts and sums multiplied by `repeats`, are those of `t`, at the cost of the
+/// result's size instead of `t`'s logical size.
+inline Repeated collapse_repeats(const at::Tensor& t, int64_t keep = -1) {
+  Repeated r{t, 1};
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (d == keep || t.stride(d) != 0 || t.size(d) <= 1) continue;
+    r.repeats *= t.size(d);
+    r.base = r.base.narrow(d, 0, 1);
+  }
+  return r;
+}
+
+/// Moments of `repeats` copies of the data `m` summarises.
+inline Moments repeated(Moments m, int64_t repeats) {
+  if (repeats == 1) return m;
+  for (int64_t* c : {&m.count, &m.finite, &m.nan, &m.pos_inf, &m.neg_inf, &m.zeros, &m.negatives, &m.positives})
+    *c *= repeats;
+  m.m2 *= static_cast<double>(repeats);
+  m.abs_sum *= static_cast<double>(repeats);
+  return m;
+}
+
+/// Elements a reader copies at most at once from a CPU tensor whose elements overlap in
+/// memory (or that has no storage: autograd's efficient zeros), so reading it costs a fixed
+/// amount of memory instead of its logical size.
+constexpr int64_t kReadChunk = int64_t{1} << 20;
+
+/// Whether `t` (on the CPU) is read in pieces: it is larger than kReadChunk and a contiguous
+/// copy could be larger than its storage.
+inline bool read_in_pieces(const at::Tensor& t) {
+  if (t.numel() <= kReadChunk) return false;
+  if (t._is_zerotensor()) return true;
+  return !t.is_contiguous() && !t.is_non_overlapping_and_dense();
+}
+
+inline at::Tensor readable(const at::Tensor& t);
+
+/// Calls `f(piece)` for consecutive contiguous pieces of the CPU tensor `t` that together
+/// hold its elements in row-major order: one piece (read in place when contiguous) unless
+/// `read_in_pieces(t)`, then pieces of at most kReadChunk elements.
+template <typename F>
+void for_each_piece(const at::Tensor& t, F&& f) {
+  if (!read_in_pieces(t)) {
+    f(readable(t));
+    return;
+  }
+  if (t._is_zerotensor()) {
+    const int64_t n = t.numel();
+    const at::Tensor zeros = at::zeros({std::min(n, kReadChunk)}, t.options());
+    for (int64_t off = 0; off < n; off += kReadChunk) f(zeros.narrow(0, 0, std::min(kReadChunk, n - off)));
+    return;
+  }
+  // Rows of the first dimension, as many as fit a piece; a row larger than a piece is split
+  // the same way along its own first dimension.
+  const auto split = [&](const auto& self, const at::Tensor& x) -> void {
+    if (x.numel() <= kReadChunk) {
+      f(x.contiguous());
+      return;
+    }
+    const int64_t rows = x.size(0), inner = x.numel() / rows;
+    if (inner > kReadChunk) {
+      for (int64_t i = 0; i < rows; ++i) self(self, x.select(0, i));
+      return;
+    }
+    const int64_t per = kReadChunk / inner;
+    for (int64_t i = 0; i < rows; i += per) f(x.narrow(0, i, std::min(per, rows - i)).contiguous());
+  };
+  split(split, t);
+}
+
 inline at::Tensor pack_moments(const at::Tensor& t) {
   check_supported_dtype(t.scalar_type());
   const auto dopt = t.options().dtype(at::kDouble);
+  const Repeated r = collapse_repeats(t);
+  if (r.repeats > 1) {  // counts and sums scale with the copies; mean and extrema do not
+    const double k = static_cast<double>(r.repeats);
+    const at::Tensor scale = at::tensor(std::vector<double>{k, k, k, k, k, k, k, k, 1, k, 1, 1, k, 1},
+                                        at::TensorOptions().dtype(at::kDouble));
+    return pack_moments(r.base) * scale.to(t.device());
+  }
   if (t.numel() == 0) {
     auto out = at::zeros({kPackedMoments}, dopt);
     out[10] = kInf;
@@ -774,7 +862,8 @@ inline at::Tensor readable(const at::Tensor& t) {
 }
 
 /// The one-pass summary of any tensor. CPU tensors are read in place (a strided tensor is
-/// first made contiguous); other devices reduce on the device and copy 14 doubles back.
+/// first made contiguous, an overlapping one piece by piece); other devices reduce on the
+/// device and copy 14 doubles back. Expanded dimensions are read once (collapse_repeats).
 /// `signs` false: the zero/negative/positive counts and the absolute sum may be skipped
 /// (float32, half and bfloat16 CPU data without NaN/Inf: about twice as fast);
 /// Moments::signs says whether they are there.
@@ -783,11 +872,15 @@ inline Moments compute_moments(const at::Tensor& t, bool signs = true) {
   check_supported_dtype(t.scalar_type());
   if (t.is_meta()) throw Error("torchdbg: cannot compute statistics of a meta tensor (it has no data)");
   if (!t.device().is_cpu()) return unpack_moments(pack_moments(t).to(at::kCPU));
-  const at::Tensor c = readable(t);
-  return dispatch_dtype(c.scalar_type(), [&](auto tag) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-    return accumulate_parallel(static_cast<const T*>(c.data_ptr()), c.numel(), signs);
+  const Repeated r = collapse_repeats(t);
+  Moments m;  // merging into the empty summary gives the first piece's own
+  for_each_piece(r.base, [&](const at::Tensor& c) {
+    m.merge(dispatch_dtype(c.scalar_type(), [&](auto tag) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+      return accumulate_parallel(static_cast<const T*>(c.data_ptr()), c.numel(), signs);
+    }));
   });
+  return repeated(m, r.repeats);
 }
 
 /// count_outside reduced with tensor operators where `t` lives: a 1-element float64 tensor
@@ -804,26 +897,29 @@ inline int64_t count_outside(const at::Tensor& t, double lo, double hi) {
   if (!t.defined()) throw Error("torchdbg: cannot count values of an undefined tensor");
   check_supported_dtype(t.scalar_type());
   if (t.numel() == 0) return 0;
+  const Repeated r = collapse_repeats(t);
   if (!t.device().is_cpu()) {
-    return static_cast<int64_t>(count_outside_on_device(t, lo, hi).to(at::kCPU).item<double>());
+    return r.repeats * static_cast<int64_t>(count_outside_on_device(r.base, lo, hi).to(at::kCPU).item<double>());
   }
-  const at::Tensor c = readable(t);
-  return dispatch_dtype(c.scalar_type(), [&](auto tag) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-    const T* p = static_cast<const T*>(c.data_ptr());
-    const int64_t n = c.numel();
-    int64_t count = 0;
-    if constexpr (std::is_same_v<T, float>) {
-      const float flo = static_cast<float>(lo), fhi = static_cast<float>(hi);
-      for (int64_t i = 0; i < n; ++i) count += (p[i] < flo) | (p[i] > fhi);
-    } else {
-      for (int64_t i = 0; i < n; ++i) {
-        const double v = as_double(p[i]);
-        count += (v < lo) | (v > hi);
+  int64_t count = 0;
+  for_each_piece(r.base, [&](const at::Tensor& c) {
+    dispatch_dtype(c.scalar_type(), [&](auto tag) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+      const T* p = static_cast<const T*>(c.data_ptr());
+      const int64_t n = c.numel();
+      if constexpr (std::is_same_v<T, float>) {
+        const float flo = static_cast<float>(lo), fhi = static_cast<float>(hi);
+        for (int64_t i = 0; i < n; ++i) count += (p[i] < flo) | (p[i] > fhi);
+      } else {
+        for (int64_t i = 0; i < n; ++i) {
+          const double v = as_double(p[i]);
+          count += (v < lo) | (v > hi);
+        }
       }
-    }
-    return count;
+      return 0;
+    });
   });
+  return r.repeats * count;
 }
 
 /// `dim` of a tensor of `t`'s rank made non-negative; throws torchdbg::Error naming it when
@@ -860,13 +956,38 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
   per_unit = units == 0 ? 0 : t.numel() / units;
   std::vector<int64_t> out(static_cast<std::size_t>(units), 0);
   if (t.numel() == 0) return out;
-  if (!t.device().is_cpu()) {
-    const at::Tensor counts = count_above_per_unit_on_device(t, d, threshold).to(at::kCPU).contiguous();
-    for (int64_t u = 0; u < units; ++u)
-      out[static_cast<std::size_t>(u)] = static_cast<int64_t>(counts.data_ptr<double>()[u]);
+  // Expanded dimensions other than the unit one are counted once and multiplied; an expanded
+  // unit dimension means every unit holds the same values: one is counted, and copied.
+  Repeated r = collapse_repeats(t, d);
+  const bool same_units = r.base.size(d) > 1 && r.base.stride(d) == 0;
+  if (same_units) r.base = r.base.narrow(d, 0, 1);
+  const auto finish = [&] {
+    for (auto& k : out) k *= r.repeats;
+    if (same_units) std::fill(out.begin(), out.end(), out[0]);
     return out;
+  };
+  if (!t.device().is_cpu()) {
+    const at::Tensor counts = count_above_per_unit_on_device(r.base, d, threshold).to(at::kCPU).contiguous();
+    for (int64_t u = 0; u < counts.numel(); ++u)
+      out[static_cast<std::size_t>(u)] = static_cast<int64_t>(counts.data_ptr<double>()[u]);
+    return finish();
   }
-  const at::Tensor c = readable(t);
+  if (read_in_pieces(r.base)) {  // overlapping: unit by unit, each read in pieces
+    for (int64_t u = 0; u < r.base.size(d); ++u) {
+      int64_t& k = out[static_cast<std::size_t>(u)];
+      for_each_piece(r.base.select(d, u), [&](const at::Tensor& c) {
+        dispatch_dtype(c.scalar_type(), [&](auto tag) {
+          using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+          const T* p = static_cast<const T*>(c.data_ptr());
+          for (int64_t i = 0; i < c.numel(); ++i) k += as_double(p[i]) > threshold;
+          return 0;
+        });
+      });
+    }
+    return finish();
+  }
+  const at::Tensor c = readable(r.base);
+  const int64_t cu = c.size(d);  // 1 when every unit is the same
   int64_t outer = 1, inner = 1;
   for (int64_t i = 0; i < d; ++i) outer *= c.size(i);
   for (int64_t i = d + 1; i < c.dim(); ++i) inner *= c.size(i);
@@ -874,15 +995,15 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
     using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     const T* p = static_cast<const T*>(c.data_ptr());
     if (inner == 1) {  // [N, F]: rows of units; a branch-free pass per row vectorizes
-      std::vector<int32_t> row_counts(static_cast<std::size_t>(units), 0);
+      std::vector<int32_t> row_counts(static_cast<std::size_t>(cu), 0);
 #if defined(TORCHDBG_HAVE_VECTOR_EXT)
       if constexpr (std::is_same_v<T, float>) {
         const float ft = static_cast<float>(threshold);
         const auto& k = block_kernels();
         for (int64_t o = 0; o < outer; o += int64_t{1} << 30) {  // int32 counters
           const int64_t rows = std::min(outer - o, int64_t{1} << 30);
-          k.rows_above(p + o * units, rows, units, ft, row_counts.data());
-          for (int64_t u = 0; u < units; ++u)
+          k.rows_above(p + o * cu, rows, cu, ft, row_counts.data());
+          for (int64_t u = 0; u < cu; ++u)
             out[static_cast<std::size_t>(u)] += row_counts[static_cast<std::size_t>(u)];
           std::fill(row_counts.begin(), row_counts.end(), 0);
         }
@@ -891,29 +1012,29 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
 #endif
       int64_t rows_in_batch = 0;
       for (int64_t o = 0; o < outer; ++o) {
-        const T* row = p + o * units;
+        const T* row = p + o * cu;
         if constexpr (std::is_same_v<T, float>) {
           const float ft = static_cast<float>(threshold);
-          for (int64_t u = 0; u < units; ++u)
+          for (int64_t u = 0; u < cu; ++u)
             row_counts[static_cast<std::size_t>(u)] += row[u] > ft;
         } else {
-          for (int64_t u = 0; u < units; ++u)
+          for (int64_t u = 0; u < cu; ++u)
             row_counts[static_cast<std::size_t>(u)] += as_double(row[u]) > threshold;
         }
         if (++rows_in_batch == (int64_t{1} << 30)) {  // int32 counters: spill before overflow
-          for (int64_t u = 0; u < units; ++u)
+          for (int64_t u = 0; u < cu; ++u)
             out[static_cast<std::size_t>(u)] += row_counts[static_cast<std::size_t>(u)];
           std::fill(row_counts.begin(), row_counts.end(), 0);
           rows_in_batch = 0;
         }
       }
-      for (int64_t u = 0; u < units; ++u)
+      for (int64_t u = 0; u < cu; ++u)
         out[static_cast<std::size_t>(u)] += row_counts[static_cast<std::size_t>(u)];
       return 0;
     }
     for (int64_t o = 0; o < outer; ++o) {
-      for (int64_t u = 0; u < units; ++u) {
-        const T* q = p + (o * units + u) * inner;
+      for (int64_t u = 0; u < cu; ++u) {
+        const T* q = p + (o * cu + u) * inner;
         int64_t k = 0;
         if constexpr (std::is_same_v<T, float>) {
           const float ft = static_cast<float>(threshold);
@@ -930,23 +1051,50 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
     }
     return 0;
   });
+  return finish();
+}
+
+/// `collapse_repeats(t)` with its base on the CPU (copied from another device).
+inline Repeated host_repeats(const at::Tensor& t) {
+  Repeated r = collapse_repeats(t);
+  if (!r.base.device().is_cpu()) r.base = r.base.to(at::kCPU);
+  return r;
+}
+
+/// The finite values of a tensor as doubles, for the distribution primitives below (an
+/// expanded tensor's values appear as often as they stand in it).
+inline std::vector<double> finite_values(const at::Tensor& t) {
+  const Repeated r = host_repeats(t);
+  std::vector<double> out;
+  for_each_piece(r.base, [&](const at::Tensor& c) {
+    dispatch_dtype(c.scalar_type(), [&](auto tag) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+      const T* p = static_cast<const T*>(c.data_ptr());
+      for (int64_t i = 0; i < c.numel(); ++i) {
+        const double v = as_double(p[i]);
+        if (std::isfinite(v)) out.push_back(v);
+      }
+      return 0;
+    });
+  });
+  if (r.repeats > 1) {
+    const std::size_t n = out.size();
+    out.reserve(n * static_cast<std::size_t>(r.repeats));
+    for (int64_t k = 1; k < r.repeats; ++k) out.insert(out.end(), out.begin(), out.begin() + static_cast<std::ptrdiff_t>(n));
+  }
   return out;
 }
 
-/// The finite values of a tensor as doubles, for the distribution primitives below.
-inline std::vector<double> finite_values(const at::Tensor& t) {
-  const at::Tensor c = readable(t.device().is_cpu() ? t : t.to(at::kCPU));
-  return dispatch_dtype(c.scalar_type(), [&](auto tag) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-    const T* p = static_cast<const T*>(c.data_ptr());
-    std::vector<double> out;
-    out.reserve(static_cast<std::size_t>(c.numel()));
-    for (int64_t i = 0; i < c.numel(); ++i) {
-      const double v = as_double(p[i]);
-      if (std::isfinite(v)) out.push_back(v);
-    }
-    return out;
-  });
+/// The element of the CPU tensor `t` at row-major position `i`, read through its strides.
+template <typename T>
+T element_at(const at::Tensor& t, const T* base, int64_t i) {
+  int64_t offset = 0;
+  for (int64_t d = t.dim() - 1; d >= 0; --d) {
+    const int64_t size = t.size(d);
+    offset += (i % size) * t.stride(d);
+    i /= size;
+  }
+  return base[offset];
 }
 
 /// At most `cap` finite values of `t` as doubles: all of them when there are no more than
@@ -954,7 +1102,12 @@ inline std::vector<double> finite_values(const at::Tensor& t) {
 /// seed (the same tensor gives the same sample).
 inline std::vector<double> finite_sample(const at::Tensor& t, int64_t finite, int64_t cap) {
   if (finite <= cap) return finite_values(t);
-  const at::Tensor c = readable(t.device().is_cpu() ? t : t.to(at::kCPU));
+  // Each element of the collapsed base stands equally often in `t`: a uniform sample of the
+  // base is one of `t`. An overlapping base is read through its strides, not copied.
+  const Repeated r = host_repeats(t);
+  if (r.base._is_zerotensor()) return std::vector<double>(static_cast<std::size_t>(cap), 0.0);
+  const bool strided = read_in_pieces(r.base);
+  const at::Tensor c = strided ? r.base : readable(r.base);
   return dispatch_dtype(c.scalar_type(), [&](auto tag) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     const T* p = static_cast<const T*>(c.data_ptr());
@@ -968,7 +1121,8 @@ inline std::vector<double> finite_sample(const at::Tensor& t, int64_t finite, in
       z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
       z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
       z ^= z >> 31;
-      const double v = as_double(p[z % n]);
+      const auto i = static_cast<int64_t>(z % n);
+      const double v = as_double(strided ? element_at(c, p, i) : p[i]);
       if (std::isfinite(v)) out.push_back(v);
     }
     return out;
@@ -985,32 +1139,45 @@ struct DistributionPass {
 };
 inline DistributionPass distribution_pass(const at::Tensor& t, int64_t bins, double lo, double hi,
                                           double mean, double fence_lo, double fence_hi, double sigma3) {
-  const at::Tensor c = readable(t.device().is_cpu() ? t : t.to(at::kCPU));
-  return dispatch_dtype(c.scalar_type(), [&](auto tag) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-    const T* p = static_cast<const T*>(c.data_ptr());
-    DistributionPass d;
-    d.counts.assign(static_cast<std::size_t>(std::max<int64_t>(bins, 0)), 0);
-    const bool binned = bins > 0 && hi > lo;
-    const double scale = binned ? static_cast<double>(bins) / (hi - lo) : 0.0;
-    for (int64_t i = 0; i < c.numel(); ++i) {
-      const double v = as_double(p[i]);
-      if (!std::isfinite(v)) continue;
-      ++d.n;
-      if (binned && v >= lo && v <= hi) {
-        auto b = static_cast<int64_t>((v - lo) * scale);
-        if (b >= bins) b = bins - 1;
-        ++d.counts[static_cast<std::size_t>(b)];
+  const Repeated r = host_repeats(t);
+  DistributionPass d;
+  d.counts.assign(static_cast<std::size_t>(std::max<int64_t>(bins, 0)), 0);
+  const bool binned = bins > 0 && hi > lo;
+  const double scale = binned ? static_cast<double>(bins) / (hi - lo) : 0.0;
+  for_each_piece(r.base, [&](const at::Tensor& c) {
+    dispatch_dtype(c.scalar_type(), [&](auto tag) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+      const T* p = static_cast<const T*>(c.data_ptr());
+      for (int64_t i = 0; i < c.numel(); ++i) {
+        const double v = as_double(p[i]);
+        if (!std::isfinite(v)) continue;
+        ++d.n;
+        if (binned && v >= lo && v <= hi) {
+          auto b = static_cast<int64_t>((v - lo) * scale);
+          if (b >= bins) b = bins - 1;
+          ++d.counts[static_cast<std::size_t>(b)];
+        }
+        const double dv = v - mean, d2 = dv * dv;
+        d.s2 += d2;
+        d.s3 += d2 * dv;
+        d.s4 += d2 * d2;
+        d.outside_fences += (v < fence_lo || v > fence_hi) ? 1 : 0;
+        d.beyond_sigma3 += std::fabs(dv) > sigma3 ? 1 : 0;
       }
-      const double dv = v - mean, d2 = dv * dv;
-      d.s2 += d2;
-      d.s3 += d2 * dv;
-      d.s4 += d2 * d2;
-      d.outside_fences += (v < fence_lo || v > fence_hi) ? 1 : 0;
-      d.beyond_sigma3 += std::fabs(dv) > sigma3 ? 1 : 0;
-    }
-    return d;
+      return 0;
+    });
   });
+  if (r.repeats > 1) {  // every distinct value stands `repeats` times
+    const double k = static_cast<double>(r.repeats);
+    for (auto& c : d.counts) c *= r.repeats;
+    d.n *= r.repeats;
+    d.outside_fences *= r.repeats;
+    d.beyond_sigma3 *= r.repeats;
+    d.s2 *= k;
+    d.s3 *= k;
+    d.s4 *= k;
+  }
+  return d;
 }
 
 /// Quantiles with linear interpolation between order statistics (torch.quantile's default)

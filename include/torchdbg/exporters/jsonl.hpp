@@ -4,6 +4,7 @@
 
 #include <torch/arg.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <string>
@@ -58,7 +59,6 @@ class LineStream {
   void add(const std::string& line) {
     buffer_ += line;
     buffer_ += '\n';
-    ++pending_lines_;
   }
   /// Counts a step and flushes when the interval is reached.
   void step_done() {
@@ -67,8 +67,9 @@ class LineStream {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - last_flush_).count();
     if (steps_ >= options_.flush_every_steps() || secs >= options_.flush_every_seconds()) flush();
   }
-  /// Writes the buffer. On failure the unwritten part is kept for the next flush (bounded by
-  /// max_buffer_bytes: whole oldest lines are dropped and counted) and the error is recorded.
+  /// Writes the buffer without blocking. On failure (disk full, a pipe whose reader is behind)
+  /// the unwritten part is kept for the next flush (bounded by max_buffer_bytes: whole oldest
+  /// lines are dropped and counted) and the error is recorded.
   void flush() {
     steps_ = 0;
     last_flush_ = std::chrono::steady_clock::now();
@@ -77,22 +78,32 @@ class LineStream {
     try {
       file_.append(buffer_, written, options_.fsync());
       buffer_.clear();
-      pending_lines_ = 0;
+      partial_ = 0;
     } catch (const Error& e) {
       ++failures_;
       last_error_ = e.what();
-      // Keep whole lines only: a partial line already on disk is completed by the rest.
-      buffer_.erase(0, written);
-      while (buffer_.size() > options_.max_buffer_bytes()) {
+      // The rest of a line already partly written stays first and is never dropped: the
+      // reader has its head, and dropping the rest would join that head to the next line.
+      if (written > 0) {
+        const bool at_line_end = buffer_[written - 1] == '\n';
+        buffer_.erase(0, written);
         const auto nl = buffer_.find('\n');
+        partial_ = at_line_end || nl == std::string::npos ? 0 : nl + 1;
+      }
+      while (buffer_.size() > options_.max_buffer_bytes()) {
+        const auto nl = buffer_.find('\n', partial_);
         if (nl == std::string::npos) break;
-        buffer_.erase(0, nl + 1);
+        buffer_.erase(partial_, nl + 1 - partial_);
         ++dropped_lines_;
       }
     }
   }
   [[nodiscard]] uint64_t failures() const noexcept { return failures_; }
   [[nodiscard]] uint64_t dropped_lines() const noexcept { return dropped_lines_; }
+  /// Lines written to the buffer and not yet to the file (a failed flush keeps them).
+  [[nodiscard]] uint64_t pending_lines() const noexcept {
+    return static_cast<uint64_t>(std::count(buffer_.begin(), buffer_.end(), '\n'));
+  }
   [[nodiscard]] const std::string& last_error() const noexcept { return last_error_; }
   [[nodiscard]] const std::string& path() const noexcept { return file_.path(); }
   /// Whether the file held nothing when opened (a CSV header is due).
@@ -108,7 +119,8 @@ class LineStream {
   StreamOptions options_;
   AppendFile file_;
   std::string buffer_;
-  uint64_t pending_lines_ = 0, failures_ = 0, dropped_lines_ = 0;
+  std::size_t partial_ = 0;  // leading bytes of buffer_ that end a line partly written
+  uint64_t failures_ = 0, dropped_lines_ = 0;
   int64_t steps_ = 0;
   std::size_t torn_bytes_ = 0;
   std::string last_error_;
@@ -154,6 +166,13 @@ class BasicStreamExporter : public BaseExporter<Mutex> {
   [[nodiscard]] uint64_t dropped_lines() const {
     std::lock_guard<Mutex> lock(this->mutex_);
     return stream_.dropped_lines();
+  }
+  /// Lines not written yet: after a failed flush (a full disk, a pipe whose reader is behind),
+  /// what the next flush will try again. Lines still pending when the exporter is destroyed
+  /// are lost: check this (after `flush()` or `Reporter::finish`) to know how many.
+  [[nodiscard]] uint64_t pending_lines() const {
+    std::lock_guard<Mutex> lock(this->mutex_);
+    return stream_.pending_lines();
   }
   /// Bytes of a torn last line cut when an existing file was opened for appending.
   [[nodiscard]] std::size_t torn_bytes_removed() const {

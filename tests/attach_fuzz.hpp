@@ -1,0 +1,486 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+// A differential model fuzzer for attach, shared by the test suite ([fuzz_attach]) and
+// bench/attach_fuzz.cpp (longer runs). From a seed it draws a model from a grammar of what
+// users write — Linear, LayerNorm, Embedding, GRUCell and MultiheadAttention calls,
+// activations as functions and as modules, views before an activation, residuals, shared
+// (repeated) calls, a tied pair, functional use of a module's parameters, a module called
+// between another's call and its activation, no-grad blocks — and trains it a few steps with
+// SGD or Adam in one of several backward styles (one backward, gradient accumulation over
+// micro-batches, retain_graph and a second backward). The model's forward records, by handle
+// and without running any operator of its own, what each module returned and what each
+// activation made of it: the reference. Every delivery attach makes (name, call, shape,
+// statistics) and every gradient and norm is compared with it. A mismatch prints the model
+// as code to paste into a regression test.
+//
+// Not generated (limits by construction, see attach.hpp): torch::autograd::grad (no tensor
+// hook runs), sparse gradients, several threads on one model, a second session on the same
+// model.
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <torchdbg/attach.hpp>
+
+namespace torchdbg_test::fuzz {
+
+/// One statement of a generated forward, acting on the running activation `h` ([B, W]).
+enum class Op {
+  Linear,       // h = lin[a](h)                       (a call of lin[a])
+  ActFn,        // h = act_a(h) as a function           (after a call: "<module>/<act>")
+  ActModule,    // h = act_mod[a](h)                    (an activation module: no parameters)
+  ViewAct,      // h = act_a(h.view(B, 2, W/2)).view(B, W)  (the activation in the view's shape)
+  Residual,     // h = h + lin[a](h)
+  Norm,         // h = norm[a](h)                       (LayerNorm)
+  Between,      // y = lin[a](h); z = lin[b](h); h = act_c(y) + z   (lin[b] runs in between)
+  Functional,   // h = torch::linear(h, lin[a]->weight, lin[a]->bias)  (a call of lin[a])
+  NoGrad,       // { NoGradGuard; lin[a](h.detach()); }  (no delivery by default)
+  Gru,          // h = gru(h, hidden) over `b` time steps (calls 0..b-1)
+  Attention,    // h = mha(h, h, h)                      (its output only)
+  Tied,         // h = tied_b(h) where tied_b shares tied_a's weight (bias-free, both Linear)
+};
+
+struct Stmt {
+  Op op;
+  int a = 0, b = 0, c = 0;
+};
+
+/// A generated model: its statements and sizes.
+struct Spec {
+  std::vector<Stmt> body;
+  int64_t width = 8;
+  int64_t linears = 3;
+  int64_t embedding_vocab = 0;  // > 0: the input is token ids through an Embedding
+  int style = 0;                // 0 backward, 1 accumulation (2 micro-batches), 2 retain_graph twice
+  int optimizer = 0;            // 0 SGD, 1 Adam
+  uint64_t seed = 0;
+};
+
+constexpr const char* kActs[] = {"relu", "tanh", "sigmoid", "gelu", "silu", "softplus", "elu"};
+constexpr int kNumActs = 7;
+
+inline torch::Tensor act_fn(int a, const torch::Tensor& x) {
+  switch (a) {
+    case 0: return torch::relu(x);
+    case 1: return torch::tanh(x);
+    case 2: return torch::sigmoid(x);
+    case 3: return torch::gelu(x);
+    case 4: return torch::silu(x);
+    case 5: return torch::softplus(x);
+    default: return torch::elu(x);
+  }
+}
+
+inline const char* op_name(Op op) {
+  switch (op) {
+    case Op::Linear: return "Linear";
+    case Op::ActFn: return "ActFn";
+    case Op::ActModule: return "ActModule";
+    case Op::ViewAct: return "ViewAct";
+    case Op::Residual: return "Residual";
+    case Op::Norm: return "Norm";
+    case Op::Between: return "Between";
+    case Op::Functional: return "Functional";
+    case Op::NoGrad: return "NoGrad";
+    case Op::Gru: return "Gru";
+    case Op::Attention: return "Attention";
+    default: return "Tied";
+  }
+}
+
+/// The spec as C++ to paste into a regression test.
+inline std::string as_code(const Spec& s) {
+  std::ostringstream o;
+  o << "torchdbg_test::fuzz::Spec spec{{";
+  for (std::size_t i = 0; i < s.body.size(); ++i) {
+    const Stmt& t = s.body[i];
+    o << (i ? ", " : "") << "{Op::" << op_name(t.op) << ", " << t.a << ", " << t.b << ", " << t.c << "}";
+  }
+  o << "}, " << s.width << ", " << s.linears << ", " << s.embedding_vocab << ", " << s.style << ", " << s.optimizer
+    << ", " << s.seed << "};";
+  return o.str();
+}
+
+inline Spec random_spec(uint64_t seed) {
+  std::mt19937_64 g(seed);
+  const auto pick = [&](int lo, int hi) { return static_cast<int>(std::uniform_int_distribution<int>(lo, hi)(g)); };
+  Spec s;
+  s.seed = seed;
+  s.width = 4 * pick(1, 4);  // even, so ViewAct can split it
+  s.linears = pick(2, 4);
+  s.embedding_vocab = pick(0, 2) == 0 ? pick(5, 30) : 0;
+  s.style = pick(0, 2);
+  s.optimizer = pick(0, 1);
+  const int n = pick(2, 9);
+  const int lin = static_cast<int>(s.linears) - 1;
+  for (int i = 0; i < n; ++i) {
+    Stmt t{Op::Linear, pick(0, lin), 0, 0};
+    switch (pick(0, 15)) {
+      case 0: case 1: case 2: t.op = Op::Linear; break;
+      case 3: case 4: t = {Op::ActFn, pick(0, kNumActs - 1)}; break;
+      case 5: t = {Op::ActModule, pick(0, 1)}; break;
+      case 6: t = {Op::ViewAct, pick(0, kNumActs - 1)}; break;
+      case 7: t = {Op::Residual, pick(0, lin)}; break;
+      case 8: t = {Op::Norm, pick(0, 1)}; break;
+      case 9: t = {Op::Between, pick(0, lin), pick(0, lin), pick(0, kNumActs - 1)}; break;
+      case 10: t = {Op::Functional, pick(0, lin)}; break;
+      case 11: t = {Op::NoGrad, pick(0, lin)}; break;
+      case 12: t = {Op::Gru, 0, pick(1, 3)}; break;
+      case 13: t = {Op::Attention}; break;
+      default: t = {Op::Tied, pick(0, 1)}; break;
+    }
+    if (t.op == Op::Between && t.a == t.b) t.b = (t.b + 1) % static_cast<int>(s.linears);
+    s.body.push_back(t);
+  }
+  // The loss must depend on a parameter: without an Embedding, the first statement is a call.
+  if (s.embedding_vocab == 0) s.body.insert(s.body.begin(), Stmt{Op::Linear, pick(0, lin)});
+  return s;
+}
+
+/// What the generated forward returned to its caller, by handle: the reference.
+struct Expected {
+  std::string name;
+  int64_t call = 0;
+  torch::Tensor value;
+};
+
+struct Model : torch::nn::Module {
+  explicit Model(const Spec& s) : spec(s) {
+    if (s.embedding_vocab > 0) emb = register_module("emb", torch::nn::Embedding(s.embedding_vocab, s.width));
+    for (int64_t i = 0; i < s.linears; ++i)
+      lins.push_back(register_module("lin" + std::to_string(i), torch::nn::Linear(s.width, s.width)));
+    for (int i = 0; i < 2; ++i) {
+      norms.push_back(register_module("norm" + std::to_string(i), torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.width}))));
+    }
+    act_relu = register_module("act_relu", torch::nn::ReLU());
+    act_tanh = register_module("act_tanh", torch::nn::Tanh());
+    gru = register_module("gru", torch::nn::GRUCell(s.width, s.width));
+    mha = register_module("mha", torch::nn::MultiheadAttention(torch::nn::MultiheadAttentionOptions(s.width, 2)));
+    tied0 = register_module("tied0", torch::nn::Linear(torch::nn::LinearOptions(s.width, s.width).bias(false)));
+    tied1 = register_module("tied1", torch::nn::Linear(torch::nn::LinearOptions(s.width, s.width).bias(false)));
+    tied1->weight = tied0->weight;  // tied: attributed by call order (both are Linear)
+  }
+
+  /// Runs the body on `x` and squares the result (the loss's first operator); appends what
+  /// each module returned (and each activation of it) to `expected`, with its call index in
+  /// the pass. The square of a module's output is delivered too, as "<module>/pow".
+  torch::Tensor forward(const torch::Tensor& x, std::vector<Expected>& expected) {
+    std::map<std::string, int64_t> calls;
+    int64_t tied_uses = 0;
+    const auto note = [&](const std::string& name, const torch::Tensor& v) {
+      const int64_t k = calls[name]++;
+      expected.push_back({name, k, v});
+      return k;
+    };
+    // The module output `h` is, if it is one: its name and call (an activation of it is
+    // delivered as "<name>/<act>").
+    std::string last;
+    int64_t last_call = 0;
+    const auto output_of = [&](const std::string& name, const torch::Tensor& v) {
+      last = name;
+      last_call = note(name, v);
+    };
+    const auto activation = [&](int a, const torch::Tensor& in, const torch::Tensor& out) {
+      (void)in;
+      if (!last.empty()) expected.push_back({last + "/" + kActs[a], last_call, out});
+      last.clear();
+    };
+    const int64_t B = x.size(0);
+    torch::Tensor h;
+    if (emb) {
+      h = emb(x);
+      output_of("emb", h);
+    } else {
+      h = x;
+    }
+    for (const Stmt& t : spec.body) {
+      switch (t.op) {
+        case Op::Linear: {
+          h = lins[t.a](h);
+          output_of("lin" + std::to_string(t.a), h);
+          break;
+        }
+        case Op::ActFn: {
+          const auto out = act_fn(t.a, h);
+          activation(t.a, h, out);
+          h = out;
+          break;
+        }
+        case Op::ActModule: {
+          const auto out = t.a == 0 ? act_relu(h) : act_tanh(h);
+          activation(t.a == 0 ? 0 : 1, h, out);
+          h = out;
+          break;
+        }
+        case Op::ViewAct: {
+          const auto v = h.view({B, 2, spec.width / 2});
+          const auto out = act_fn(t.a, v);
+          activation(t.a, v, out);
+          h = out.view({B, spec.width});
+          break;
+        }
+        case Op::Residual: {
+          const auto y = lins[t.a](h);
+          output_of("lin" + std::to_string(t.a), y);
+          h = h + y;
+          last.clear();
+          break;
+        }
+        case Op::Norm: {
+          h = norms[t.a](h);
+          output_of("norm" + std::to_string(t.a), h);
+          break;
+        }
+        case Op::Between: {
+          const auto y = lins[t.a](h);
+          const std::string ya = "lin" + std::to_string(t.a);
+          const int64_t yk = note(ya, y);
+          const auto z = lins[t.b](h);
+          note("lin" + std::to_string(t.b), z);
+          const auto a = act_fn(t.c, y);
+          expected.push_back({ya + "/" + kActs[t.c], yk, a});
+          h = a + z;
+          last.clear();
+          break;
+        }
+        case Op::Functional: {
+          h = torch::linear(h, lins[t.a]->weight, lins[t.a]->bias);
+          output_of("lin" + std::to_string(t.a), h);
+          break;
+        }
+        case Op::NoGrad: {
+          torch::NoGradGuard no_grad;
+          (void)lins[t.a](h.detach());
+          break;
+        }
+        case Op::Gru: {
+          auto hidden = torch::zeros({B, spec.width});
+          for (int k = 0; k < t.b; ++k) {
+            hidden = gru(h, hidden);
+            note("gru", hidden);
+          }
+          h = hidden;
+          last = "gru";
+          last_call = calls["gru"] - 1;
+          break;
+        }
+        case Op::Attention: {
+          const auto q = h.unsqueeze(0);  // [1, B, W]: one sequence position
+          const auto out = std::get<0>(mha(q, q, q));
+          output_of("mha", out);
+          h = out.squeeze(0);  // a view: an activation of it is still "mha/<act>"
+          break;
+        }
+        case Op::Tied: {
+          // Limit by construction: two bias-free Linears sharing their weight are told apart
+          // by call order only; the uses of a pass alternate tied0, tied1, tied0, ...
+          h = (t.a == 0 ? tied0 : tied1)(h);
+          output_of(tied_uses++ % 2 == 0 ? "tied0" : "tied1", h);
+          break;
+        }
+      }
+    }
+    const auto sq = h.pow(2);
+    if (!last.empty()) expected.push_back({last + "/pow", last_call, sq});
+    return sq;
+  }
+
+  Spec spec;
+  torch::nn::Embedding emb{nullptr};
+  std::vector<torch::nn::Linear> lins;
+  std::vector<torch::nn::LayerNorm> norms;
+  torch::nn::ReLU act_relu{nullptr};
+  torch::nn::Tanh act_tanh{nullptr};
+  torch::nn::GRUCell gru{nullptr};
+  torch::nn::MultiheadAttention mha{nullptr};
+  torch::nn::Linear tied0{nullptr}, tied1{nullptr};
+};
+
+/// One delivery as a hook saw it.
+struct Seen {
+  std::string name;
+  bool forward = true;
+  int64_t call = -1;
+  std::string parameter;
+  std::vector<int64_t> shape;
+  double mean = 0, std = 0, min = 0, max = 0, l2 = 0;
+  int64_t numel = 0;
+};
+
+struct Result {
+  int64_t deliveries = 0, gradients = 0, checks = 0;
+  std::vector<std::string> mismatches;
+};
+
+inline bool close(double a, double b, double rel) {
+  if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b);
+  return std::fabs(a - b) <= rel * std::max({1.0, std::fabs(a), std::fabs(b)});
+}
+
+/// Trains the model of `spec` for `steps` steps under attach and compares every delivery
+/// and gradient with the reference. Never throws; mismatches are described in the result.
+inline Result run(const Spec& spec, int steps = 3) {
+  Result res;
+  const auto fail = [&](const std::string& what) {
+    if (res.mismatches.size() < 20) res.mismatches.push_back(what);
+  };
+  try {
+    torch::manual_seed(spec.seed);
+    auto model = std::make_shared<Model>(spec);
+    torchdbg::HookManager hooks;
+    std::vector<Seen> seen;  // the current pass's deliveries
+    std::vector<Seen> outside;
+    bool in_pass = false;
+    hooks.register_callback("fuzz", [&](const torchdbg::HookContext& c) {
+      Seen s;
+      s.name = std::string(c.layer_name());
+      s.forward = c.is_forward();
+      if (auto k = c.metadata_value("call")) s.call = std::stoll(std::string(*k));
+      if (auto p = c.metadata_value("parameter")) s.parameter = std::string(*p);
+      s.shape = c.tensor().sizes().vec();
+      const auto& st = c.stats();
+      s.mean = st.mean;
+      s.std = st.std;
+      s.min = st.min;
+      s.max = st.max;
+      s.l2 = st.l2_norm;
+      s.numel = st.numel;
+      (in_pass ? seen : outside).push_back(std::move(s));
+    });
+    hooks.register_hook(torchdbg::HookConfig().trigger(torchdbg::HookTrigger::every_n_steps(1)).actions(
+        {torchdbg::HookAction::custom_callback("fuzz")}));
+    auto session = torchdbg::attach(*model, hooks);
+    std::unique_ptr<torch::optim::Optimizer> opt;
+    if (spec.optimizer == 0) {
+      opt = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+    } else {
+      opt = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(0.001));
+    }
+    const int64_t B = 5;
+    const auto params = model->named_parameters();
+    // The module a parameter's gradient is delivered under, and its own name there.
+    const auto split_name = [](const std::string& full) {
+      const auto dot = full.rfind('.');
+      return std::make_pair(full.substr(0, dot), full.substr(dot + 1));
+    };
+    for (int64_t step = 0; step < steps; ++step) {
+      hooks.set_step(step);
+      opt->zero_grad();
+      const int passes = spec.style == 0 ? 1 : 2;
+      std::vector<Expected> expected;
+      torch::Tensor loss;
+      for (int pass = 0; pass < passes; ++pass) {
+        // Gradients before this pass, to tell this pass's contribution.
+        std::map<std::string, torch::Tensor> before;
+        for (const auto& p : params)
+          before[p.key()] = p.value().grad().defined() ? p.value().grad().clone() : torch::zeros_like(p.value());
+        seen.clear();
+        in_pass = true;
+        if (spec.style != 2 || pass == 0) {
+          expected.clear();
+          const auto x = spec.embedding_vocab > 0 ? torch::randint(0, spec.embedding_vocab, {B})
+                                                  : torch::randn({B, spec.width});
+          loss = model->forward(x, expected).mean();
+        } else {
+          expected.clear();  // the second backward of a retained graph: no forward
+        }
+        loss.backward({}, /*retain_graph=*/spec.style == 2 && pass == 0);
+        in_pass = false;
+        const std::string where = "step " + std::to_string(step) + " pass " + std::to_string(pass) + ": ";
+        // Forward: every expected delivery exactly once, nothing else.
+        std::map<std::pair<std::string, int64_t>, const Seen*> got;
+        for (const auto& s : seen) {
+          if (!s.forward) continue;
+          ++res.deliveries;
+          const auto key = std::make_pair(s.name, s.call);
+          if (got.count(key)) fail(where + "'" + s.name + "' call " + std::to_string(s.call) + " delivered twice");
+          got[key] = &s;
+        }
+        for (const auto& e : expected) {
+          const auto it = got.find({e.name, e.call});
+          if (it == got.end()) {
+            fail(where + "'" + e.name + "' call " + std::to_string(e.call) + " not delivered");
+            continue;
+          }
+          const Seen& s = *it->second;
+          const torch::Tensor v = e.value.detach().to(torch::kDouble);
+          ++res.checks;
+          if (s.shape != e.value.sizes().vec())
+            fail(where + "'" + e.name + "' shape " + c10::str(torch::IntArrayRef(s.shape)) + " vs " + c10::str(e.value.sizes()));
+          else if (!close(s.mean, v.mean().item<double>(), 1e-5) || !close(s.min, v.min().item<double>(), 1e-6) ||
+                   !close(s.max, v.max().item<double>(), 1e-6) ||
+                   !close(s.std, v.numel() > 0 ? v.std(/*unbiased=*/false).item<double>() : std::nan(""), 1e-4))
+            fail(where + "'" + e.name + "' call " + std::to_string(e.call) + " holds other values (mean " +
+                 std::to_string(s.mean) + " vs " + std::to_string(v.mean().item<double>()) + ")");
+          got.erase(it);
+        }
+        for (const auto& [key, s] : got)
+          fail(where + "unexpected delivery '" + key.first + "' call " + std::to_string(key.second));
+        // Gradients: each parameter's contribution of this pass, once, under its module.
+        std::map<std::string, const Seen*> grads;
+        for (const auto& s : seen) {
+          if (s.forward) continue;
+          ++res.gradients;
+          const std::string key = s.name + "." + s.parameter;
+          if (grads.count(key)) fail(where + "gradient of '" + key + "' delivered twice");
+          grads[key] = &s;
+        }
+        std::map<std::string, double> module_sq;
+        double total_sq = 0;
+        for (const auto& p : params) {
+          const auto [module, param] = split_name(p.key());
+          if (module == "tied1" && param == "weight") continue;  // tied0's: delivered once, there
+          const torch::Tensor g = p.value().grad();
+          const torch::Tensor d = (g.defined() ? g : torch::zeros_like(p.value())).to(torch::kDouble) -
+                                  before[p.key()].to(torch::kDouble);
+          const double sq = d.pow(2).sum().item<double>();
+          const auto it = grads.find(p.key());
+          if (it == grads.end()) {
+            // A parameter this pass did not reach has no gradient to deliver.
+            if (sq > 0) fail(where + "gradient of '" + p.key() + "' not delivered");
+            continue;
+          }
+          ++res.checks;
+          if (!close(it->second->l2, std::sqrt(sq), 1e-4))
+            fail(where + "gradient of '" + p.key() + "' has norm " + std::to_string(it->second->l2) + " vs " +
+                 std::to_string(std::sqrt(sq)));
+          module_sq[module] += sq;
+          total_sq += sq;
+          grads.erase(it);
+        }
+        for (const auto& [key, s] : grads) fail(where + "unexpected gradient '" + key + "'");
+        for (const auto& [module, n] : session.gradient_norms()) {
+          ++res.checks;
+          if (!close(n, std::sqrt(module_sq[module]), 1e-4))
+            fail(where + "module norm of '" + module + "' " + std::to_string(n) + " vs " +
+                 std::to_string(std::sqrt(module_sq[module])));
+        }
+        const auto st = hooks.state();
+        ++res.checks;
+        if (!st.gradient_norm || !close(*st.gradient_norm, std::sqrt(total_sq), 1e-4))
+          fail(where + "global norm " + (st.gradient_norm ? std::to_string(*st.gradient_norm) : "none") + " vs " +
+               std::to_string(std::sqrt(total_sq)));
+      }
+      opt->step();  // under no-grad: no delivery
+      if (!outside.empty()) {
+        fail("step " + std::to_string(step) + ": " + std::to_string(outside.size()) +
+             " deliveries outside forward/backward, first '" + outside.front().name + "'");
+        outside.clear();
+      }
+    }
+  } catch (const std::exception& e) {
+    fail(std::string("exception: ") + e.what());
+  }
+  return res;
+}
+
+}  // namespace torchdbg_test::fuzz
