@@ -14,9 +14,11 @@
 // statistics) and every gradient and norm is compared with it. A mismatch prints the model
 // as code to paste into a regression test.
 //
-// Not generated (limits by construction, see attach.hpp): torch::autograd::grad (no tensor
-// hook runs), sparse gradients, several threads on one model, a second session on the same
-// model.
+// Gradients taken with torch::autograd::grad (style 3) run no tensor hook: the harness hands
+// them over with observe_gradients, as a user must. A sparse Embedding (SGD only: Adam takes no
+// sparse gradients) delivers sparse gradients.
+// Not generated (see attach.hpp's limits): several threads on one model, a second session on
+// the same model.
 
 #include <torch/torch.h>
 
@@ -47,6 +49,11 @@ enum class Op {
   Gru,          // h = gru(h, hidden) over `b` time steps (calls 0..b-1)
   Attention,    // h = mha(h, h, h)                      (its output only)
   Tied,         // h = tied_b(h) where tied_b shares tied_a's weight (bias-free, both Linear)
+  Conv,         // h = conv(h.view(B, 4, W/4)).view(B, W)  (an activation after it is conv's)
+  LstmCell,     // h = std::get<0>(lstm_cell(h, {h0, c0}))  (a tuple output: its first tensor)
+  BatchNorm,    // h = bn(h)                             (running statistics updated in place)
+  Dropout,      // h = dropout(h)                        (a reader that is no activation)
+  Siamese,      // h = lin[a](h) + lin[a](h * 0.5)       (calls k and k+1 of one module)
 };
 
 struct Stmt {
@@ -60,9 +67,12 @@ struct Spec {
   int64_t width = 8;
   int64_t linears = 3;
   int64_t embedding_vocab = 0;  // > 0: the input is token ids through an Embedding
-  int style = 0;                // 0 backward, 1 accumulation (2 micro-batches), 2 retain_graph twice
+  int style = 0;                // 0 backward, 1 accumulation (2 micro-batches), 2 retain_graph twice,
+                                // 3 torch::autograd::grad handed over with observe_gradients
   int optimizer = 0;            // 0 SGD, 1 Adam
   uint64_t seed = 0;
+  bool sparse_embedding = false;
+  int loss = 0;  // 0 h.pow(2).mean(), 1 cross_entropy(h, y), 2 mse_loss(h, 0) (losses run operators inside)
 };
 
 constexpr const char* kActs[] = {"relu", "tanh", "sigmoid", "gelu", "silu", "softplus", "elu"};
@@ -93,7 +103,12 @@ inline const char* op_name(Op op) {
     case Op::NoGrad: return "NoGrad";
     case Op::Gru: return "Gru";
     case Op::Attention: return "Attention";
-    default: return "Tied";
+    case Op::Tied: return "Tied";
+    case Op::Conv: return "Conv";
+    case Op::LstmCell: return "LstmCell";
+    case Op::BatchNorm: return "BatchNorm";
+    case Op::Dropout: return "Dropout";
+    default: return "Siamese";
   }
 }
 
@@ -106,7 +121,7 @@ inline std::string as_code(const Spec& s) {
     o << (i ? ", " : "") << "{Op::" << op_name(t.op) << ", " << t.a << ", " << t.b << ", " << t.c << "}";
   }
   o << "}, " << s.width << ", " << s.linears << ", " << s.embedding_vocab << ", " << s.style << ", " << s.optimizer
-    << ", " << s.seed << "};";
+    << ", " << s.seed << ", " << (s.sparse_embedding ? "true" : "false") << ", " << s.loss << "};";
   return o.str();
 }
 
@@ -118,13 +133,16 @@ inline Spec random_spec(uint64_t seed) {
   s.width = 4 * pick(1, 4);  // even, so ViewAct can split it
   s.linears = pick(2, 4);
   s.embedding_vocab = pick(0, 2) == 0 ? pick(5, 30) : 0;
-  s.style = pick(0, 2);
+  s.style = pick(0, 3);
   s.optimizer = pick(0, 1);
+  s.sparse_embedding = s.embedding_vocab > 0 && pick(0, 1) == 1;
+  s.loss = pick(0, 2);
+  if (s.sparse_embedding) s.optimizer = 0;
   const int n = pick(2, 9);
   const int lin = static_cast<int>(s.linears) - 1;
   for (int i = 0; i < n; ++i) {
     Stmt t{Op::Linear, pick(0, lin), 0, 0};
-    switch (pick(0, 15)) {
+    switch (pick(0, 20)) {
       case 0: case 1: case 2: t.op = Op::Linear; break;
       case 3: case 4: t = {Op::ActFn, pick(0, kNumActs - 1)}; break;
       case 5: t = {Op::ActModule, pick(0, 1)}; break;
@@ -136,7 +154,12 @@ inline Spec random_spec(uint64_t seed) {
       case 11: t = {Op::NoGrad, pick(0, lin)}; break;
       case 12: t = {Op::Gru, 0, pick(1, 3)}; break;
       case 13: t = {Op::Attention}; break;
-      default: t = {Op::Tied, pick(0, 1)}; break;
+      case 14: t = {Op::Tied, pick(0, 1)}; break;
+      case 15: t = {Op::Conv}; break;
+      case 16: t = {Op::LstmCell}; break;
+      case 17: t = {Op::BatchNorm}; break;
+      case 18: t = {Op::Dropout}; break;
+      default: t = {Op::Siamese, pick(0, lin)}; break;
     }
     if (t.op == Op::Between && t.a == t.b) t.b = (t.b + 1) % static_cast<int>(s.linears);
     s.body.push_back(t);
@@ -155,7 +178,9 @@ struct Expected {
 
 struct Model : torch::nn::Module {
   explicit Model(const Spec& s) : spec(s) {
-    if (s.embedding_vocab > 0) emb = register_module("emb", torch::nn::Embedding(s.embedding_vocab, s.width));
+    if (s.embedding_vocab > 0)
+      emb = register_module(
+          "emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(s.embedding_vocab, s.width).sparse(s.sparse_embedding)));
     for (int64_t i = 0; i < s.linears; ++i)
       lins.push_back(register_module("lin" + std::to_string(i), torch::nn::Linear(s.width, s.width)));
     for (int i = 0; i < 2; ++i) {
@@ -168,11 +193,16 @@ struct Model : torch::nn::Module {
     tied0 = register_module("tied0", torch::nn::Linear(torch::nn::LinearOptions(s.width, s.width).bias(false)));
     tied1 = register_module("tied1", torch::nn::Linear(torch::nn::LinearOptions(s.width, s.width).bias(false)));
     tied1->weight = tied0->weight;  // tied: attributed by call order (both are Linear)
+    conv = register_module("conv", torch::nn::Conv1d(torch::nn::Conv1dOptions(4, 4, 3).padding(1)));
+    lstm_cell = register_module("lstm_cell", torch::nn::LSTMCell(s.width, s.width));
+    bn = register_module("bn", torch::nn::BatchNorm1d(s.width));
+    dropout = register_module("dropout", torch::nn::Dropout(0.25));
   }
 
-  /// Runs the body on `x` and squares the result (the loss's first operator); appends what
-  /// each module returned (and each activation of it) to `expected`, with its call index in
-  /// the pass. The square of a module's output is delivered too, as "<module>/pow".
+  /// Runs the body on `x` and the loss on the result; appends what each module returned (and
+  /// each activation of it) to `expected`, with its call index in the pass. The square of a
+  /// module's output is delivered too, as "<module>/pow"; the operators inside a loss
+  /// (cross_entropy's log_softmax) are not.
   torch::Tensor forward(const torch::Tensor& x, std::vector<Expected>& expected) {
     std::map<std::string, int64_t> calls;
     int64_t tied_uses = 0;
@@ -287,11 +317,45 @@ struct Model : torch::nn::Module {
           output_of(tied_uses++ % 2 == 0 ? "tied0" : "tied1", h);
           break;
         }
+        case Op::Conv: {
+          const auto out = conv(h.view({B, 4, spec.width / 4}));
+          output_of("conv", out);
+          h = out.view({B, spec.width});  // a view: an activation of it is still "conv/<act>"
+          break;
+        }
+        case Op::LstmCell: {
+          const auto state = lstm_cell(h, std::make_tuple(torch::zeros({B, spec.width}), torch::zeros({B, spec.width})));
+          h = std::get<0>(state);
+          output_of("lstm_cell", h);
+          break;
+        }
+        case Op::BatchNorm: {
+          h = bn(h);
+          output_of("bn", h);
+          break;
+        }
+        case Op::Dropout: {
+          h = dropout(h);
+          last.clear();
+          break;
+        }
+        case Op::Siamese: {
+          const std::string name = "lin" + std::to_string(t.a);
+          const auto y1 = lins[t.a](h);
+          note(name, y1);
+          const auto y2 = lins[t.a](h * 0.5);
+          note(name, y2);
+          h = y1 + y2;
+          last.clear();
+          break;
+        }
       }
     }
+    if (spec.loss == 1) return torch::nn::functional::cross_entropy(h, torch::randint(0, spec.width, {B}));
+    if (spec.loss == 2) return torch::nn::functional::mse_loss(h, torch::zeros_like(h));
     const auto sq = h.pow(2);
     if (!last.empty()) expected.push_back({last + "/pow", last_call, sq});
-    return sq;
+    return sq.mean();
   }
 
   Spec spec;
@@ -303,6 +367,10 @@ struct Model : torch::nn::Module {
   torch::nn::GRUCell gru{nullptr};
   torch::nn::MultiheadAttention mha{nullptr};
   torch::nn::Linear tied0{nullptr}, tied1{nullptr};
+  torch::nn::Conv1d conv{nullptr};
+  torch::nn::LSTMCell lstm_cell{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+  torch::nn::Dropout dropout{nullptr};
 };
 
 /// One delivery as a hook saw it.
@@ -372,28 +440,42 @@ inline Result run(const Spec& spec, int steps = 3) {
       const auto dot = full.rfind('.');
       return std::make_pair(full.substr(0, dot), full.substr(dot + 1));
     };
+    const auto dense = [](const torch::Tensor& t) { return t.is_sparse() ? t.to_dense() : t; };
+    std::vector<torch::Tensor> trainable;
+    for (const auto& p : params)
+      if (p.value().requires_grad()) trainable.push_back(p.value());
     for (int64_t step = 0; step < steps; ++step) {
       hooks.set_step(step);
       opt->zero_grad();
-      const int passes = spec.style == 0 ? 1 : 2;
+      const int passes = spec.style == 0 || spec.style == 3 ? 1 : 2;
+      std::map<const c10::TensorImpl*, torch::Tensor> handed;  // style 3: autograd::grad's results
       std::vector<Expected> expected;
       torch::Tensor loss;
       for (int pass = 0; pass < passes; ++pass) {
         // Gradients before this pass, to tell this pass's contribution.
         std::map<std::string, torch::Tensor> before;
         for (const auto& p : params)
-          before[p.key()] = p.value().grad().defined() ? p.value().grad().clone() : torch::zeros_like(p.value());
+          before[p.key()] = p.value().grad().defined() ? dense(p.value().grad()).clone() : torch::zeros_like(p.value());
         seen.clear();
         in_pass = true;
         if (spec.style != 2 || pass == 0) {
           expected.clear();
           const auto x = spec.embedding_vocab > 0 ? torch::randint(0, spec.embedding_vocab, {B})
                                                   : torch::randn({B, spec.width});
-          loss = model->forward(x, expected).mean();
+          loss = model->forward(x, expected);
         } else {
           expected.clear();  // the second backward of a retained graph: no forward
         }
-        loss.backward({}, /*retain_graph=*/spec.style == 2 && pass == 0);
+        if (spec.style == 3) {
+          const auto grads = torch::autograd::grad({loss}, trainable, {}, /*retain_graph=*/false,
+                                                   /*create_graph=*/false, /*allow_unused=*/true);
+          handed.clear();
+          for (std::size_t i = 0; i < grads.size(); ++i)
+            if (grads[i].defined()) handed[trainable[i].unsafeGetTensorImpl()] = grads[i];
+          session.observe_gradients(trainable, grads);
+        } else {
+          loss.backward({}, /*retain_graph=*/spec.style == 2 && pass == 0);
+        }
         in_pass = false;
         const std::string where = "step " + std::to_string(step) + " pass " + std::to_string(pass) + ": ";
         // Forward: every expected delivery exactly once, nothing else.
@@ -439,9 +521,14 @@ inline Result run(const Spec& spec, int steps = 3) {
         for (const auto& p : params) {
           const auto [module, param] = split_name(p.key());
           if (module == "tied1" && param == "weight") continue;  // tied0's: delivered once, there
-          const torch::Tensor g = p.value().grad();
-          const torch::Tensor d = (g.defined() ? g : torch::zeros_like(p.value())).to(torch::kDouble) -
-                                  before[p.key()].to(torch::kDouble);
+          torch::Tensor d;
+          if (spec.style == 3) {
+            const auto h = handed.find(p.value().unsafeGetTensorImpl());
+            d = h == handed.end() ? torch::zeros_like(p.value(), torch::kDouble) : dense(h->second).to(torch::kDouble);
+          } else {
+            const torch::Tensor g = p.value().grad();
+            d = dense(g.defined() ? g : torch::zeros_like(p.value())).to(torch::kDouble) - before[p.key()].to(torch::kDouble);
+          }
           const double sq = d.pow(2).sum().item<double>();
           const auto it = grads.find(p.key());
           if (it == grads.end()) {
@@ -469,6 +556,11 @@ inline Result run(const Spec& spec, int steps = 3) {
         if (!st.gradient_norm || !close(*st.gradient_norm, std::sqrt(total_sq), 1e-4))
           fail(where + "global norm " + (st.gradient_norm ? std::to_string(*st.gradient_norm) : "none") + " vs " +
                std::to_string(std::sqrt(total_sq)));
+      }
+      if (spec.style == 3) {  // the optimizer reads .grad
+        for (const auto& [impl, g] : handed)
+          for (auto& t : trainable)
+            if (t.unsafeGetTensorImpl() == impl) t.mutable_grad() = g.detach().clone();
       }
       opt->step();  // under no-grad: no delivery
       if (!outside.empty()) {

@@ -1124,3 +1124,177 @@ TEST_CASE("a backward pass that throws leaves attach working: the next pass is o
     }
   }
 }
+
+TEST_CASE("two threads training their own models keep their call counts and deliveries apart", "[attach]") {
+  struct Twice : torch::nn::Module {
+    Twice() : fc(register_module("fc", torch::nn::Linear(6, 6))) {}
+    torch::Tensor forward(const torch::Tensor& x) {  // calls 0 and 1
+      const auto a = torch::tanh(fc(x));
+      const auto b = fc(x * 0.5);
+      return a + b;
+    }
+    torch::nn::Linear fc;
+  };
+  constexpr int kIters = 150;
+  struct Worker {
+    std::shared_ptr<Twice> net = std::make_shared<Twice>();
+    HookManager hooks;
+    std::vector<std::vector<std::string>> seen = std::vector<std::vector<std::string>>(kIters);
+    int iter = 0;
+  };
+  Worker w[2];
+  std::vector<torchdbg::AttachSession> sessions;
+  for (auto& wk : w) {
+    wk.hooks.register_callback("r", [&wk](const torchdbg::HookContext& c) {
+      if (c.is_forward() && wk.iter < kIters)
+        wk.seen[static_cast<std::size_t>(wk.iter)].push_back(std::string(c.layer_name()) + "#" +
+                                                             std::string(c.metadata_value("call").value_or("?")));
+    });
+    wk.hooks.register_hook(HookConfig().trigger(HookTrigger::every_forward()).actions({HookAction::custom_callback("r")}));
+    sessions.push_back(torchdbg::attach(*wk.net, wk.hooks));  // no set_step: backward passes restart the counts
+  }
+  std::vector<std::thread> threads;
+  for (auto& wk : w) {
+    threads.emplace_back([&wk] {
+      for (wk.iter = 0; wk.iter < kIters; ++wk.iter) {
+        wk.net->zero_grad();
+        wk.net->forward(torch::randn({4, 6})).sum().backward();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const std::vector<std::string> expected = {"fc#0", "fc/tanh#0", "fc#1"};
+  for (int k = 0; k < 2; ++k) {
+    for (int i = 0; i < kIters; ++i) {
+      INFO("thread " << k << ", iteration " << i);
+      CHECK(w[k].seen[static_cast<std::size_t>(i)] == expected);
+    }
+  }
+}
+
+TEST_CASE("an activation after another module's call or another reader is still the module's", "[attach]") {
+  struct Between : torch::nn::Module {
+    Between() : fc(register_module("fc", torch::nn::Linear(5, 5))), other(register_module("other", torch::nn::Linear(5, 5))) {}
+    torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& z) {
+      y = fc(x);
+      h = other(z);          // another module runs between fc's call and its activation
+      logged = y.detach().clone();  // another reader of fc's output
+      a = torch::tanh(y);
+      return a.sum() + h.sum();
+    }
+    torch::nn::Linear fc, other;
+    torch::Tensor y, h, logged, a;  // handles: the reference
+  };
+  auto net = std::make_shared<Between>();
+  HookManager hooks;
+  std::map<std::string, torch::Tensor> got;
+  hooks.register_callback("r", [&](const torchdbg::HookContext& c) {
+    if (c.is_forward()) got[std::string(c.layer_name())] = c.tensor().detach().clone();
+  });
+  hooks.register_hook(HookConfig().trigger(HookTrigger::every_forward()).actions({HookAction::custom_callback("r")}));
+  auto session = torchdbg::attach(*net, hooks);
+  net->forward(torch::randn({3, 5}), torch::randn({3, 5})).backward();
+  REQUIRE(got.count("fc/tanh"));
+  CHECK(torch::equal(got["fc/tanh"], net->a));
+  CHECK(torch::equal(got["fc"], net->y));
+  CHECK(torch::equal(got["other"], net->h));
+  CHECK(got.size() == 3);
+}
+
+TEST_CASE("gradients from torch::autograd::grad are handed over with observe_gradients; a step without any is warned of once",
+          "[attach]") {
+  torchdbg_test::SeededRng rng(23);
+  auto net = torch::nn::Sequential(torch::nn::Linear(4, 6), torch::nn::Tanh(), torch::nn::Linear(6, 2));
+  HookManager hooks;
+  hooks.create_gradient_tracking_hook({});
+  hooks.create_tensor_inspection_hook({});  // forward hooks: the warning needs them
+  std::map<std::string, double> delivered;  // "<module>.<parameter>" -> L2 norm
+  hooks.register_callback("g", [&](const torchdbg::HookContext& c) {
+    if (!c.is_forward()) delivered[std::string(c.layer_name()) + "." + std::string(*c.metadata_value("parameter"))] = c.stats().l2_norm;
+  });
+  hooks.register_hook(HookConfig().trigger(HookTrigger::every_backward()).actions({HookAction::custom_callback("g")}));
+  auto session = torchdbg::attach(*net, hooks, AttachOptions().auto_step(true));
+  const auto params = net->parameters();
+  for (int step = 0; step < 3; ++step) {
+    delivered.clear();
+    const auto loss = net->forward(torch::randn({5, 4})).pow(2).mean();
+    const auto grads = torch::autograd::grad({loss}, params);
+    CHECK(delivered.empty());  // no tensor hook ran
+    session.observe_gradients(params, grads);
+    double total = 0;
+    const auto named = net->named_parameters();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const double ref = grads[i].to(torch::kDouble).norm().item<double>();
+      total += ref * ref;
+      INFO(named.keys()[i]);
+      REQUIRE(delivered.count(named.keys()[i]));
+      CHECK_CLOSE(delivered[named.keys()[i]], ref, 1e-6);
+    }
+    REQUIRE(hooks.state().gradient_norm);
+    CHECK_CLOSE(*hooks.state().gradient_norm, std::sqrt(total), 1e-6);
+    CHECK(hooks.step() == step + 1);  // auto_step: the handed-over pass was a step
+  }
+  CHECK(hooks.alerts().empty());
+  // Bad input is refused whole, by position.
+  CHECK_THROWS_WITH(session.observe_gradients(params, {}), Catch::Contains("parameters and 0 gradients"));
+  CHECK_THROWS_WITH(session.observe_gradients({params[0], torch::randn({2})}, {torch::randn_like(params[0]), torch::randn({2})}),
+                    Catch::Contains("params[1]"));
+  // A user who does not hand them over hears of it once, at the step change.
+  for (int step = 0; step < 3; ++step) {
+    const auto loss = net->forward(torch::randn({5, 4})).pow(2).mean();
+    (void)torch::autograd::grad({loss}, params);
+    hooks.set_step(hooks.step() + 1);
+  }
+  const auto alerts = hooks.alerts();
+  REQUIRE(alerts.size() == 1);
+  CHECK_THAT(alerts[0].message, Catch::Contains("observe_gradients"));
+  CHECK(alerts[0].hook_name == "torchdbg.attach");
+}
+
+TEST_CASE("sparse gradients (Embedding sparse(true)) are delivered with the statistics of every element and counted in the norms",
+          "[attach]") {
+  torchdbg_test::SeededRng rng(24);
+  struct Net : torch::nn::Module {
+    Net()
+        : emb(register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(50, 6).sparse(true)))),
+          fc(register_module("fc", torch::nn::Linear(6, 3))) {}
+    torch::Tensor forward(const torch::Tensor& t) { return fc(emb(t)); }
+    torch::nn::Embedding emb;
+    torch::nn::Linear fc;
+  };
+  auto net = std::make_shared<Net>();
+  HookManager hooks;
+  hooks.create_gradient_tracking_hook({});
+  std::optional<torchdbg::TensorStats> got;
+  hooks.register_callback("g", [&](const torchdbg::HookContext& c) {
+    if (!c.is_forward() && c.layer_name() == "emb") got = c.stats();
+  });
+  hooks.register_hook(HookConfig().trigger(HookTrigger::every_backward()).actions({HookAction::custom_callback("g")}));
+  auto session = torchdbg::attach(*net, hooks);
+  const auto tokens = torch::tensor({3, 7, 3, 3, 11, 7, 49}, torch::kLong);  // repeats: duplicate indices
+  net->forward(tokens).pow(2).sum().backward();
+  REQUIRE(net->emb->weight.grad().is_sparse());
+  REQUIRE(got);
+  const torch::Tensor dense = net->emb->weight.grad().to_dense();
+  const auto ref = torchdbg_test::reference(dense);
+  CHECK(got->numel == 300);
+  CHECK(got->zero_count == ref.zeros);  // the implicit zeros of 46 untouched rows, and any stored
+  CHECK(got->finite_count == ref.finite);
+  CHECK_CLOSE(got->mean, ref.mean, 1e-6);
+  CHECK_CLOSE(got->std, ref.std, 1e-6);
+  CHECK_CLOSE(got->l2_norm, ref.l2, 1e-6);
+  CHECK(got->min == ref.min);
+  CHECK(got->max == ref.max);
+  const double fc_sq = net->fc->weight.grad().to(torch::kDouble).pow(2).sum().item<double>() +
+                       net->fc->bias.grad().to(torch::kDouble).pow(2).sum().item<double>();
+  REQUIRE(hooks.state().gradient_norm);
+  CHECK_CLOSE(*hooks.state().gradient_norm, std::sqrt(ref.l2 * ref.l2 + fc_sq), 1e-6);
+  const auto norms = session.gradient_norms();
+  REQUIRE(norms.size() == 2);
+  CHECK(norms[0].first == "emb");
+  CHECK_CLOSE(norms[0].second, ref.l2, 1e-6);
+  // The distribution covers every element too.
+  const auto with_dist = torchdbg::compute_stats(net->emb->weight.grad(), torchdbg::StatsOptions().distribution(true));
+  REQUIRE(with_dist.distribution);
+  CHECK(with_dist.distribution->p50 == 0.0);  // most elements are implicit zeros
+}

@@ -514,6 +514,25 @@ class BasicHookManager {
     std::lock_guard<Mutex> lock(alert_mutex_);
     return alerts_.to_vector();
   }
+  /// Raises a warning that no hook made (torchdbg's own advice, e.g. attach noticing that no
+  /// gradient arrives): an Alert with `hook_name` = `source`, at the current step, in the log
+  /// and to the sink.
+  void warn(std::string source, std::string message) {
+    Alert al;
+    al.step = step();
+    al.hook_name = std::move(source);
+    al.message = std::move(message);
+    al.severity = AlertSeverity::Warning;
+    al.time = std::chrono::system_clock::now();
+    AlertSink sink;
+    {
+      std::lock_guard<Mutex> lock(alert_mutex_);
+      alerts_.push(al);
+      sink = alert_sink_;
+    }
+    if (sink) sink(al);
+  }
+
   /// Alerts raised since construction (or clear_alerts), including dropped ones.
   [[nodiscard]] uint64_t alert_count() const {
     std::lock_guard<Mutex> lock(alert_mutex_);

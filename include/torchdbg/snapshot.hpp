@@ -47,7 +47,8 @@ inline std::string snapshot_file_name(std::string_view layer, int64_t step, bool
 /// `torch.load` does not return as a tensor; `torch::pickle_save` is the format both share.
 inline void save_snapshot(const at::Tensor& t, const std::string& path) {
   if (!t.defined()) throw Error("torchdbg: cannot snapshot an undefined tensor to '" + path + "'");
-  const std::vector<char> bytes = torch::pickle_save(t.detach().to(at::kCPU).contiguous());
+  const at::Tensor cpu = t.detach().to(at::kCPU);
+  const std::vector<char> bytes = torch::pickle_save(cpu.is_sparse() ? cpu.to_dense() : cpu.contiguous());
   detail::atomic_write_file(path, bytes.data(), bytes.size());
 }
 

@@ -871,6 +871,18 @@ inline Moments compute_moments(const at::Tensor& t, bool signs = true) {
   if (!t.defined()) throw Error("torchdbg: cannot compute statistics of an undefined tensor");
   check_supported_dtype(t.scalar_type());
   if (t.is_meta()) throw Error("torchdbg: cannot compute statistics of a meta tensor (it has no data)");
+  if (t.is_sparse()) {  // the stored values (duplicates summed) and the implicit zeros
+    const at::Tensor c = t.coalesce();
+    Moments m = compute_moments(c._values(), signs);
+    const int64_t implicit = t.numel() - c._values().numel();
+    if (implicit > 0) {
+      Moments z;
+      z.count = z.finite = z.zeros = implicit;
+      z.mean = z.m2 = z.min = z.max = z.abs_sum = z.abs_max = 0.0;
+      m.merge(z);
+    }
+    return m;
+  }
   if (!t.device().is_cpu()) return unpack_moments(pack_moments(t).to(at::kCPU));
   const Repeated r = collapse_repeats(t);
   Moments m;  // merging into the empty summary gives the first piece's own

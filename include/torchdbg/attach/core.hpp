@@ -1,0 +1,430 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+// A session's shared state: delivery to the manager, the queue of device deliveries and
+// the per-pass gradient bookkeeping.
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "torchdbg/attach/modules.hpp"
+#include "torchdbg/attach/options.hpp"
+#include "torchdbg/attach/pass_end.hpp"
+#include "torchdbg/hook_context.hpp"
+#include "torchdbg/tensor_stats.hpp"
+
+namespace torchdbg::detail {
+
+/// State shared by a session, its gradient hooks and the forward observer. Held by
+/// shared_ptr so that a hook still running while the session detaches finds it alive.
+class AttachCore : public ModuleTable, public std::enable_shared_from_this<AttachCore> {
+ public:
+  static uint64_t next_id() {
+    static std::atomic<uint64_t> n{0};
+    return ++n;
+  }
+
+  /// Unique in the process (never reused, unlike an address): what thread-local state that
+  /// outlives a session names it by.
+  const uint64_t id = next_id();
+  AttachOptions options;
+
+  /// Once every module is added (ModuleTable::finish_modules): the call counters.
+  void finish() {
+    finish_modules();
+    calls_ = std::make_unique<std::atomic<uint32_t>[]>(modules.size());
+    for (std::size_t i = 0; i < modules.size(); ++i) calls_[i].store(0);
+  }
+  /// The step the call counters belong to.
+  std::atomic<int64_t> calls_step{std::numeric_limits<int64_t>::min()};
+  /// Calls of module `m` seen since the step (or the backward pass) began.
+  [[nodiscard]] uint32_t calls(std::size_t m) const { return calls_[m].load(std::memory_order_relaxed); }
+  /// The index of a new call of module `m` in this step: 0 for its first.
+  uint32_t next_call(std::size_t m) { return calls_[m].fetch_add(1, std::memory_order_relaxed); }
+  /// A new step or backward pass: calls count from 0 again.
+  void reset_calls() {
+    for (std::size_t i = 0; i < modules.size(); ++i) calls_[i].store(0, std::memory_order_relaxed);
+  }
+
+  std::atomic<bool> active{true};
+  /// The thread whose forward made this session's last new call (ForwardObserver's token).
+  std::atomic<std::uintptr_t> forward_thread{0};
+  std::atomic<bool> forward_due{false};
+  std::atomic<bool> backward_due{false};
+  /// Whether a hook due for gradients reads sign counts (BasicHookManager::reads_sign_counts):
+  /// the gradient statistics computed here for the norms are shared with the hooks.
+  std::atomic<bool> gradient_signs{true};
+  /// Set at each step change: the next module output also reports the RMS of its data input
+  /// (the model's input), so the first layer's gain is known too.
+  std::atomic<bool> input_due{true};
+  std::atomic<uint64_t> forward_deliveries{0};
+  std::atomic<uint64_t> backward_deliveries{0};
+  /// Backward passes with hooks due that threw before their end (their norm is not reported).
+  std::atomic<uint64_t> failed_passes{0};
+  /// Copies that brought queued statistics to the host (one per device per flush).
+  std::atomic<uint64_t> host_transfers{0};
+
+  std::function<void(std::string_view, const at::Tensor&, bool, const Metadata&, const TensorStats*,
+                     const Prefetched*)>
+      deliver;
+  /// The manager's prefetches for a delivery being queued (BasicHookManager::run_prefetches).
+  std::function<std::vector<std::pair<std::string, at::Tensor>>(std::string_view, const at::Tensor&, bool,
+                                                                const Metadata&)>
+      prefetch;
+  std::function<void(double)> report_gradient_norm;
+  std::function<void()> report_failed_pass;
+  std::function<void()> advance_step;
+
+  /// Whether a delivery of `t` is queued for the step's batch rather than run at once.
+  [[nodiscard]] bool defers(const at::Tensor& t) const {
+    if (t.is_sparse()) return false;  // its values are coalesced and read at once
+    switch (options.batching()) {
+      case StatsBatching::PerDelivery:
+        return false;
+      case StatsBatching::Device:
+        return !t.device().is_cpu();
+      default:
+        return true;
+    }
+  }
+
+  /// The moments of a module's data input, reported as "input_rms": on the host, or packed
+  /// on the input's device (not synced yet).
+  struct InputMoments {
+    std::optional<Moments> host;
+    at::Tensor packed;
+  };
+
+  /// Sends one tensor to the manager, or queues it (see StatsBatching); never throws.
+  /// `base_md` is copied only when the input's RMS is added to it.
+  void send(std::size_t module, std::string_view name, const at::Tensor& t, bool is_forward,
+            const Metadata& base_md, const TensorStats* precomputed = nullptr, InputMoments input = {}) {
+    if (!active.load()) return;
+    if (is_forward) {
+      note_order(module);
+      forward_deliveries.fetch_add(1);
+      forward_seen.store(true, std::memory_order_relaxed);
+    } else {
+      backward_deliveries.fetch_add(1);
+    }
+    DeliveringScope scope;  // the statistics' operators and the hooks' are not forward outputs
+    std::optional<Metadata> own;  // base_md plus "input_rms", once a step
+    const auto md_with_input = [&](const Moments& m) {
+      if (!own) own = base_md;
+      add_input_rms(*own, m);
+    };
+    try {
+      if (input.host) md_with_input(*input.host);
+    } catch (...) {
+    }
+    const Metadata& md = own ? *own : base_md;
+    if (precomputed == nullptr && defers(t)) {
+      try {
+        Deferred d{module, std::string(name), t, is_forward, md, pack_moments(t.detach()),
+                   input.packed, {}};
+        if (prefetch) d.extras = prefetch(name, t, is_forward, md);
+        bool full = false;
+        {
+          std::lock_guard<std::mutex> lock(defer_mutex_);
+          deferred_.push_back(std::move(d));
+          full = static_cast<int64_t>(deferred_.size()) >= options.max_deferred();
+        }
+        if (full) flush_deferred();
+        return;
+      } catch (...) {
+        // could not reduce on the device: deliver at once, the hooks compute what they need
+      }
+    }
+    try {
+      if (input.packed.defined()) md_with_input(unpack_moments(input.packed.to(at::kCPU)));
+      deliver(name, t, is_forward, own ? *own : base_md, precomputed, nullptr);
+    } catch (...) {
+      // execute_hooks turns hook failures into results; anything else (bad_alloc) is
+      // dropped rather than thrown into an operator or the autograd engine.
+    }
+  }
+
+  /// Brings every queued delivery's statistics to the host (one copy per device) and runs
+  /// their hooks in arrival order; never throws.
+  void flush_deferred() {
+    std::vector<Deferred> batch;
+    {
+      std::lock_guard<std::mutex> lock(defer_mutex_);
+      batch.swap(deferred_);
+    }
+    if (batch.empty()) return;
+    DeliveringScope scope;
+    const std::size_t n = batch.size();
+    std::vector<std::optional<Moments>> stats(n), inputs(n);
+    std::vector<Prefetched> extras(n);
+    try {
+      std::vector<at::Device> devices;
+      for (const auto& d : batch)
+        if (std::find(devices.begin(), devices.end(), d.packed.device()) == devices.end())
+          devices.push_back(d.packed.device());
+      for (const at::Device& dev : devices) {
+        // Everything queued on `dev`, laid end to end: moments, input moments, prefetches.
+        std::vector<at::Tensor> parts;
+        for (const auto& d : batch) {
+          if (d.packed.device() != dev) continue;
+          parts.push_back(d.packed);
+          if (d.input_packed.defined()) parts.push_back(d.input_packed.to(dev));
+          for (const auto& e : d.extras) parts.push_back(e.second.to(dev, at::kDouble));
+        }
+        const at::Tensor host = at::cat(parts).to(at::kCPU, at::kDouble).contiguous();
+        host_transfers.fetch_add(1);
+        const double* v = host.data_ptr<double>();
+        for (std::size_t i = 0; i < n; ++i) {
+          if (batch[i].packed.device() != dev) continue;
+          stats[i] = unpack_moments(v);
+          v += kPackedMoments;
+          if (batch[i].input_packed.defined()) {
+            inputs[i] = unpack_moments(v);
+            v += kPackedMoments;
+          }
+          for (const auto& e : batch[i].extras) {
+            const auto len = static_cast<std::size_t>(e.second.numel());
+            extras[i][e.first].assign(v, v + len);
+            v += len;
+          }
+        }
+      }
+    } catch (...) {
+      // the copy failed (a device error): the deliveries still run and compute their own
+      for (auto& s : stats) s.reset();
+      for (auto& s : inputs) s.reset();
+      for (auto& e : extras) e.clear();
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      Deferred& d = batch[i];
+      try {
+        std::optional<TensorStats> s;
+        if (stats[i]) s = stats_from_moments(*stats[i], d.tensor);
+        if (inputs[i]) add_input_rms(d.md, *inputs[i]);
+        if (!d.is_forward && s) add_gradient_square(d.module, s->l2_norm * s->l2_norm);
+        if (active.load()) deliver(d.name, d.tensor, d.is_forward, d.md, s ? &*s : nullptr, &extras[i]);
+      } catch (...) {
+      }
+    }
+    // The queue's buffer serves the next step: no reallocation per step.
+    batch.clear();
+    std::lock_guard<std::mutex> lock(defer_mutex_);
+    if (deferred_.empty() && deferred_.capacity() < batch.capacity()) deferred_.swap(batch);
+  }
+
+  void on_grad(std::size_t m, std::size_t param, const at::Tensor& g);
+  /// Delivers gradient `g` of module `m`'s parameter `param` and counts it toward the pass's
+  /// norms (when gradient hooks are due); on_grad and observe_gradients call it.
+  void take_gradient(std::size_t m, std::size_t param, const at::Tensor& g);
+  /// Ends a pass whose gradients were handed over (observe_gradients): norms, auto_step.
+  void end_handed_pass() { on_backward_end(); }
+  /// Whether a forward delivery / a gradient arrived since the last step change; the session
+  /// warns once when a step had forward deliveries and no gradient at all.
+  std::atomic<bool> forward_seen{false};
+  std::atomic<bool> gradient_seen{false};
+  std::atomic<bool> warned_no_gradient{false};
+
+  [[nodiscard]] std::vector<std::string> execution_order() const {
+    std::lock_guard<std::mutex> lock(order_mutex_);
+    std::vector<std::string> out;
+    for (auto i : order_) out.push_back(modules[i].name);
+    return out;
+  }
+  [[nodiscard]] std::vector<std::pair<std::string, double>> gradient_norms() const {
+    std::lock_guard<std::mutex> lock(grad_mutex_);
+    return last_norms_;
+  }
+
+  /// A forward delivery's name and metadata: the module's output (`op` -1: its name,
+  /// {"module_type", ..., "call", "<k>"}) or a follow-up operator's ("<module>/<op>",
+  /// {"activation"|"op": op, "call": "<k>"}), for the module's call `call` in the step. Built
+  /// on first use and kept for the first kCachedCalls calls, so a step builds no strings.
+  struct FollowUp {
+    std::string name;
+    Metadata md;
+  };
+  static constexpr uint32_t kCachedCalls = 4096;
+  std::shared_ptr<const FollowUp> delivery_info(std::size_t module, int op, uint32_t call) {
+    const auto make = [&] {
+      auto f = std::make_shared<FollowUp>();
+      if (op < 0) {
+        f->name = modules[module].name;
+        f->md = modules[module].forward_md;
+      } else {
+        const char* n = FollowUpOps::kNames[op];
+        f->name = modules[module].name + "/" + n;
+        f->md.emplace(FollowUpOps::is_math(op) ? "op" : "activation", n);
+      }
+      f->md.emplace("call", std::to_string(call));
+      return std::shared_ptr<const FollowUp>(std::move(f));
+    };
+    if (call >= kCachedCalls) return make();
+    std::lock_guard<std::mutex> lock(follow_mutex_);
+    auto& slot = follow_ups_[{module, op, call}];
+    if (!slot) slot = make();
+    return slot;
+  }
+
+ private:
+  struct Deferred {
+    std::size_t module;
+    std::string name;
+    at::Tensor tensor;
+    bool is_forward;
+    Metadata md;
+    at::Tensor packed;        // kPackedMoments doubles, on the tensor's device
+    at::Tensor input_packed;  // the data input's, or undefined
+    std::vector<std::pair<std::string, at::Tensor>> extras;  // the manager's prefetches
+  };
+
+  /// The data input's "input_rms" and, when it holds any, "input_nan" and "input_inf" counts.
+  static void add_input_rms(Metadata& md, const Moments& m) {
+    if (m.nan > 0) md.emplace("input_nan", std::to_string(m.nan));
+    if (m.pos_inf + m.neg_inf > 0) md.emplace("input_inf", std::to_string(m.pos_inf + m.neg_inf));
+    if (m.finite <= 0) return;
+    char buf[40];
+    std::snprintf(buf, sizeof buf, "%.17g", std::sqrt(m.sum_squares() / static_cast<double>(m.finite)));
+    md.emplace("input_rms", buf);
+  }
+
+  void add_gradient_square(std::size_t m, double sq) {
+    if (!options.gradient_norms()) return;
+    std::lock_guard<std::mutex> lock(grad_mutex_);
+    if (grad_sq_.size() < modules.size()) grad_sq_.resize(modules.size());
+    grad_sq_[m].seen = true;
+    grad_sq_[m].sum += sq;
+  }
+
+  void note_order(std::size_t m) {
+    std::lock_guard<std::mutex> lock(order_mutex_);
+    if (seen_.size() < modules.size()) seen_.assign(modules.size(), 0);
+    if (!seen_[m]) {
+      seen_[m] = 1;
+      order_.push_back(m);
+    }
+  }
+
+  void on_backward_end() {
+    end_queued_.store(false);
+    flush_deferred();  // the step's queued statistics, gradients' included: one copy per device
+    if (active.load() && options.gradient_norms()) {
+      std::vector<std::pair<std::string, double>> norms;
+      double total = 0.0;
+      {
+        std::lock_guard<std::mutex> lock(grad_mutex_);
+        for (std::size_t i = 0; i < grad_sq_.size(); ++i) {
+          if (!grad_sq_[i].seen) continue;
+          norms.emplace_back(modules[i].name, std::sqrt(grad_sq_[i].sum));
+          total += grad_sq_[i].sum;
+          grad_sq_[i] = GradSq{};
+        }
+        if (!norms.empty()) last_norms_ = norms;
+      }
+      if (!norms.empty() && report_gradient_norm) {
+        try {
+          report_gradient_norm(std::sqrt(total));
+        } catch (...) {
+        }
+      }
+    }
+    if (active.load() && options.auto_step() && advance_step) {
+      try {
+        advance_step();
+      } catch (...) {
+      }
+    }
+  }
+
+  /// The pass threw: what it queued is delivered (those gradients were computed), its partial
+  /// norms are dropped, the step does not advance, and the next pass starts afresh.
+  void on_backward_failed() noexcept {
+    end_queued_.store(false);
+    failed_passes.fetch_add(1);
+    flush_deferred();
+    try {
+      {
+        std::lock_guard<std::mutex> lock(grad_mutex_);
+        for (auto& g : grad_sq_) g = GradSq{};
+      }
+      if (active.load() && report_failed_pass) report_failed_pass();
+    } catch (...) {
+    }
+  }
+
+  mutable std::mutex order_mutex_;
+  std::vector<std::size_t> order_;
+  std::vector<char> seen_;
+  mutable std::mutex grad_mutex_;
+  /// A module's squared gradient norm during one backward pass.
+  struct GradSq {
+    bool seen = false;
+    double sum = 0.0;
+  };
+  std::vector<GradSq> grad_sq_;
+  std::vector<std::pair<std::string, double>> last_norms_;
+  std::atomic<bool> end_queued_{false};
+  std::mutex follow_mutex_;
+  std::map<std::tuple<std::size_t, int, uint32_t>, std::shared_ptr<const FollowUp>> follow_ups_;
+  std::unique_ptr<std::atomic<uint32_t>[]> calls_;
+  std::mutex defer_mutex_;
+  std::vector<Deferred> deferred_;
+};
+
+inline void AttachCore::on_grad(std::size_t m, std::size_t param, const at::Tensor& g) {
+  if (!active.load()) return;
+  // The end-of-backward callback is needed for norms and queued deliveries (when hooks are
+  // due) and auto_step only: a step with nothing due costs this one check per gradient.
+  const bool due = backward_due.load();
+  if ((due || options.auto_step()) && !end_queued_.exchange(true)) {
+    std::weak_ptr<AttachCore> self = weak_from_this();
+    const bool queued = queue_pass_end(
+        [self] {
+          if (auto s = self.lock()) s->on_backward_end();
+        },
+        [self] {
+          if (auto s = self.lock()) s->on_backward_failed();
+        });
+    if (!queued) end_queued_.store(false);  // not inside a backward pass (a manual hook call)
+  }
+  take_gradient(m, param, g);
+}
+
+inline void AttachCore::take_gradient(std::size_t m, std::size_t param, const at::Tensor& g) {
+  if (!g.defined()) return;
+  gradient_seen.store(true, std::memory_order_relaxed);
+  if (!backward_due.load()) return;
+  const Metadata& md = modules[m].params[param].grad_md;
+  if (defers(g)) {  // the norm comes with the batch
+    send(m, modules[m].name, g, false, md);
+    return;
+  }
+  std::optional<TensorStats> stats;
+  if (options.gradient_norms()) {
+    // One pass: the same statistics serve the norm and every hook of this delivery.
+    try {
+      stats = compute_stats(g, StatsOptions().sign_counts(gradient_signs.load()));
+      add_gradient_square(m, stats->l2_norm * stats->l2_norm);
+    } catch (...) {
+    }
+  }
+  send(m, modules[m].name, g, false, md, stats ? &*stats : nullptr);
+}
+
+}  // namespace torchdbg::detail

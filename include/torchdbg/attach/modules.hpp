@@ -1,0 +1,162 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+// The table of attached modules: parameters, kinds, tied tensors.
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include <algorithm>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "torchdbg/attach/operators.hpp"
+#include "torchdbg/hook_context.hpp"
+
+namespace torchdbg::detail {
+
+/// The modules a session attaches: names, types, parameters, and which module owns each
+/// tensor (several for tied weights). Built once by the session's constructor, then read only.
+struct ModuleTable {
+  struct Param {
+    std::string name;
+    WeakImpl impl;
+    Metadata grad_md;  // {"parameter", name}: built once, sent with every gradient
+  };
+  /// What a module computes, as far as telling tied modules apart needs: an embedding
+  /// lookup and a matmul may read the same weight.
+  enum class Kind { Other, Embedding, Linear, Conv };
+  struct Module {
+    std::string name;
+    std::string type_name;
+    std::vector<Param> params;
+    Metadata forward_md;  // {"module_type", type_name}
+    Kind kind = Kind::Other;
+    /// The module whose output an operator on this module's tensors produces: itself, or for
+    /// MultiheadAttention's out_proj the attention module (its forward applies out_proj's
+    /// weights itself; out_proj's own forward never runs).
+    std::size_t forward_as = 0;
+    /// Operators on this module's own tensors are internal steps of its forward (the packed
+    /// q/k/v projection of MultiheadAttention), not its output.
+    bool internal = false;
+    /// Attached only so that its tensors are recognised (an unselected out_proj): no
+    /// gradients, no name of its own.
+    bool hidden = false;
+  };
+
+  static Kind kind_of_module(std::string_view type) {
+    if (type.find("Embedding") != std::string_view::npos) return Kind::Embedding;
+    if (type.find("Conv") != std::string_view::npos) return Kind::Conv;
+    if (type.find("Linear") != std::string_view::npos) return Kind::Linear;
+    return Kind::Other;
+  }
+  static Kind kind_of_op(std::string_view op) {
+    if (op.substr(0, 6) != "aten::") return Kind::Other;
+    op.remove_prefix(6);
+    if (op == "embedding" || op == "embedding_bag" || op == "_embedding_bag") return Kind::Embedding;
+    if (op.find("conv") != std::string_view::npos) return Kind::Conv;
+    static constexpr std::string_view kLinear[] = {"linear", "addmm", "mm",    "matmul", "bmm",
+                                                   "baddbmm", "addmv", "mv", "bilinear", "_trilinear"};
+    for (auto k : kLinear)
+      if (op == k) return Kind::Linear;
+    return Kind::Other;
+  }
+  /// How well a module's kind fits an operator's: 2 the same kind, 0 another known kind
+  /// (an embedding's weight read by a matmul is the tied decoder's), 1 unknown.
+  static int kind_fit(Kind module, Kind op) {
+    if (module == Kind::Other || op == Kind::Other) return 1;
+    return module == op ? 2 : 0;
+  }
+
+  std::vector<Module> modules;
+  /// Own parameters and buffers of attached modules -> the modules that registered them, in
+  /// module order (several for tied weights). The weak references in `keep` hold the
+  /// addresses, so a freed tensor's address is never reused for another.
+  std::unordered_map<const c10::TensorImpl*, std::vector<std::size_t>> owner;
+  std::vector<WeakImpl> keep;
+
+  /// The tensor members a built-in layer's forward reads (`LinearImpl::weight`, ...): a user
+  /// may assign them to tie weights.
+  static std::vector<std::pair<const char*, at::Tensor>> member_tensors(torch::nn::Module& m) {
+    namespace nn = torch::nn;
+    if (auto* l = dynamic_cast<nn::LinearImpl*>(&m)) return {{"weight", l->weight}, {"bias", l->bias}};
+    if (auto* l = dynamic_cast<nn::BilinearImpl*>(&m)) return {{"weight", l->weight}, {"bias", l->bias}};
+    if (auto* e = dynamic_cast<nn::EmbeddingImpl*>(&m)) return {{"weight", e->weight}};
+    if (auto* e = dynamic_cast<nn::EmbeddingBagImpl*>(&m)) return {{"weight", e->weight}};
+    const auto conv = [](auto* c) -> std::vector<std::pair<const char*, at::Tensor>> {
+      return {{"weight", c->weight}, {"bias", c->bias}};
+    };
+    if (auto* c = dynamic_cast<nn::Conv1dImpl*>(&m)) return conv(c);
+    if (auto* c = dynamic_cast<nn::Conv2dImpl*>(&m)) return conv(c);
+    if (auto* c = dynamic_cast<nn::Conv3dImpl*>(&m)) return conv(c);
+    if (auto* c = dynamic_cast<nn::ConvTranspose1dImpl*>(&m)) return conv(c);
+    if (auto* c = dynamic_cast<nn::ConvTranspose2dImpl*>(&m)) return conv(c);
+    if (auto* c = dynamic_cast<nn::ConvTranspose3dImpl*>(&m)) return conv(c);
+    return {};
+  }
+
+  /// Adds `m` when it owns parameters or buffers; false otherwise.
+  bool add_module(const std::string& name, torch::nn::Module& m, bool hidden) {
+    const auto params = m.named_parameters(/*recurse=*/false);
+    const auto buffers = m.named_buffers(/*recurse=*/false);
+    if (params.is_empty() && buffers.is_empty()) return false;
+    const std::size_t idx = modules.size();
+    Module info;
+    info.name = name;
+    info.type_name = m.name();
+    info.forward_md = Metadata{{"module_type", info.type_name}};
+    info.kind = kind_of_module(info.type_name);
+    info.forward_as = idx;
+    info.hidden = hidden;
+    const auto own = [&](const at::Tensor& t) {
+      auto& list = owner[t.unsafeGetTensorImpl()];
+      if (std::find(list.begin(), list.end(), idx) == list.end()) list.push_back(idx);
+      keep.push_back(weak_of(t));
+    };
+    const auto members = member_tensors(m);
+    for (const auto& p : params) {
+      // `decoder->weight = emb->weight` ties the member the forward reads; the registered
+      // entry keeps the old tensor, which no operator uses. The member is the module's.
+      at::Tensor t = p.value();
+      for (const auto& [member, tensor] : members)
+        if (member == p.key() && tensor.defined()) t = tensor;
+      info.params.push_back({p.key(), weak_of(t), Metadata{{"parameter", p.key()}}});
+      own(t);
+    }
+    for (const auto& b : buffers)
+      if (b.value().defined()) own(b.value());
+    modules.push_back(std::move(info));
+    return true;
+  }
+
+  /// Once every module is added: {"tied": "<module>.<param>, ..."} on the gradient of a
+  /// parameter other modules registered too.
+  void finish_modules() {
+    for (std::size_t m = 0; m < modules.size(); ++m) {
+      for (auto& p : modules[m].params) {
+        at::Tensor t(p.impl.lock());
+        if (!t.defined()) continue;
+        const auto& list = owner.at(t.unsafeGetTensorImpl());
+        if (list.size() < 2 || list.front() != m) continue;
+        std::string tied;
+        for (std::size_t k = 1; k < list.size(); ++k) {
+          for (const auto& q : modules[list[k]].params) {
+            if (q.impl._unsafe_get_target() != t.unsafeGetTensorImpl()) continue;
+            if (!tied.empty()) tied += ", ";
+            tied += modules[list[k]].name + "." + q.name;
+          }
+        }
+        if (!tied.empty()) p.grad_md.emplace("tied", tied);
+      }
+    }
+  }
+};
+
+}  // namespace torchdbg::detail

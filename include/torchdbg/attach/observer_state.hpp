@@ -1,0 +1,185 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+// The forward observer's per-thread state and helpers.
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+#include "torchdbg/attach/core.hpp"
+#include "torchdbg/attach/operators.hpp"
+
+namespace torchdbg::detail {
+
+/// The forward observer's thread-local state and the operator helpers it uses: which module
+/// output is pending on this thread, the outputs and weight views it remembers, and the
+/// context an operator's start hands to its end.
+class ObserverState {
+ protected:
+  /// A few tensor identities (the module tensors one call reads); beyond capacity, the
+  /// extra ones are not remembered.
+  struct TensorSet {
+    std::array<const c10::TensorImpl*, 8> items{};
+    std::size_t size = 0;
+    void add(const c10::TensorImpl* p) {
+      if (!contains(p) && size < items.size()) items[size++] = p;
+    }
+    [[nodiscard]] bool contains(const c10::TensorImpl* p) const {
+      return std::find(items.begin(), items.begin() + static_cast<std::ptrdiff_t>(size), p) !=
+             items.begin() + static_cast<std::ptrdiff_t>(size);
+    }
+    [[nodiscard]] bool meets(const TensorSet& o) const {
+      for (std::size_t i = 0; i < size; ++i)
+        if (o.contains(items[i])) return true;
+      return false;
+    }
+  };
+  struct Pending {
+    std::shared_ptr<AttachCore> core;
+    std::size_t module = 0;
+    uint32_t call = 0;  // the module's call index in the step
+    std::shared_ptr<const AttachCore::FollowUp> info;  // the delivery's name and metadata
+    TensorSet used;  // the module's tensors its operators read so far in this call
+    at::Tensor out;
+    AttachCore::InputMoments input;
+  };
+  struct Derived {
+    uint64_t core = 0;  // AttachCore::id; 0: empty
+    std::size_t module = 0;  // alias: the module whose output it views
+    uint32_t call = 0;       // alias: that output's call
+    /// Weights: the module-registered tensor this one is derived from (`weight.t()`).
+    const c10::TensorImpl* source = nullptr;
+    std::optional<WeakImpl> impl;
+  };
+  /// A module an operator's tensors point to: through tensors it registered itself (direct)
+  /// or through tensors derived from them (`weight.t()`).
+  struct Candidate {
+    std::size_t core = 0;  // index in the observer's list of sessions
+    std::size_t module = 0;
+    int direct = 0;
+    int derived = 0;
+  };
+  struct Tls {
+    int backward_depth = 0;
+    int skip_depth = 0;
+    Pending pending;
+    /// Recent module outputs already delivered, and views of them (`fc(x).view(...)`,
+    /// `.transpose(...)`): an activation applied to one later, whatever ran in between, is
+    /// still "<module>/<activation>". The oldest is forgotten first.
+    std::array<Derived, 8> outputs;
+    std::size_t next_output = 0;
+    std::array<Derived, 16> derived;
+    std::size_t next_derived = 0;
+    std::vector<const c10::TensorImpl*> grads_of_owned;  // on_start's scratch, kept allocated
+    std::array<Candidate, 8> candidates;                  // on_start's scratch
+  };
+  struct OpCtx : at::ObserverContext {
+    /// Update: an in-place update of a module's own tensor or an optimizer's arithmetic; the
+    /// operators it runs inside (`mul_` calling `mul` with a wrapped scalar) are not looked at.
+    /// Internal: a step inside a module's forward that is not its output (Module::internal).
+    /// Alias: a view-like operator on a module's output; its output joins Tls::outputs.
+    /// Reader: another operator reading a remembered module output (a loss, dropout, a copy);
+    /// the operators it runs inside (cross_entropy's log_softmax) are its own, not follow-ups.
+    enum Kind { Backward, Forward, Weights, Activation, Update, Internal, Alias, Reader } kind = Backward;
+    std::shared_ptr<AttachCore> core;
+    std::size_t module = 0;
+    uint32_t call = 0;                   // Activation, Alias: the call of the module's output
+    const c10::TensorImpl* source = nullptr;  // Weights
+    TensorSet used;                           // Forward: the module tensors it reads
+    int follow_up = -1;  // Activation: index in FollowUpOps
+    std::optional<AttachCore::InputMoments> input;
+  };
+
+  static Tls& tls() {
+    thread_local Tls t;
+    return t;
+  }
+
+  /// Operators whose output is a view (or a reshaped or made-contiguous copy) of their input's
+  /// values: a module's output seen through them is still that module's.
+  static bool is_alias_op(std::string_view op) {
+    static constexpr std::string_view kOps[] = {
+        "aten::view",      "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::transpose",
+        "aten::t",         "aten::permute",      "aten::flatten", "aten::unflatten",      "aten::squeeze",
+        "aten::unsqueeze", "aten::contiguous",   "aten::expand",  "aten::view_as",        "aten::reshape_as",
+        "aten::movedim",   "aten::swapaxes",     "aten::swapdims"};
+    for (const auto& k : kOps)
+      if (op == k) return true;
+    return false;
+  }
+
+  /// Delivers the pending output and remembers it among Tls::outputs; returns its slot there
+  /// (outputs.size() when nothing was pending).
+  static std::size_t flush_pending(Tls& t) {
+    Pending p = std::move(t.pending);
+    t.pending = {};
+    if (!p.core || !p.out.defined() || !p.info) return t.outputs.size();
+    const std::size_t slot = remember_output(t, Derived{p.core->id, p.module, p.call, nullptr, weak_of(p.out)});
+    p.core->send(p.module, p.info->name, p.out, true, p.info->md, nullptr, std::move(p.input));
+    return slot;
+  }
+  static std::size_t remember_output(Tls& t, Derived d) {
+    const std::size_t slot = t.next_output;
+    t.outputs[slot] = std::move(d);
+    t.next_output = (slot + 1) % t.outputs.size();
+    return slot;
+  }
+  /// The slot of Tls::outputs holding `impl`, or outputs.size().
+  static std::size_t output_slot(const Tls& t, const c10::TensorImpl* impl) {
+    for (std::size_t i = 0; i < t.outputs.size(); ++i) {
+      const Derived& o = t.outputs[i];
+      if (o.core != 0 && o.impl && o.impl->_unsafe_get_target() == impl && !o.impl->expired()) return i;
+    }
+    return t.outputs.size();
+  }
+  /// This thread's token (AttachCore::forward_thread): unique among live threads.
+  static std::uintptr_t thread_token() { return reinterpret_cast<std::uintptr_t>(&tls()); }
+
+  static at::ArrayRef<const c10::IValue> safe_inputs(const at::RecordFunction& fn) {
+#ifndef NDEBUG
+    const_cast<at::RecordFunction&>(fn).*record_function_inputs_valid() = true;  // see above
+#endif
+    try {
+      return fn.inputs();
+    } catch (...) {
+      return {};
+    }
+  }
+
+  template <typename F>
+  static void for_each_tensor(const c10::IValue& v, F&& f) {
+    if (v.isTensor()) {
+      f(v.toTensor());
+    } else if (v.isTensorList()) {
+      const std::vector<at::Tensor> list = v.toTensorList().vec();
+      for (const at::Tensor& t : list) f(t);
+    } else if (v.isList()) {
+      for (const c10::IValue& e : v.toListRef())
+        if (e.isTensor()) f(e.toTensor());
+    } else if (v.isTuple()) {
+      const auto& tuple = v.toTupleRef();
+      for (const c10::IValue& e : tuple.elements())
+        if (e.isTensor()) f(e.toTensor());
+    }
+  }
+
+  static at::Tensor first_output(const at::RecordFunction& fn) {
+    const auto& outs = fn.outputs();
+    if (outs.empty()) return {};
+    at::Tensor first;
+    for_each_tensor(outs.front(), [&](const at::Tensor& t) {
+      if (!first.defined()) first = t;
+    });
+    return first;
+  }
+};
+
+}  // namespace torchdbg::detail
