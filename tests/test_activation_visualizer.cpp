@@ -182,6 +182,8 @@ TEST_CASE("heatmaps of expanded views equal the naive heatmap of their values, r
       {"0-d", torch::randn({})},
       {"transposed expansion", base.expand({3, 70, 5}).transpose(1, 2)},
       {"overlapping windows", torch::randn({40}).unfold(0, 6, 2)},
+      {"overlapping windows beyond a piece", torch::randn({1 << 12}).unfold(0, 512, 1)},
+      {"overlapping leading windows", torch::randn({1 << 13}).unfold(0, 64, 1).unfold(0, 16, 4)},
   };
   for (const auto& [name, v] : views) {
     INFO(name << " " << v.sizes());

@@ -1179,11 +1179,12 @@ TEST_CASE("an activation after another module's call or another reader is still 
       y = fc(x);
       h = other(z);          // another module runs between fc's call and its activation
       logged = y.detach().clone();  // another reader of fc's output
+      flat = y.view({-1}).clone();  // a view of it, read
       a = torch::tanh(y);
       return a.sum() + h.sum();
     }
     torch::nn::Linear fc, other;
-    torch::Tensor y, h, logged, a;  // handles: the reference
+    torch::Tensor y, h, logged, flat, a;  // handles: the reference
   };
   auto net = std::make_shared<Between>();
   HookManager hooks;
@@ -1239,6 +1240,10 @@ TEST_CASE("gradients from torch::autograd::grad are handed over with observe_gra
   CHECK_THROWS_WITH(session.observe_gradients(params, {}), Catch::Contains("parameters and 0 gradients"));
   CHECK_THROWS_WITH(session.observe_gradients({params[0], torch::randn({2})}, {torch::randn_like(params[0]), torch::randn({2})}),
                     Catch::Contains("params[1]"));
+  CHECK_THROWS_WITH(session.observe_gradients({params[0], params[0]}, {torch::randn_like(params[0]), torch::randn_like(params[0])}),
+                    Catch::Contains("params[1] is params[0] again"));
+  CHECK_THROWS_WITH(session.observe_gradients({params[0]}, {torch::randn({3})}), Catch::Contains("has shape"));
+  CHECK(hooks.step() == 3);  // nothing was delivered or stepped
   // A user who does not hand them over hears of it once, at the step change.
   for (int step = 0; step < 3; ++step) {
     const auto loss = net->forward(torch::randn({5, 4})).pow(2).mean();
@@ -1297,4 +1302,25 @@ TEST_CASE("sparse gradients (Embedding sparse(true)) are delivered with the stat
   const auto with_dist = torchdbg::compute_stats(net->emb->weight.grad(), torchdbg::StatsOptions().distribution(true));
   REQUIRE(with_dist.distribution);
   CHECK(with_dist.distribution->p50 == 0.0);  // most elements are implicit zeros
+}
+
+TEST_CASE("with auto_step, gradients never handed over are warned of once; a pass that throws before any gradient is counted",
+          "[attach]") {
+  torchdbg_test::SeededRng rng(25);
+  auto net = torch::nn::Sequential(torch::nn::Linear(4, 6), torch::nn::Tanh(), torch::nn::Linear(6, 2));
+  HookManager hooks;
+  hooks.create_gradient_tracking_hook({});
+  hooks.create_tensor_inspection_hook({});
+  auto session = torchdbg::attach(*net, hooks, AttachOptions().auto_step(true));
+  for (int i = 0; i < 4; ++i) (void)torch::autograd::grad({net->forward(torch::randn({3, 4})).sum()}, net->parameters());
+  CHECK(hooks.step() == 0);  // no gradient: no step
+  REQUIRE(hooks.alerts().size() == 1);
+  CHECK_THAT(hooks.alerts()[0].message, Catch::Contains("observe_gradients"));
+  // A loss hook that throws: the pass fails before any parameter's gradient.
+  const auto loss = net->forward(torch::randn({3, 4})).sum();
+  loss.register_hook([](const torch::Tensor&) -> torch::Tensor { throw std::runtime_error("loss hook"); });
+  CHECK_THROWS(loss.backward());
+  CHECK(session.failed_backward_passes() == 1);
+  net->forward(torch::randn({3, 4})).sum().backward();
+  CHECK(hooks.step() == 1);
 }

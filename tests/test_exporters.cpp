@@ -514,3 +514,14 @@ TEST_CASE("atomic writes follow a symbolic link and refuse a FIFO or device inst
     CHECK_THROWS_WITH(torchdbg::detail::atomic_write_file("/dev/null", "x", 1), Catch::Contains("character device"));
   CHECK(std::filesystem::is_character_file("/dev/null"));
 }
+
+TEST_CASE("atomic writes through a dangling link create the file it names", "[exporters]") {
+  const std::string dir = torchdbg_test::tmp_dir("atomic_dangling");
+  std::filesystem::create_directories(dir + "/sub");
+  REQUIRE(::symlink("sub/missing.json", (dir + "/dangling.json").c_str()) == 0);
+  torchdbg::detail::atomic_write_file(dir + "/dangling.json", "made", 4);
+  CHECK(std::filesystem::is_symlink(dir + "/dangling.json"));
+  CHECK(slurp(dir + "/sub/missing.json") == "made");
+  REQUIRE(::symlink("loop.json", (dir + "/loop.json").c_str()) == 0);
+  CHECK_THROWS_WITH(torchdbg::detail::atomic_write_file(dir + "/loop.json", "x", 1), Catch::Contains("symbolic links"));
+}

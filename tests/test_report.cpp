@@ -221,8 +221,9 @@ TEST_CASE("browser fixture: a real run's report and a 120-layer, 10000-step repo
 }
 
 TEST_CASE("a backward pass that throws leaves no record in the step's report", "[report]") {
-  for (const bool with_health : {false, true}) {
-    INFO("steps from the health monitor: " << with_health);
+  for (const int variant : {0, 1, 2}) {
+    const bool with_health = variant == 1, norms = variant != 2;
+    INFO("steps from the health monitor: " << with_health << ", gradient norms: " << norms);
     torch::manual_seed(9);
     auto net = std::make_shared<Net>();
     torchdbg::HookManager hooks;
@@ -233,7 +234,7 @@ TEST_CASE("a backward pass that throws leaves no record in the step's report", "
     auto fed = with_health ? health.install(hooks) : torchdbg::HealthInstallation<std::mutex, std::mutex>();
     auto installed = reporter.install(hooks, with_health ? &health : nullptr);
     CHECK_THROWS_WITH(reporter.install(hooks), Catch::Contains("already installed"));
-    auto session = torchdbg::attach(*net, hooks, torchdbg::AttachOptions().auto_step(true));
+    auto session = torchdbg::attach(*net, hooks, torchdbg::AttachOptions().auto_step(true).gradient_norms(norms));
     const auto x = torch::randn({6, 8});
     std::map<int64_t, double> reference;
     const auto pass = [&](bool fail) {

@@ -930,3 +930,36 @@ TEST_CASE("an expanded tensor of 2^40 elements is summarised from its storage, e
   CHECK(zs.zero_count == 3 * (int64_t{1} << 21));
   CHECK(zs.max == 0.0);
 }
+
+TEST_CASE("sparse COO tensors: stored values with duplicates summed and implicit zeros, without densifying", "[stats]") {
+  torchdbg_test::SeededRng rng(31);
+  const auto indices = torch::tensor({0, 3, 3, 7, 7, 7, 2, 9, 1, 1, 5, 5}, torch::kLong).view({2, 6});
+  auto values = torch::randn({6});
+  values[1] = std::numeric_limits<float>::infinity();
+  const auto sp = torch::sparse_coo_tensor(indices, values, {10, 12});  // uncoalesced: duplicates
+  const torch::Tensor dense = sp.to_dense();
+  const auto s = torchdbg::compute_stats(sp, torchdbg::StatsOptions().distribution(true).histogram_bins(7));
+  check_summary(s, dense);
+  const Reference r = reference(dense);
+  REQUIRE(s.distribution);
+  CHECK_CLOSE(s.distribution->p50, torchdbg_test::ref_quantile(r.sorted, 0.5), 1e-12);
+  CHECK_CLOSE(s.distribution->p95, torchdbg_test::ref_quantile(r.sorted, 0.95), 1e-12);
+  int64_t total = 0;
+  for (auto n : s.distribution->bin_counts) total += n;
+  CHECK(total == r.finite);
+  CHECK(torchdbg::detail::count_outside(sp, -0.5, 0.5) ==
+        ((dense < -0.5).logical_or(dense > 0.5)).sum().item<int64_t>());
+  CHECK(torchdbg::detail::count_outside(sp, 0.5, 1.0) == ((dense < 0.5).logical_or(dense > 1.0)).sum().item<int64_t>());
+  int64_t per_unit = 0;
+  CHECK_THROWS_AS(torchdbg::detail::count_above_per_unit(sp, 0, 0.0, per_unit), torchdbg::Error);
+  // 2^27 elements of which 1000 are stored: a sample in proportion, the rest exact.
+  const auto big_idx = torch::stack({torch::randint(0, 1 << 14, {1000}), torch::randint(0, 1 << 13, {1000})});
+  const auto big = torch::sparse_coo_tensor(big_idx, torch::rand({1000}) + 1.0, {1 << 14, 1 << 13});
+  const auto b = torchdbg::compute_stats(big, torchdbg::StatsOptions().distribution(true));
+  CHECK(b.numel == int64_t{1} << 27);
+  CHECK(b.distribution->p50 == 0.0);
+  int64_t big_total = 0;
+  for (auto n : b.distribution->bin_counts) big_total += n;
+  CHECK(big_total == int64_t{1} << 27);
+  CHECK(b.distribution->quantile_values == int64_t{1} << 20);
+}

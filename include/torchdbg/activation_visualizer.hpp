@@ -64,6 +64,31 @@ struct Heatmap {
   }
 };
 
+/// make_heatmap of `src` (>= 2-D) whose collapsed form `x` overlaps in memory (windows from
+/// unfold, as_strided): each block is copied and reduced alone, so memory follows the block.
+inline Heatmap overlapping_heatmap(const at::Tensor& src, const at::Tensor& x, int64_t max_size) {
+  const int64_t rows = src.size(-2), cols = src.size(-1);
+  Heatmap h;
+  h.rows = std::min(rows, max_size);
+  h.cols = std::min(cols, max_size);
+  h.values.assign(static_cast<std::size_t>(h.rows * h.cols), detail::kNaN);
+  std::vector<int64_t> lead;
+  for (int64_t d = 0; d < x.dim() - 2; ++d) lead.push_back(d);
+  const bool one_row = x.size(-2) == 1, one_col = x.size(-1) == 1;  // collapsed: equal rows/columns
+  for (int64_t r = 0; r < h.rows; ++r) {
+    const int64_t r0 = one_row ? 0 : r * rows / h.rows, r1 = one_row ? 1 : (r + 1) * rows / h.rows;
+    for (int64_t c = 0; c < h.cols; ++c) {
+      const int64_t c0 = one_col ? 0 : c * cols / h.cols, c1 = one_col ? 1 : (c + 1) * cols / h.cols;
+      at::Tensor cells = x.narrow(-2, r0, r1 - r0).narrow(-1, c0, c1 - c0).to(at::kCPU, at::kDouble);
+      if (!lead.empty()) cells = cells.mean(lead);  // NaN propagates, as in make_heatmap
+      const at::Tensor ok = cells.isnan().logical_not();
+      const double n = ok.sum().item<double>();
+      if (n > 0) h.values[static_cast<std::size_t>(r * h.cols + c)] = at::where(ok, cells, 0.0).sum().item<double>() / n;
+    }
+  }
+  return h;
+}
+
 /// Heatmap of `t`: a >= 2-D tensor is averaged over its leading dimensions onto its last
 /// two; a 1-D tensor is laid row by row into a near-square matrix (cells past the end are
 /// NaN); a 0-d tensor is 1 x 1. Then block means (NaN cells ignored) reduce it to at most
@@ -71,9 +96,11 @@ struct Heatmap {
 /// leading dimensions are reduced in place, so memory follows the tensor's storage.
 inline Heatmap make_heatmap(const at::Tensor& t, int64_t max_size) {
   if (max_size < 1) throw Error(fmt::format("torchdbg: heatmap_max_size must be >= 1, got {}", max_size));
+  if (t.is_sparse()) throw Error("torchdbg: no heatmap of a sparse tensor; pass t.to_dense()");
   const at::Tensor src = t.detach();
   const detail::Repeated rep = detail::collapse_repeats(src);
   at::Tensor x = rep.base;
+  if (src.dim() >= 2 && detail::read_in_pieces(x)) return overlapping_heatmap(src, x, max_size);
   int64_t rows = 1, cols = 1;
   // The values, and how a cell (i, j) of the full matrix (or element k of a 1-D tensor) reads
   // them: a collapsed dimension has one row or column that stands for all.

@@ -630,8 +630,8 @@ class BasicHealthMonitor {
             } else if (change == Change::Loss) {
               const TrainingState st = mgr->state();
               if (st.loss) observe_loss(st.loss_step.value_or(st.step), *st.loss);
-            } else if (change == Change::GradientNorm) {
-              end_backward();
+            } else if (change == Change::GradientNorm || change == Change::BackwardEnd) {
+              end_backward();  // once: the second finds nothing pending
             } else if (change == Change::BackwardFailed) {
               abandon_backward();
             }

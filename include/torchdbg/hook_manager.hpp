@@ -346,9 +346,10 @@ class BasicHookManager {
   /// (Before/After), or after `set_loss` (Loss) or `set_gradient_norm` (GradientNorm, which
   /// attached models report at the end of each backward pass with hooks due).
   /// Before/After: a change of which hooks are due (see add_listener); Loss: set_loss;
-  /// GradientNorm: set_gradient_norm (an attached backward pass ended); BackwardFailed:
+  /// GradientNorm: set_gradient_norm (an attached backward pass's norm); BackwardEnd:
+  /// backward_ended (an attached backward pass ended, norms computed or not); BackwardFailed:
   /// backward_failed (an attached backward pass threw before its end).
-  enum class Change { Before, After, Loss, GradientNorm, BackwardFailed };
+  enum class Change { Before, After, Loss, GradientNorm, BackwardEnd, BackwardFailed };
   using Listener = std::function<void(Change)>;
 
   /// Calls `listener` (without locks held) just before and just after every change that can
@@ -427,6 +428,8 @@ class BasicHookManager {
   /// pass's final callbacks): listeners forget what they gathered for that pass, e.g. the
   /// health monitor its gradients, so the next pass is judged on its own.
   void backward_failed() { notify(Change::BackwardFailed); }
+  /// An attached backward pass ended (attach calls this after its norm, if any).
+  void backward_ended() { notify(Change::BackwardEnd); }
 
   void set_gradient_norm(double norm) {
     {
@@ -523,14 +526,7 @@ class BasicHookManager {
     al.hook_name = std::move(source);
     al.message = std::move(message);
     al.severity = AlertSeverity::Warning;
-    al.time = std::chrono::system_clock::now();
-    AlertSink sink;
-    {
-      std::lock_guard<Mutex> lock(alert_mutex_);
-      alerts_.push(al);
-      sink = alert_sink_;
-    }
-    if (sink) sink(al);
+    push_alert(std::move(al));
   }
 
   /// Alerts raised since construction (or clear_alerts), including dropped ones.
@@ -875,6 +871,11 @@ class BasicHookManager {
     al.hook_id = e.id;
     al.message = std::move(message);
     al.severity = severity;
+    push_alert(std::move(al));
+  }
+
+  /// Logs `al` (timed now) and hands it to the sink, without locks held.
+  void push_alert(Alert al) {
     al.time = std::chrono::system_clock::now();
     AlertSink sink;
     {

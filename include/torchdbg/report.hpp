@@ -124,7 +124,7 @@ class BasicReporter {
     listener = hooks.add_listener([this, mgr, steps_from_health](typename BasicHookManager<M>::Change change) {
       using Change = typename BasicHookManager<M>::Change;
       try {
-        if (change == Change::GradientNorm) {
+        if (change == Change::BackwardEnd) {
           end_pass();
         } else if (change == Change::BackwardFailed) {
           drop_failed_pass();

@@ -135,10 +135,6 @@ inline void add_distribution(TensorStats& s, const at::Tensor& t, int64_t histog
                 std::to_string(histogram_bins));
   }
   detail::require_at_least<int64_t>(max_quantile_values, 1, "StatsOptions::max_quantile_values");
-  if (t.is_sparse()) {  // quantiles and bins over every element, the implicit zeros included
-    add_distribution(s, t.to_dense(), histogram_bins, max_quantile_values);
-    return;
-  }
   Distribution d;
   std::vector<double> sample = detail::finite_sample(t, s.finite_count, max_quantile_values);
   d.quantile_values = static_cast<int64_t>(sample.size());

@@ -120,7 +120,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     if (is_forward) {
       note_order(module);
       forward_deliveries.fetch_add(1);
-      forward_seen.store(true, std::memory_order_relaxed);
+      forward_since_pass.store(true, std::memory_order_relaxed);
     } else {
       backward_deliveries.fetch_add(1);
     }
@@ -234,11 +234,10 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   /// norms (when gradient hooks are due); on_grad and observe_gradients call it.
   void take_gradient(std::size_t m, std::size_t param, const at::Tensor& g);
   /// Ends a pass whose gradients were handed over (observe_gradients): norms, auto_step.
-  void end_handed_pass() { on_backward_end(); }
-  /// Whether a forward delivery / a gradient arrived since the last step change; the session
-  /// warns once when a step had forward deliveries and no gradient at all.
-  std::atomic<bool> forward_seen{false};
-  std::atomic<bool> gradient_seen{false};
+  void end_handed_pass() {
+    gradients_in_pass_.store(true);
+    on_backward_end();
+  }
   std::atomic<bool> warned_no_gradient{false};
 
   [[nodiscard]] std::vector<std::string> execution_order() const {
@@ -323,6 +322,15 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
 
   void on_backward_end() {
     end_queued_.store(false);
+    // A pass that reached none of this session's parameters (another model's, or one taken
+    // with torch::autograd::grad) is no step of it; torch::autograd::grad is suspected until
+    // gradients are handed over (warned of at the next iteration's first call).
+    const bool had_gradients = gradients_in_pass_.exchange(false);
+    if (!had_gradients) {
+      if (forward_since_pass.load()) no_gradient_pass.store(true);
+      return;
+    }
+    forward_since_pass.store(false);
     flush_deferred();  // the step's queued statistics, gradients' included: one copy per device
     if (active.load() && options.gradient_norms()) {
       std::vector<std::pair<std::string, double>> norms;
@@ -344,6 +352,12 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
         }
       }
     }
+    if (active.load() && report_pass_end) {
+      try {
+        report_pass_end();
+      } catch (...) {
+      }
+    }
     if (active.load() && options.auto_step() && advance_step) {
       try {
         advance_step();
@@ -352,10 +366,51 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     }
   }
 
+ public:
+  /// The first backward node of a pass on the thread whose forward made this session's last
+  /// call (ForwardObserver), or its first gradient (on_grad): the end of the pass is awaited, so
+  /// a pass that throws before any gradient arrives is noticed too (and counted by every
+  /// session whose forward ran on that thread since its last pass).
+  void begin_pass() {
+    if (!active.load()) return;
+    const bool due = backward_due.load();
+    if ((due || options.auto_step()) && !end_queued_.exchange(true)) {
+      std::weak_ptr<AttachCore> self = weak_from_this();
+      const bool queued = queue_pass_end(
+          [self] {
+            if (auto s = self.lock()) s->on_backward_end();
+          },
+          [self] {
+            if (auto s = self.lock()) s->on_backward_failed();
+          });
+      if (!queued) end_queued_.store(false);  // not inside a backward pass (a manual hook call)
+    }
+  }
+  /// Forward deliveries since the last pass ended (begin_pass is called for such sessions).
+  std::atomic<bool> forward_since_pass{false};
+  /// A pass ended with forward deliveries before it and no gradient (torch::autograd::grad).
+  std::atomic<bool> no_gradient_pass{false};
+  std::function<void()> report_pass_end;
+  std::function<void(const std::string&)> warn;
+  /// Raises the one-time warning that no gradient arrives (see observe_gradients).
+  void warn_no_gradient() {
+    if (!options.backward() || !backward_due.load() || warned_no_gradient.exchange(true) || !warn) return;
+    try {
+      warn("a backward pass ran after forward outputs were delivered and no gradient arrived; gradients "
+           "taken with torch::autograd::grad run no tensor hook: hand them over with "
+           "session.observe_gradients(params, grads) (warned once)");
+    } catch (...) {
+    }
+  }
+
+ private:
+
   /// The pass threw: what it queued is delivered (those gradients were computed), its partial
   /// norms are dropped, the step does not advance, and the next pass starts afresh.
   void on_backward_failed() noexcept {
     end_queued_.store(false);
+    gradients_in_pass_.store(false);
+    forward_since_pass.store(false);
     failed_passes.fetch_add(1);
     flush_deferred();
     try {
@@ -380,6 +435,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   std::vector<GradSq> grad_sq_;
   std::vector<std::pair<std::string, double>> last_norms_;
   std::atomic<bool> end_queued_{false};
+  std::atomic<bool> gradients_in_pass_{false};  // a gradient arrived in the awaited pass
   std::mutex follow_mutex_;
   std::map<std::tuple<std::size_t, int, uint32_t>, std::shared_ptr<const FollowUp>> follow_ups_;
   std::unique_ptr<std::atomic<uint32_t>[]> calls_;
@@ -391,24 +447,14 @@ inline void AttachCore::on_grad(std::size_t m, std::size_t param, const at::Tens
   if (!active.load()) return;
   // The end-of-backward callback is needed for norms and queued deliveries (when hooks are
   // due) and auto_step only: a step with nothing due costs this one check per gradient.
-  const bool due = backward_due.load();
-  if ((due || options.auto_step()) && !end_queued_.exchange(true)) {
-    std::weak_ptr<AttachCore> self = weak_from_this();
-    const bool queued = queue_pass_end(
-        [self] {
-          if (auto s = self.lock()) s->on_backward_end();
-        },
-        [self] {
-          if (auto s = self.lock()) s->on_backward_failed();
-        });
-    if (!queued) end_queued_.store(false);  // not inside a backward pass (a manual hook call)
-  }
+  begin_pass();
   take_gradient(m, param, g);
 }
 
 inline void AttachCore::take_gradient(std::size_t m, std::size_t param, const at::Tensor& g) {
   if (!g.defined()) return;
-  gradient_seen.store(true, std::memory_order_relaxed);
+  gradients_in_pass_.store(true, std::memory_order_relaxed);
+  no_gradient_pass.store(false, std::memory_order_relaxed);
   if (!backward_due.load()) return;
   const Metadata& md = modules[m].params[param].grad_md;
   if (defers(g)) {  // the norm comes with the batch

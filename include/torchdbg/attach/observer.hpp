@@ -127,7 +127,12 @@ class ForwardObserver : private ObserverState {
   static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     Tls& t = tls();
     if (DeliveringScope::active()) return nullptr;
-    if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION) {
+    // The autograd engine wraps each node it runs in "autograd::engine::evaluate_function: <node>"
+    // (for the profiler), before the node's tensor pre-hooks: a pass whose first hook throws
+    // (one on the loss) is seen starting too.
+    static constexpr std::string_view kEngineNode = "autograd::engine::evaluate_function";
+    const std::string_view name = fn.name();
+    if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION || name.substr(0, kEngineNode.size()) == kEngineNode) {
       if (t.backward_depth == 0) {
         if (t.pending.core) flush_pending(t);
         // The next forward counts from 0: the sessions whose last call was made on this
@@ -135,8 +140,12 @@ class ForwardObserver : private ObserverState {
         // auto_step do).
         const auto cores = instance().cores();  // held: the loop must not outlive a temporary
         const std::uintptr_t me = thread_token();
-        for (const auto& c : *cores)
-          if (c->forward_thread.load(std::memory_order_relaxed) == me) c->reset_calls();
+        for (const auto& c : *cores) {
+          if (c->forward_thread.load(std::memory_order_relaxed) != me) continue;
+          c->reset_calls();
+          // Its end is awaited even if the pass throws before any gradient arrives.
+          if (c->forward_since_pass.load(std::memory_order_relaxed)) c->begin_pass();
+        }
       }
       if (++t.backward_depth == 1) instance().pause_for_backward();
       return std::make_unique<OpCtx>();
@@ -322,11 +331,12 @@ class ForwardObserver : private ObserverState {
       const uint32_t call = seen.call;
       if (!core) return nullptr;
       if (!grad_mode && !core->options.no_grad_forward()) return nullptr;  // metrics, evaluation
-      // A view or an activation takes it up (the activation's output is delivered once); any
-      // other reader leaves it for an activation that comes later.
-      const bool view = !fresh_op && is_alias_op(op_name);
-      const bool follow = core->options.activations() && FollowUpOps::find(fn.name()) >= 0;
-      if (view || follow) t.outputs[consumed_output] = {};
+      // An activation takes the output up, and every view of it (its output is delivered once
+      // a call); a view or any other reader leaves it for an activation that comes later.
+      if (core->options.activations() && FollowUpOps::find(fn.name()) >= 0) {
+        for (auto& o : t.outputs)
+          if (o.core == seen.core && o.module == m && o.call == call) o = {};
+      }
       if (!fresh_op && is_alias_op(op_name)) {  // a view of it: an activation may follow
         auto ctx = std::make_unique<OpCtx>();
         ctx->kind = OpCtx::Alias;
@@ -388,6 +398,10 @@ class ForwardObserver : private ObserverState {
             p.module = ctx->module;
             p.call = ctx->core->next_call(ctx->module);
             ctx->core->forward_thread.store(thread_token(), std::memory_order_relaxed);
+            // A new iteration after a pass that brought this session no gradient.
+            if (p.call == 0 && ctx->core->no_gradient_pass.load(std::memory_order_relaxed) &&
+                ctx->core->no_gradient_pass.exchange(false))
+              ctx->core->warn_no_gradient();
             p.info = ctx->core->delivery_info(ctx->module, -1, p.call);
             p.input = ctx->input.value_or(AttachCore::InputMoments{});
           }

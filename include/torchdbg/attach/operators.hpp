@@ -62,7 +62,7 @@ struct FollowUpOps {
   static constexpr const char* kNames[] = {
       "relu",     "relu6",      "leaky_relu",  "elu",       "selu",       "celu",     "gelu",
       "silu",     "mish",       "tanh",        "sigmoid",   "softplus",   "softmax",  "log_softmax",
-      "hardtanh", "hardsigmoid", "hardswish",  "threshold", "softsign",   "tanhshrink", "logsigmoid",
+      "hardtanh", "hardsigmoid", "hardswish",  "threshold", "hardshrink", "softshrink", "log_sigmoid",
       // math: the first index of the elementwise functions
       "log",      "log2",       "log10",       "log1p",     "sqrt",       "rsqrt",    "reciprocal",
       "exp",      "exp2",       "expm1",       "pow",       "acos",       "asin",     "atanh",
@@ -87,7 +87,7 @@ struct FollowUpOps {
 constexpr bool same_name(const char* a, const char* b) {
   return *a == *b && (*a == '\0' || same_name(a + 1, b + 1));
 }
-static_assert(same_name(FollowUpOps::kNames[FollowUpOps::kFirstMath - 1], "logsigmoid") &&
+static_assert(same_name(FollowUpOps::kNames[FollowUpOps::kFirstMath - 1], "log_sigmoid") &&
                   same_name(FollowUpOps::kNames[FollowUpOps::kFirstMath], "log"),
               "kFirstMath must point at the first elementwise function");
 

@@ -98,6 +98,10 @@ class BasicAttachSession {
     };
     core_->report_gradient_norm = [mgr](double n) { mgr->set_gradient_norm(n); };
     core_->report_failed_pass = [mgr] { mgr->backward_failed(); };
+    core_->report_pass_end = [mgr] { mgr->backward_ended(); };
+    core_->warn = [mgr](const std::string& message) {
+      mgr->warn("torchdbg.attach", "step " + std::to_string(mgr->step()) + ": " + message);
+    };
     core_->advance_step = [mgr] { mgr->set_step(mgr->step() + 1); };
     if (core_->options.backward()) {
       for (std::size_t m = 0; m < core_->modules.size(); ++m) {
@@ -125,7 +129,7 @@ class BasicAttachSession {
         if (change == Change::Before) {
           detail::ForwardObserver::flush(c.get());  // an output pending under the old state
           c->flush_deferred();                      // and what is queued, under the old step
-          warn_if_no_gradient(*c, *mgr);
+          if (c->no_gradient_pass.exchange(false)) c->warn_no_gradient();
         } else if (change == Change::After) {
           update(c, *mgr);
         }
@@ -216,8 +220,11 @@ class BasicAttachSession {
   /// `grads[i]` is delivered as the gradient of `params[i]` (under its module, with
   /// {"parameter": name}, counted in the norms), then the pass ends as a backward pass does
   /// (norms reported, `auto_step`). An undefined gradient is skipped (`allow_unused`), whatever
-  /// its tensor. Throws torchdbg::Error, delivering nothing, when the lists differ in length or
-  /// a defined gradient's tensor is not a parameter this session attaches gradients of.
+  /// its tensor. Throws torchdbg::Error, delivering nothing, when the lists differ in length, a
+  /// defined gradient's tensor is not a parameter this session attaches gradients of, a
+  /// gradient's shape is not its parameter's, or a parameter comes twice. Without it, a
+  /// backward pass that follows forward deliveries and brings no gradient raises a one-time
+  /// warning alert at the next pass or step change.
   ///
   /// ```cpp
   /// auto grads = torch::autograd::grad({loss}, params);
@@ -231,9 +238,13 @@ class BasicAttachSession {
     for (std::size_t i = 0; i < params.size(); ++i) {
       if (!grads[i].defined()) continue;
       const auto found = gradient_slot(params[i]);
-      if (!found)
-        throw Error("torchdbg: observe_gradients: params[" + std::to_string(i) +
-                    "] is not a parameter this session attaches gradients of");
+      const std::string at = "torchdbg: observe_gradients: params[" + std::to_string(i) + "]";
+      if (!found) throw Error(at + " is not a parameter this session attaches gradients of");
+      if (grads[i].sizes() != params[i].sizes())
+        throw Error(at + " has shape " + c10::str(params[i].sizes()) + " and its gradient " + c10::str(grads[i].sizes()));
+      for (std::size_t k = 0; k < i; ++k)
+        if (grads[k].defined() && where[k] == *found)
+          throw Error(at + " is params[" + std::to_string(k) + "] again (or tied to it): each gradient once");
       where[i] = *found;
     }
     if (!core_->active.load()) return;
@@ -258,22 +269,6 @@ class BasicAttachSession {
     for (std::size_t i = 0; i < params.size(); ++i)
       if (params[i].impl._unsafe_get_target() == p.unsafeGetTensorImpl()) return std::make_pair(m, i);
     return std::nullopt;
-  }
-
-  /// Once per session: a step whose forward was observed while gradient hooks were due, and
-  /// that gave no gradient at all, is most likely `torch::autograd::grad`, whose gradients no
-  /// tensor hook sees.
-  static void warn_if_no_gradient(detail::AttachCore& c, BasicHookManager<Mutex>& mgr) {
-    const bool fwd = c.forward_seen.exchange(false), grad = c.gradient_seen.exchange(false);
-    if (!fwd || grad || !c.options.backward() || !c.backward_due.load() || c.warned_no_gradient.exchange(true)) return;
-    try {
-      mgr.warn("torchdbg.attach",
-               "step " + std::to_string(mgr.step()) +
-                   ": forward outputs were delivered but no gradient arrived; gradients taken with "
-                   "torch::autograd::grad run no tensor hook: hand them over with "
-                   "session.observe_gradients(params, grads) (warned once)");
-    } catch (...) {
-    }
   }
 
   static void update(const std::shared_ptr<detail::AttachCore>& c, BasicHookManager<Mutex>& mgr) {

@@ -48,11 +48,17 @@ inline void atomic_write_file(const std::string& path, const char* data, std::si
     throw Error("torchdbg: cannot write '" + path + "': it is " + file_kind(st.st_mode) +
                 ", and the file is written by replacing it atomically; give a regular file's path");
   }
-  if (::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
-    std::error_code ec;
-    const auto resolved = std::filesystem::weakly_canonical(path, ec);  // the whole link chain
-    if (ec) throw Error("torchdbg: cannot write '" + path + "': cannot resolve the link: " + ec.message());
-    target = resolved.string();
+  // Follow the link chain by hand: a dangling link names the file to create.
+  for (int hops = 0; ::lstat(target.c_str(), &st) == 0 && S_ISLNK(st.st_mode); ++hops) {
+    if (hops == 40) throw Error("torchdbg: cannot write '" + path + "': too many levels of symbolic links");
+    std::string link(PATH_MAX, '\0');
+    const ssize_t n = ::readlink(target.c_str(), link.data(), link.size());
+    if (n < 0) {
+      const int err = errno;
+      throw Error("torchdbg: cannot write '" + path + "': readlink: " + std::strerror(err));
+    }
+    link.resize(static_cast<std::size_t>(n));
+    target = link.front() == '/' ? link : (std::filesystem::path(target).parent_path() / link).string();
   }
   const std::string tmp = target + ".tmp." + std::to_string(::getpid()) + "." +
                           std::to_string(counter.fetch_add(1));

@@ -715,6 +715,7 @@ struct Repeated {
 /// result's size instead of `t`'s logical size.
 inline Repeated collapse_repeats(const at::Tensor& t, int64_t keep = -1) {
   Repeated r{t, 1};
+  if (t.is_sparse()) return r;  // no strides: read through its values
   for (int64_t d = 0; d < t.dim(); ++d) {
     if (d == keep || t.stride(d) != 0 || t.size(d) <= 1) continue;
     r.repeats *= t.size(d);
@@ -779,6 +780,20 @@ void for_each_piece(const at::Tensor& t, F&& f) {
     for (int64_t i = 0; i < rows; i += per) f(x.narrow(0, i, std::min(per, rows - i)).contiguous());
   };
   split(split, t);
+}
+
+/// Calls `f(v)` with every element of the CPU tensor `t` as a double, in row-major order,
+/// reading it piece by piece (for_each_piece).
+template <typename F>
+void for_each_value(const at::Tensor& t, F&& f) {
+  for_each_piece(t, [&](const at::Tensor& c) {
+    dispatch_dtype(c.scalar_type(), [&](auto tag) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+      const T* p = static_cast<const T*>(c.data_ptr());
+      for (int64_t i = 0; i < c.numel(); ++i) f(as_double(p[i]));
+      return 0;
+    });
+  });
 }
 
 inline at::Tensor pack_moments(const at::Tensor& t) {
@@ -909,6 +924,11 @@ inline int64_t count_outside(const at::Tensor& t, double lo, double hi) {
   if (!t.defined()) throw Error("torchdbg: cannot count values of an undefined tensor");
   check_supported_dtype(t.scalar_type());
   if (t.numel() == 0) return 0;
+  if (t.is_sparse()) {  // the stored values, and the implicit zeros when 0 is outside
+    const at::Tensor c = t.coalesce();
+    const int64_t implicit = t.numel() - c._values().numel();
+    return count_outside(c._values(), lo, hi) + ((0.0 < lo || 0.0 > hi) ? implicit : 0);
+  }
   const Repeated r = collapse_repeats(t);
   if (!t.device().is_cpu()) {
     return r.repeats * static_cast<int64_t>(count_outside_on_device(r.base, lo, hi).to(at::kCPU).item<double>());
@@ -963,6 +983,8 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
                                                  int64_t& per_unit) {
   if (!t.defined()) throw Error("torchdbg: cannot count values of an undefined tensor");
   check_supported_dtype(t.scalar_type());
+  if (t.is_sparse())
+    throw Error("torchdbg: per-unit counts of a sparse tensor are not computed; pass t.to_dense()");
   const int64_t d = unit_dim_of(t, dim);
   const int64_t units = t.size(d);
   per_unit = units == 0 ? 0 : t.numel() / units;
@@ -987,14 +1009,7 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
   if (read_in_pieces(r.base)) {  // overlapping: unit by unit, each read in pieces
     for (int64_t u = 0; u < r.base.size(d); ++u) {
       int64_t& k = out[static_cast<std::size_t>(u)];
-      for_each_piece(r.base.select(d, u), [&](const at::Tensor& c) {
-        dispatch_dtype(c.scalar_type(), [&](auto tag) {
-          using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-          const T* p = static_cast<const T*>(c.data_ptr());
-          for (int64_t i = 0; i < c.numel(); ++i) k += as_double(p[i]) > threshold;
-          return 0;
-        });
-      });
+      for_each_value(r.base.select(d, u), [&](double v) { k += v > threshold; });
     }
     return finish();
   }
@@ -1076,18 +1091,16 @@ inline Repeated host_repeats(const at::Tensor& t) {
 /// The finite values of a tensor as doubles, for the distribution primitives below (an
 /// expanded tensor's values appear as often as they stand in it).
 inline std::vector<double> finite_values(const at::Tensor& t) {
+  if (t.is_sparse()) {  // the stored values (duplicates summed), then the implicit zeros
+    const at::Tensor c = t.coalesce();
+    std::vector<double> out = finite_values(c._values());
+    out.resize(out.size() + static_cast<std::size_t>(t.numel() - c._values().numel()), 0.0);
+    return out;
+  }
   const Repeated r = host_repeats(t);
   std::vector<double> out;
-  for_each_piece(r.base, [&](const at::Tensor& c) {
-    dispatch_dtype(c.scalar_type(), [&](auto tag) {
-      using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-      const T* p = static_cast<const T*>(c.data_ptr());
-      for (int64_t i = 0; i < c.numel(); ++i) {
-        const double v = as_double(p[i]);
-        if (std::isfinite(v)) out.push_back(v);
-      }
-      return 0;
-    });
+  for_each_value(r.base, [&](double v) {
+    if (std::isfinite(v)) out.push_back(v);
   });
   if (r.repeats > 1) {
     const std::size_t n = out.size();
@@ -1114,6 +1127,17 @@ T element_at(const at::Tensor& t, const T* base, int64_t i) {
 /// seed (the same tensor gives the same sample).
 inline std::vector<double> finite_sample(const at::Tensor& t, int64_t finite, int64_t cap) {
   if (finite <= cap) return finite_values(t);
+  if (t.is_sparse()) {  // stored values and implicit zeros in their proportions
+    const at::Tensor c = t.coalesce();
+    const int64_t implicit = t.numel() - c._values().numel();
+    const int64_t stored = finite - implicit;  // finite stored values
+    const auto from_values = static_cast<int64_t>(
+        std::llround(static_cast<double>(cap) * static_cast<double>(stored) / static_cast<double>(finite)));
+    std::vector<double> out;
+    if (from_values > 0) out = finite_sample(c._values(), stored, from_values);
+    out.resize(out.size() + static_cast<std::size_t>(std::max<int64_t>(0, cap - from_values)), 0.0);
+    return out;
+  }
   // Each element of the collapsed base stands equally often in `t`: a uniform sample of the
   // base is one of `t`. An overlapping base is read through its strides, not copied.
   const Repeated r = host_repeats(t);
@@ -1151,33 +1175,45 @@ struct DistributionPass {
 };
 inline DistributionPass distribution_pass(const at::Tensor& t, int64_t bins, double lo, double hi,
                                           double mean, double fence_lo, double fence_hi, double sigma3) {
+  if (t.is_sparse()) {  // the stored values, then each implicit zero
+    const at::Tensor c = t.coalesce();
+    DistributionPass d = distribution_pass(c._values(), bins, lo, hi, mean, fence_lo, fence_hi, sigma3);
+    const int64_t z = t.numel() - c._values().numel();
+    if (z > 0) {
+      d.n += z;
+      if (bins > 0 && hi > lo && 0.0 >= lo && 0.0 <= hi) {
+        auto b = static_cast<int64_t>((0.0 - lo) * static_cast<double>(bins) / (hi - lo));
+        if (b >= bins) b = bins - 1;
+        d.counts[static_cast<std::size_t>(b)] += z;
+      }
+      const double dv = -mean, d2 = dv * dv, k = static_cast<double>(z);
+      d.s2 += k * d2;
+      d.s3 += k * d2 * dv;
+      d.s4 += k * d2 * d2;
+      if (0.0 < fence_lo || 0.0 > fence_hi) d.outside_fences += z;
+      if (std::fabs(dv) > sigma3) d.beyond_sigma3 += z;
+    }
+    return d;
+  }
   const Repeated r = host_repeats(t);
   DistributionPass d;
   d.counts.assign(static_cast<std::size_t>(std::max<int64_t>(bins, 0)), 0);
   const bool binned = bins > 0 && hi > lo;
   const double scale = binned ? static_cast<double>(bins) / (hi - lo) : 0.0;
-  for_each_piece(r.base, [&](const at::Tensor& c) {
-    dispatch_dtype(c.scalar_type(), [&](auto tag) {
-      using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-      const T* p = static_cast<const T*>(c.data_ptr());
-      for (int64_t i = 0; i < c.numel(); ++i) {
-        const double v = as_double(p[i]);
-        if (!std::isfinite(v)) continue;
-        ++d.n;
-        if (binned && v >= lo && v <= hi) {
-          auto b = static_cast<int64_t>((v - lo) * scale);
-          if (b >= bins) b = bins - 1;
-          ++d.counts[static_cast<std::size_t>(b)];
-        }
-        const double dv = v - mean, d2 = dv * dv;
-        d.s2 += d2;
-        d.s3 += d2 * dv;
-        d.s4 += d2 * d2;
-        d.outside_fences += (v < fence_lo || v > fence_hi) ? 1 : 0;
-        d.beyond_sigma3 += std::fabs(dv) > sigma3 ? 1 : 0;
-      }
-      return 0;
-    });
+  for_each_value(r.base, [&](double v) {
+    if (!std::isfinite(v)) return;
+    ++d.n;
+    if (binned && v >= lo && v <= hi) {
+      auto b = static_cast<int64_t>((v - lo) * scale);
+      if (b >= bins) b = bins - 1;
+      ++d.counts[static_cast<std::size_t>(b)];
+    }
+    const double dv = v - mean, d2 = dv * dv;
+    d.s2 += d2;
+    d.s3 += d2 * dv;
+    d.s4 += d2 * d2;
+    d.outside_fences += (v < fence_lo || v > fence_hi) ? 1 : 0;
+    d.beyond_sigma3 += std::fabs(dv) > sigma3 ? 1 : 0;
   });
   if (r.repeats > 1) {  // every distinct value stands `repeats` times
     const double k = static_cast<double>(r.repeats);
