@@ -51,6 +51,13 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     finish_modules();
     calls_ = std::make_unique<std::atomic<uint32_t>[]>(modules.size());
     for (std::size_t i = 0; i < modules.size(); ++i) calls_[i].store(0);
+    std::size_t total = 0;
+    for (const auto& mod : modules) {
+      param_base_.push_back(total);
+      total += mod.params.size();
+    }
+    hook_pass_ = std::make_unique<std::atomic<uint64_t>[]>(total);
+    for (std::size_t i = 0; i < total; ++i) hook_pass_[i].store(0);
   }
   /// The step the call counters belong to.
   std::atomic<int64_t> calls_step{std::numeric_limits<int64_t>::min()};
@@ -238,6 +245,13 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     gradients_in_pass_.store(true);
     on_backward_end();
   }
+  /// Whether a tensor hook delivered parameter `param` of module `m` in the last pass that
+  /// ended: LibTorch 2.x runs leaf tensor hooks for torch::autograd::grad too, and such a
+  /// gradient handed over again (observe_gradients) is not delivered twice.
+  [[nodiscard]] bool hooked_in_last_pass(std::size_t m, std::size_t param) const {
+    const uint64_t ended = passes_ended_.load();
+    return ended > 0 && hook_pass_[param_base_[m] + param].load(std::memory_order_relaxed) == ended;
+  }
   std::atomic<bool> warned_no_gradient{false};
 
   [[nodiscard]] std::vector<std::string> execution_order() const {
@@ -331,6 +345,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       return;
     }
     forward_since_pass.store(false);
+    passes_ended_.fetch_add(1);
     flush_deferred();  // the step's queued statistics, gradients' included: one copy per device
     if (active.load() && options.gradient_norms()) {
       std::vector<std::pair<std::string, double>> norms;
@@ -436,6 +451,9 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   std::vector<std::pair<std::string, double>> last_norms_;
   std::atomic<bool> end_queued_{false};
   std::atomic<bool> gradients_in_pass_{false};  // a gradient arrived in the awaited pass
+  std::atomic<uint64_t> passes_ended_{0};       // passes that ended with gradients
+  std::vector<std::size_t> param_base_;         // module -> its first parameter's slot
+  std::unique_ptr<std::atomic<uint64_t>[]> hook_pass_;  // per parameter: the pass a hook delivered it in
   std::mutex follow_mutex_;
   std::map<std::tuple<std::size_t, int, uint32_t>, std::shared_ptr<const FollowUp>> follow_ups_;
   std::unique_ptr<std::atomic<uint32_t>[]> calls_;
@@ -448,6 +466,8 @@ inline void AttachCore::on_grad(std::size_t m, std::size_t param, const at::Tens
   // The end-of-backward callback is needed for norms and queued deliveries (when hooks are
   // due) and auto_step only: a step with nothing due costs this one check per gradient.
   begin_pass();
+  if (g.defined()) hook_pass_[param_base_[m] + param].store(passes_ended_.load(std::memory_order_relaxed) + 1,
+                                                           std::memory_order_relaxed);  // the pass under way
   take_gradient(m, param, g);
 }
 

@@ -216,7 +216,9 @@ class BasicAttachSession {
     core_->flush_deferred();
   }
 
-  /// Hands over gradients no tensor hook saw, such as those `torch::autograd::grad` returns:
+  /// Hands over gradients no tensor hook saw, such as those `torch::autograd::grad` returns
+  /// on LibTorch 1.x (2.x runs the hooks for it: gradients its pass delivered are skipped, so
+  /// the same code is right on both):
   /// `grads[i]` is delivered as the gradient of `params[i]` (under its module, with
   /// {"parameter": name}, counted in the norms), then the pass ends as a backward pass does
   /// (norms reported, `auto_step`). An undefined gradient is skipped (`allow_unused`), whatever
@@ -248,9 +250,15 @@ class BasicAttachSession {
       where[i] = *found;
     }
     if (!core_->active.load()) return;
-    for (std::size_t i = 0; i < params.size(); ++i)
-      if (grads[i].defined()) core_->take_gradient(where[i].first, where[i].second, grads[i]);
-    core_->end_handed_pass();
+    // LibTorch 2.x runs the parameters' tensor hooks for torch::autograd::grad: what they
+    // delivered in the pass that just ended is not delivered again.
+    bool any = false;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (!grads[i].defined() || core_->hooked_in_last_pass(where[i].first, where[i].second)) continue;
+      core_->take_gradient(where[i].first, where[i].second, grads[i]);
+      any = true;
+    }
+    if (any) core_->end_handed_pass();
   }
 
   /// Copies that brought queued statistics to the host: one per device per flush (normally
