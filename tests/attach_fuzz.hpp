@@ -17,17 +17,28 @@
 // Gradients taken with torch::autograd::grad (style 3) run no tensor hook: the harness hands
 // them over with observe_gradients, as a user must. A sparse Embedding (SGD only: Adam takes no
 // sparse gradients) delivers sparse gradients.
-// Not generated (see attach.hpp's limits): several threads on one model, a second session on
-// the same model.
+// A second session may watch the same model (Spec::second): a forward-only one that also sees
+// no-grad forwards, on a second manager or on the same one, or a full session on a second
+// manager; each receives every delivery of its own. Hogwild (style 4): two threads each run a
+// forward and a backward pass of the model, and one pass runs whole while the other is
+// blocked part way (a tensor hook after statement Spec::tap): each pass's gradients and norms
+// are its own. Its forward deliveries are checked by name and count only: threads training one
+// model share its call counters (a limit by construction, see attach.hpp).
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <mutex>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -73,6 +84,9 @@ struct Spec {
   uint64_t seed = 0;
   bool sparse_embedding = false;
   int loss = 0;  // 0 h.pow(2).mean(), 1 cross_entropy(h, y), 2 mse_loss(h, 0) (losses run operators inside)
+  int second = 0;  // a second session: 0 none; 1 forward-only with no_grad_forward on a second manager;
+                   // 2 the same on the same manager; 3 a full session on a second manager
+  int tap = 0;     // style 4: the statement after which the first thread's pass blocks
 };
 
 constexpr const char* kActs[] = {"relu", "tanh", "sigmoid", "gelu", "silu", "softplus", "elu"};
@@ -121,7 +135,8 @@ inline std::string as_code(const Spec& s) {
     o << (i ? ", " : "") << "{Op::" << op_name(t.op) << ", " << t.a << ", " << t.b << ", " << t.c << "}";
   }
   o << "}, " << s.width << ", " << s.linears << ", " << s.embedding_vocab << ", " << s.style << ", " << s.optimizer
-    << ", " << s.seed << ", " << (s.sparse_embedding ? "true" : "false") << ", " << s.loss << "};";
+    << ", " << s.seed << ", " << (s.sparse_embedding ? "true" : "false") << ", " << s.loss << ", " << s.second
+    << ", " << s.tap << "};";
   return o.str();
 }
 
@@ -166,14 +181,26 @@ inline Spec random_spec(uint64_t seed) {
   }
   // The loss must depend on a parameter: without an Embedding, the first statement is a call.
   if (s.embedding_vocab == 0) s.body.insert(s.body.begin(), Stmt{Op::Linear, pick(0, lin)});
+  s.second = pick(0, 5);
+  if (s.second > 3) s.second = 0;
+  if (pick(0, 4) == 0) {
+    s.style = 4;
+    s.second = 0;
+    // Limit by construction: a tied pair is told apart by call order, and threads share the
+    // call counters.
+    for (auto& t : s.body)
+      if (t.op == Op::Tied) t = Stmt{Op::Linear, t.a};
+  }
+  s.tap = pick(0, static_cast<int>(s.body.size()) - 1);
   return s;
 }
 
 /// What the generated forward returned to its caller, by handle: the reference.
 struct Expected {
   std::string name;
-  int64_t call = 0;
+  int64_t call = 0;  // in a session that observes grad-mode forwards only (-1: none sees it)
   torch::Tensor value;
+  int64_t eval_call = 0;  // in a session that also observes no-grad forwards
 };
 
 struct Model : torch::nn::Module {
@@ -203,27 +230,31 @@ struct Model : torch::nn::Module {
   /// each activation of it) to `expected`, with its call index in the pass. The square of a
   /// module's output is delivered too, as "<module>/pow"; the operators inside a loss
   /// (cross_entropy's log_softmax) are not.
-  torch::Tensor forward(const torch::Tensor& x, std::vector<Expected>& expected) {
-    std::map<std::string, int64_t> calls;
+  /// `tap`, when set, is given `h` after statement `tap_at` (to register a tensor hook).
+  torch::Tensor forward(const torch::Tensor& x, std::vector<Expected>& expected,
+                        const std::function<void(const torch::Tensor&)>& tap = nullptr, int tap_at = -1) {
+    std::map<std::string, int64_t> calls, eval_calls;
+    using Call = std::pair<int64_t, int64_t>;  // (call, eval_call)
     int64_t tied_uses = 0;
     const auto note = [&](const std::string& name, const torch::Tensor& v) {
-      const int64_t k = calls[name]++;
-      expected.push_back({name, k, v});
+      const Call k{calls[name]++, eval_calls[name]++};
+      expected.push_back({name, k.first, v, k.second});
       return k;
     };
     // The module output `h` is, if it is one: its name and call (an activation of it is
     // delivered as "<name>/<act>").
     std::string last;
-    int64_t last_call = 0;
+    Call last_call{0, 0};
     const auto output_of = [&](const std::string& name, const torch::Tensor& v) {
       last = name;
       last_call = note(name, v);
     };
     const auto activation = [&](int a, const torch::Tensor& in, const torch::Tensor& out) {
       (void)in;
-      if (!last.empty()) expected.push_back({last + "/" + kActs[a], last_call, out});
+      if (!last.empty()) expected.push_back({last + "/" + kActs[a], last_call.first, out, last_call.second});
       last.clear();
     };
+    int stmt = -1;
     const int64_t B = x.size(0);
     torch::Tensor h;
     if (emb) {
@@ -273,11 +304,11 @@ struct Model : torch::nn::Module {
         case Op::Between: {
           const auto y = lins[t.a](h);
           const std::string ya = "lin" + std::to_string(t.a);
-          const int64_t yk = note(ya, y);
+          const Call yk = note(ya, y);
           const auto z = lins[t.b](h);
           note("lin" + std::to_string(t.b), z);
           const auto a = act_fn(t.c, y);
-          expected.push_back({ya + "/" + kActs[t.c], yk, a});
+          expected.push_back({ya + "/" + kActs[t.c], yk.first, a, yk.second});
           h = a + z;
           last.clear();
           break;
@@ -289,7 +320,9 @@ struct Model : torch::nn::Module {
         }
         case Op::NoGrad: {
           torch::NoGradGuard no_grad;
-          (void)lins[t.a](h.detach());
+          const auto y = lins[t.a](h.detach());
+          const std::string name = "lin" + std::to_string(t.a);
+          expected.push_back({name, -1, y, eval_calls[name]++});  // seen with no_grad_forward only
           break;
         }
         case Op::Gru: {
@@ -300,7 +333,7 @@ struct Model : torch::nn::Module {
           }
           h = hidden;
           last = "gru";
-          last_call = calls["gru"] - 1;
+          last_call = {calls["gru"] - 1, eval_calls["gru"] - 1};
           break;
         }
         case Op::Attention: {
@@ -350,11 +383,12 @@ struct Model : torch::nn::Module {
           break;
         }
       }
+      if (tap && ++stmt == tap_at && h.requires_grad()) tap(h);
     }
     if (spec.loss == 1) return torch::nn::functional::cross_entropy(h, torch::randint(0, spec.width, {B}));
     if (spec.loss == 2) return torch::nn::functional::mse_loss(h, torch::zeros_like(h));
     const auto sq = h.pow(2);
-    if (!last.empty()) expected.push_back({last + "/pow", last_call, sq});
+    if (!last.empty()) expected.push_back({last + "/pow", last_call.first, sq, last_call.second});
     return sq.mean();
   }
 
@@ -382,6 +416,7 @@ struct Seen {
   std::vector<int64_t> shape;
   double mean = 0, std = 0, min = 0, max = 0, l2 = 0;
   int64_t numel = 0;
+  std::thread::id thread;
 };
 
 struct Result {
@@ -394,21 +429,21 @@ inline bool close(double a, double b, double rel) {
   return std::fabs(a - b) <= rel * std::max({1.0, std::fabs(a), std::fabs(b)});
 }
 
-/// Trains the model of `spec` for `steps` steps under attach and compares every delivery
-/// and gradient with the reference. Never throws; mismatches are described in the result.
-inline Result run(const Spec& spec, int steps = 3) {
-  Result res;
-  const auto fail = [&](const std::string& what) {
-    if (res.mismatches.size() < 20) res.mismatches.push_back(what);
+/// A manager with a callback recording every delivery while `in_pass` (others: `outside`).
+struct Recorder {
+  torchdbg::HookManager hooks;
+  std::mutex mutex;
+  std::vector<Seen> seen, outside;
+  std::atomic<bool> in_pass{false};
+  /// Each pass's end as a GradientNorm listener saw it (the passes of style 4 end one by one).
+  struct PassEnd {
+    std::thread::id thread;
+    double global = 0;
+    std::vector<std::pair<std::string, double>> modules;
   };
-  try {
-    torch::manual_seed(spec.seed);
-    auto model = std::make_shared<Model>(spec);
-    torchdbg::HookManager hooks;
-    std::vector<Seen> seen;  // the current pass's deliveries
-    std::vector<Seen> outside;
-    bool in_pass = false;
-    hooks.register_callback("fuzz", [&](const torchdbg::HookContext& c) {
+  std::vector<PassEnd> ends;
+  Recorder() {
+    hooks.register_callback("fuzz", [this](const torchdbg::HookContext& c) {
       Seen s;
       s.name = std::string(c.layer_name());
       s.forward = c.is_forward();
@@ -422,11 +457,45 @@ inline Result run(const Spec& spec, int steps = 3) {
       s.max = st.max;
       s.l2 = st.l2_norm;
       s.numel = st.numel;
-      (in_pass ? seen : outside).push_back(std::move(s));
+      s.thread = std::this_thread::get_id();
+      std::lock_guard<std::mutex> lock(mutex);
+      (in_pass.load() ? seen : outside).push_back(std::move(s));
     });
     hooks.register_hook(torchdbg::HookConfig().trigger(torchdbg::HookTrigger::every_n_steps(1)).actions(
         {torchdbg::HookAction::custom_callback("fuzz")}));
-    auto session = torchdbg::attach(*model, hooks);
+  }
+  /// Records pass ends with `session`'s module norms.
+  void listen(const torchdbg::AttachSession& session) {
+    hooks.add_listener([this, &session](torchdbg::HookManager::Change c) {
+      if (c != torchdbg::HookManager::Change::GradientNorm) return;
+      PassEnd e{std::this_thread::get_id(), hooks.state().gradient_norm.value_or(-1.0), session.gradient_norms()};
+      std::lock_guard<std::mutex> lock(mutex);
+      ends.push_back(std::move(e));
+    });
+  }
+};
+
+/// Trains the model of `spec` for `steps` steps under attach and compares every delivery
+/// and gradient with the reference. Never throws; mismatches are described in the result.
+inline Result run(const Spec& spec, int steps = 3) {
+  Result res;
+  const auto fail = [&](const std::string& what) {
+    if (res.mismatches.size() < 20) res.mismatches.push_back(what);
+  };
+  try {
+    torch::manual_seed(spec.seed);
+    auto model = std::make_shared<Model>(spec);
+    Recorder main, other;  // `other`: the second manager (Spec::second 1 and 3)
+    auto session = torchdbg::attach(*model, main.hooks, torchdbg::AttachOptions().concurrent_forward(spec.style == 4));
+    main.listen(session);
+    std::optional<torchdbg::AttachSession> second;
+    const auto eval_only = torchdbg::AttachOptions().backward(false).no_grad_forward(true);
+    if (spec.second == 1) second.emplace(torchdbg::attach(*model, other.hooks, eval_only));
+    if (spec.second == 2) second.emplace(torchdbg::attach(*model, main.hooks, eval_only));
+    if (spec.second == 3) {
+      second.emplace(torchdbg::attach(*model, other.hooks));
+      other.listen(*second);
+    }
     std::unique_ptr<torch::optim::Optimizer> opt;
     if (spec.optimizer == 0) {
       opt = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
@@ -444,28 +513,222 @@ inline Result run(const Spec& spec, int steps = 3) {
     std::vector<torch::Tensor> trainable;
     for (const auto& p : params)
       if (p.value().requires_grad()) trainable.push_back(p.value());
+    const auto input = [&] {
+      return spec.embedding_vocab > 0 ? torch::randint(0, spec.embedding_vocab, {B}) : torch::randn({B, spec.width});
+    };
+    // Every parameter's gradient now, in double (zeros where none).
+    using Grads = std::map<std::string, torch::Tensor>;
+    const auto snapshot = [&] {
+      Grads g;
+      for (const auto& p : params)
+        g[p.key()] = (p.value().grad().defined() ? dense(p.value().grad()) : torch::zeros_like(p.value()))
+                         .to(torch::kDouble)
+                         .clone();
+      return g;
+    };
+
+    // Forward: every wanted delivery (name, call) exactly once with its values, nothing else.
+    // `eval`: the session also observes no-grad forwards (its own call numbering).
+    struct Want {
+      const Expected* e;
+      bool eval;
+    };
+    const auto check_forward = [&](const std::string& where, const std::vector<Seen>& list,
+                                   const std::vector<Want>& wants, bool by_call) {
+      std::multimap<std::pair<std::string, int64_t>, const Seen*> got;
+      for (const auto& s : list) {
+        if (!s.forward) continue;
+        ++res.deliveries;
+        got.emplace(std::make_pair(s.name, by_call ? s.call : 0), &s);
+      }
+      for (const Want& w : wants) {
+        const Expected& e = *w.e;
+        const int64_t call = w.eval ? e.eval_call : e.call;
+        if (call < 0) continue;
+        const auto key = std::make_pair(e.name, by_call ? call : 0);
+        auto it = got.find(key);
+        if (it == got.end()) {
+          fail(where + "'" + e.name + "' call " + std::to_string(call) + " not delivered");
+          continue;
+        }
+        const torch::Tensor v = e.value.detach().to(torch::kDouble);
+        const double mean = v.mean().item<double>(), lo = v.min().item<double>(), hi = v.max().item<double>();
+        const double sd = v.numel() > 0 ? v.std(/*unbiased=*/false).item<double>() : std::nan("");
+        const auto same_values = [&](const Seen& x) {
+          return close(x.mean, mean, 1e-5) && close(x.min, lo, 1e-6) && close(x.max, hi, 1e-6) && close(x.std, sd, 1e-4);
+        };
+        // Among deliveries under one key (two sessions on one manager), the one whose values match.
+        for (auto k = it; k != got.end() && k->first == key; ++k)
+          if (k->second->shape == e.value.sizes().vec() && same_values(*k->second)) {
+            it = k;
+            break;
+          }
+        const Seen& s = *it->second;
+        ++res.checks;
+        if (s.shape != e.value.sizes().vec())
+          fail(where + "'" + e.name + "' shape " + c10::str(torch::IntArrayRef(s.shape)) + " vs " + c10::str(e.value.sizes()));
+        else if (!same_values(s))
+          fail(where + "'" + e.name + "' call " + std::to_string(call) + " holds other values (mean " +
+               std::to_string(s.mean) + " vs " + std::to_string(v.mean().item<double>()) + ")");
+        got.erase(it);
+      }
+      for (const auto& [key, s] : got)
+        fail(where + "unexpected delivery '" + key.first + "' call " + std::to_string(s->call));
+    };
+    const auto wants_of = [](const std::vector<Expected>& expected, bool eval) {
+      std::vector<Want> w;
+      for (const auto& e : expected) w.push_back({&e, eval});
+      return w;
+    };
+    // Gradients: each parameter's contribution `delta` of this pass, once, under its module;
+    // `norms` (the session's module norms) and `global` (the manager's) from it alone.
+    const auto check_gradients = [&](const std::string& where, const std::vector<Seen>& list, const Grads& delta,
+                                     const std::vector<std::pair<std::string, double>>& norms,
+                                     std::optional<double> global) {
+      std::map<std::string, const Seen*> grads;
+      for (const auto& s : list) {
+        if (s.forward) continue;
+        ++res.gradients;
+        const std::string key = s.name + "." + s.parameter;
+        if (grads.count(key)) fail(where + "gradient of '" + key + "' delivered twice");
+        grads[key] = &s;
+      }
+      std::map<std::string, double> module_sq;
+      double total_sq = 0;
+      for (const auto& p : params) {
+        const auto [module, param] = split_name(p.key());
+        if (module == "tied1" && param == "weight") continue;  // tied0's: delivered once, there
+        const double sq = delta.at(p.key()).pow(2).sum().item<double>();
+        const auto it = grads.find(p.key());
+        if (it == grads.end()) {
+          // A parameter this pass did not reach has no gradient to deliver.
+          if (sq > 0) fail(where + "gradient of '" + p.key() + "' not delivered");
+          continue;
+        }
+        ++res.checks;
+        if (!close(it->second->l2, std::sqrt(sq), 1e-4))
+          fail(where + "gradient of '" + p.key() + "' has norm " + std::to_string(it->second->l2) + " vs " +
+               std::to_string(std::sqrt(sq)));
+        module_sq[module] += sq;
+        total_sq += sq;
+        grads.erase(it);
+      }
+      for (const auto& [key, s] : grads) fail(where + "unexpected gradient '" + key + "'");
+      for (const auto& [module, n] : norms) {
+        ++res.checks;
+        if (!close(n, std::sqrt(module_sq[module]), 1e-4))
+          fail(where + "module norm of '" + module + "' " + std::to_string(n) + " vs " +
+               std::to_string(std::sqrt(module_sq[module])));
+      }
+      ++res.checks;
+      if (!global || !close(*global, std::sqrt(total_sq), 1e-4))
+        fail(where + "global norm " + (global ? std::to_string(*global) : "none") + " vs " +
+             std::to_string(std::sqrt(total_sq)));
+    };
+    const auto subtract = [](const Grads& a, const Grads& b) {
+      Grads d;
+      for (const auto& [k, v] : a) d[k] = v - b.at(k);
+      return d;
+    };
+
     for (int64_t step = 0; step < steps; ++step) {
-      hooks.set_step(step);
+      main.hooks.set_step(step);
+      other.hooks.set_step(step);
       opt->zero_grad();
+      const std::string at_step = "step " + std::to_string(step) + " ";
+      if (spec.style == 4) {
+        // Two threads at once: B's whole pass runs while A's is blocked in a hook after
+        // statement `tap` (or, if A's pass never reaches it, after A's pass).
+        std::mutex m;
+        std::condition_variable cv;
+        int phase = 0;  // 1: B's forward done; 2: B may run its backward; 3: B's pass ended
+        Grads before = snapshot(), at_block, after_b;
+        const auto release_b = [&] {
+          std::unique_lock<std::mutex> lock(m);
+          if (phase >= 2) return;
+          lock.unlock();
+          at_block = snapshot();
+          lock.lock();
+          phase = 2;
+          cv.notify_all();
+          cv.wait(lock, [&] { return phase == 3; });
+          lock.unlock();
+          after_b = snapshot();
+        };
+        std::vector<Expected> exp_a, exp_b;
+        std::thread::id thread_b;
+        {
+          std::lock_guard<std::mutex> lock(main.mutex);
+          main.seen.clear();
+          main.ends.clear();
+        }
+        main.in_pass = true;
+        const auto loss_a = model->forward(input(), exp_a, [&](const torch::Tensor& h) {
+          h.register_hook([&](const torch::Tensor&) { release_b(); });
+        }, spec.tap);
+        std::string b_error;
+        std::thread tb([&] {
+          try {
+            thread_b = std::this_thread::get_id();
+            const auto loss_b = model->forward(input(), exp_b);
+            std::unique_lock<std::mutex> lock(m);
+            phase = 1;
+            cv.notify_all();
+            cv.wait(lock, [&] { return phase >= 2; });
+            lock.unlock();
+            loss_b.backward();
+            lock.lock();
+            phase = 3;
+            cv.notify_all();
+          } catch (const std::exception& e) {
+            std::lock_guard<std::mutex> lock(m);
+            b_error = e.what();
+            phase = 3;
+            cv.notify_all();
+          }
+        });
+        {
+          std::unique_lock<std::mutex> lock(m);
+          cv.wait(lock, [&] { return phase >= 1; });
+        }
+        loss_a.backward();
+        release_b();  // nothing when A's hook ran
+        tb.join();
+        main.in_pass = false;
+        if (!b_error.empty()) throw std::runtime_error(b_error);
+        const Grads final_grads = snapshot();
+        const Grads delta_b = subtract(after_b, at_block);
+        Grads delta_a = subtract(final_grads, after_b);
+        for (auto& [k, v] : delta_a) v = v + at_block.at(k) - before.at(k);
+        std::vector<Seen> seen_a, seen_b;
+        for (const auto& s : main.seen) (s.thread == thread_b ? seen_b : seen_a).push_back(s);
+        // Forward deliveries by name: both threads' calls share the session's counters.
+        std::vector<Seen> fwd = main.seen;
+        std::vector<Want> wants = wants_of(exp_a, false);
+        for (const auto& w : wants_of(exp_b, false)) wants.push_back(w);
+        check_forward(at_step + "(two threads): ", fwd, wants, /*by_call=*/false);
+        // One pass end each, B's first, each with its own pass's norms.
+        if (main.ends.size() != 2 || main.ends[0].thread != thread_b) {
+          fail(at_step + "(two threads): " + std::to_string(main.ends.size()) + " pass ends, not B's then A's");
+        } else {
+          check_gradients(at_step + "thread B: ", seen_b, delta_b, main.ends[0].modules, main.ends[0].global);
+          check_gradients(at_step + "thread A: ", seen_a, delta_a, main.ends[1].modules, main.ends[1].global);
+        }
+        opt->step();
+        continue;
+      }
       const int passes = spec.style == 0 || spec.style == 3 ? 1 : 2;
       std::map<const c10::TensorImpl*, torch::Tensor> handed;  // style 3: autograd::grad's results
       std::vector<Expected> expected;
       torch::Tensor loss;
       for (int pass = 0; pass < passes; ++pass) {
         // Gradients before this pass, to tell this pass's contribution.
-        std::map<std::string, torch::Tensor> before;
-        for (const auto& p : params)
-          before[p.key()] = p.value().grad().defined() ? dense(p.value().grad()).clone() : torch::zeros_like(p.value());
-        seen.clear();
-        in_pass = true;
-        if (spec.style != 2 || pass == 0) {
-          expected.clear();
-          const auto x = spec.embedding_vocab > 0 ? torch::randint(0, spec.embedding_vocab, {B})
-                                                  : torch::randn({B, spec.width});
-          loss = model->forward(x, expected);
-        } else {
-          expected.clear();  // the second backward of a retained graph: no forward
-        }
+        const Grads before = snapshot();
+        main.seen.clear();
+        other.seen.clear();
+        main.in_pass = other.in_pass = true;
+        expected.clear();  // the second backward of a retained graph (style 2) has no forward
+        if (spec.style != 2 || pass == 0) loss = model->forward(input(), expected);
         if (spec.style == 3) {
           const auto grads = torch::autograd::grad({loss}, trainable, {}, /*retain_graph=*/false,
                                                    /*create_graph=*/false, /*allow_unused=*/true);
@@ -473,89 +736,32 @@ inline Result run(const Spec& spec, int steps = 3) {
           for (std::size_t i = 0; i < grads.size(); ++i)
             if (grads[i].defined()) handed[trainable[i].unsafeGetTensorImpl()] = grads[i];
           session.observe_gradients(trainable, grads);
+          if (spec.second == 3) second->observe_gradients(trainable, grads);
         } else {
           loss.backward({}, /*retain_graph=*/spec.style == 2 && pass == 0);
         }
-        in_pass = false;
-        const std::string where = "step " + std::to_string(step) + " pass " + std::to_string(pass) + ": ";
-        // Forward: every expected delivery exactly once, nothing else.
-        std::map<std::pair<std::string, int64_t>, const Seen*> got;
-        for (const auto& s : seen) {
-          if (!s.forward) continue;
-          ++res.deliveries;
-          const auto key = std::make_pair(s.name, s.call);
-          if (got.count(key)) fail(where + "'" + s.name + "' call " + std::to_string(s.call) + " delivered twice");
-          got[key] = &s;
-        }
-        for (const auto& e : expected) {
-          const auto it = got.find({e.name, e.call});
-          if (it == got.end()) {
-            fail(where + "'" + e.name + "' call " + std::to_string(e.call) + " not delivered");
-            continue;
-          }
-          const Seen& s = *it->second;
-          const torch::Tensor v = e.value.detach().to(torch::kDouble);
-          ++res.checks;
-          if (s.shape != e.value.sizes().vec())
-            fail(where + "'" + e.name + "' shape " + c10::str(torch::IntArrayRef(s.shape)) + " vs " + c10::str(e.value.sizes()));
-          else if (!close(s.mean, v.mean().item<double>(), 1e-5) || !close(s.min, v.min().item<double>(), 1e-6) ||
-                   !close(s.max, v.max().item<double>(), 1e-6) ||
-                   !close(s.std, v.numel() > 0 ? v.std(/*unbiased=*/false).item<double>() : std::nan(""), 1e-4))
-            fail(where + "'" + e.name + "' call " + std::to_string(e.call) + " holds other values (mean " +
-                 std::to_string(s.mean) + " vs " + std::to_string(v.mean().item<double>()) + ")");
-          got.erase(it);
-        }
-        for (const auto& [key, s] : got)
-          fail(where + "unexpected delivery '" + key.first + "' call " + std::to_string(key.second));
-        // Gradients: each parameter's contribution of this pass, once, under its module.
-        std::map<std::string, const Seen*> grads;
-        for (const auto& s : seen) {
-          if (s.forward) continue;
-          ++res.gradients;
-          const std::string key = s.name + "." + s.parameter;
-          if (grads.count(key)) fail(where + "gradient of '" + key + "' delivered twice");
-          grads[key] = &s;
-        }
-        std::map<std::string, double> module_sq;
-        double total_sq = 0;
-        for (const auto& p : params) {
-          const auto [module, param] = split_name(p.key());
-          if (module == "tied1" && param == "weight") continue;  // tied0's: delivered once, there
-          torch::Tensor d;
-          if (spec.style == 3) {
+        main.in_pass = other.in_pass = false;
+        const std::string where = at_step + "pass " + std::to_string(pass) + ": ";
+        std::vector<Want> wants = wants_of(expected, false);
+        if (spec.second == 2)
+          for (const auto& w : wants_of(expected, true)) wants.push_back(w);
+        check_forward(where, main.seen, wants, true);
+        if (spec.second == 1) check_forward("second manager, " + where, other.seen, wants_of(expected, true), true);
+        if (spec.second == 3) check_forward("second manager, " + where, other.seen, wants_of(expected, false), true);
+        Grads delta;
+        if (spec.style == 3) {
+          for (const auto& p : params) {
             const auto h = handed.find(p.value().unsafeGetTensorImpl());
-            d = h == handed.end() ? torch::zeros_like(p.value(), torch::kDouble) : dense(h->second).to(torch::kDouble);
-          } else {
-            const torch::Tensor g = p.value().grad();
-            d = dense(g.defined() ? g : torch::zeros_like(p.value())).to(torch::kDouble) - before[p.key()].to(torch::kDouble);
+            delta[p.key()] = h == handed.end() ? torch::zeros_like(p.value(), torch::kDouble)
+                                               : dense(h->second).to(torch::kDouble);
           }
-          const double sq = d.pow(2).sum().item<double>();
-          const auto it = grads.find(p.key());
-          if (it == grads.end()) {
-            // A parameter this pass did not reach has no gradient to deliver.
-            if (sq > 0) fail(where + "gradient of '" + p.key() + "' not delivered");
-            continue;
-          }
-          ++res.checks;
-          if (!close(it->second->l2, std::sqrt(sq), 1e-4))
-            fail(where + "gradient of '" + p.key() + "' has norm " + std::to_string(it->second->l2) + " vs " +
-                 std::to_string(std::sqrt(sq)));
-          module_sq[module] += sq;
-          total_sq += sq;
-          grads.erase(it);
+        } else {
+          delta = subtract(snapshot(), before);
         }
-        for (const auto& [key, s] : grads) fail(where + "unexpected gradient '" + key + "'");
-        for (const auto& [module, n] : session.gradient_norms()) {
-          ++res.checks;
-          if (!close(n, std::sqrt(module_sq[module]), 1e-4))
-            fail(where + "module norm of '" + module + "' " + std::to_string(n) + " vs " +
-                 std::to_string(std::sqrt(module_sq[module])));
-        }
-        const auto st = hooks.state();
-        ++res.checks;
-        if (!st.gradient_norm || !close(*st.gradient_norm, std::sqrt(total_sq), 1e-4))
-          fail(where + "global norm " + (st.gradient_norm ? std::to_string(*st.gradient_norm) : "none") + " vs " +
-               std::to_string(std::sqrt(total_sq)));
+        check_gradients(where, main.seen, delta, session.gradient_norms(), main.hooks.state().gradient_norm);
+        if (spec.second == 3)
+          check_gradients("second manager, " + where, other.seen, delta, second->gradient_norms(),
+                          other.hooks.state().gradient_norm);
       }
       if (spec.style == 3) {  // the optimizer reads .grad
         for (const auto& [impl, g] : handed)
@@ -563,10 +769,11 @@ inline Result run(const Spec& spec, int steps = 3) {
             if (t.unsafeGetTensorImpl() == impl) t.mutable_grad() = g.detach().clone();
       }
       opt->step();  // under no-grad: no delivery
-      if (!outside.empty()) {
-        fail("step " + std::to_string(step) + ": " + std::to_string(outside.size()) +
-             " deliveries outside forward/backward, first '" + outside.front().name + "'");
-        outside.clear();
+      for (Recorder* r : {&main, &other}) {
+        if (r->outside.empty()) continue;
+        fail(at_step + ": " + std::to_string(r->outside.size()) + " deliveries outside forward/backward, first '" +
+             r->outside.front().name + "'");
+        r->outside.clear();
       }
     }
   } catch (const std::exception& e) {

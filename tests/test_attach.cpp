@@ -7,7 +7,9 @@
 #include <functional>
 
 #include <atomic>
+#include <condition_variable>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include "helpers.hpp"
@@ -1336,4 +1338,171 @@ TEST_CASE("with auto_step, gradients never handed over are warned of once; a pas
   CHECK(session.failed_backward_passes() == 1);
   net->forward(torch::randn({3, 4})).sum().backward();
   CHECK(hooks.step() == steps + 1);
+}
+
+namespace {
+
+/// The statistics each forward delivery carried, by name, as one manager's callback saw them.
+struct ForwardLog {
+  std::mutex mutex;
+  std::vector<std::pair<std::string, double>> seen;  // (name, mean)
+  explicit ForwardLog(HookManager& hooks) {
+    hooks.register_callback("log", [this](const torchdbg::HookContext& c) {
+      if (!c.is_forward()) return;
+      std::lock_guard<std::mutex> lock(mutex);
+      seen.emplace_back(std::string(c.layer_name()), c.stats().mean);
+    });
+    hooks.register_hook(HookConfig().trigger(HookTrigger::every_forward()).actions({HookAction::custom_callback("log")}));
+  }
+};
+
+}  // namespace
+
+TEST_CASE("sessions on one model each receive every forward output: a validation session beside training, two managers",
+          "[attach]") {
+  torchdbg_test::SeededRng rng(41);
+  auto net = torch::nn::Sequential(torch::nn::Linear(6, 8), torch::nn::ReLU(), torch::nn::Linear(8, 3));
+  const auto x = torch::randn({5, 6});
+  // The reference, before anything is attached: what each layer returns for x.
+  const auto y0 = net[0]->as<torch::nn::Linear>()->forward(x);
+  const auto y1 = torch::relu(y0);
+  const auto y2 = net[2]->as<torch::nn::Linear>()->forward(y1);
+  const std::vector<std::pair<std::string, double>> want{
+      {"0", y0.mean().item<double>()}, {"0/relu", y1.mean().item<double>()}, {"2", y2.mean().item<double>()}};
+  const auto same = [&](const std::vector<std::pair<std::string, double>>& got) {
+    if (got.size() != want.size()) return false;
+    for (std::size_t i = 0; i < got.size(); ++i)
+      if (got[i].first != want[i].first || std::fabs(got[i].second - want[i].second) > 1e-6) return false;
+    return true;
+  };
+  HookManager train_hooks, eval_hooks, other_hooks;
+  ForwardLog train(train_hooks), eval(eval_hooks), other(other_hooks);
+  for (auto* h : {&train_hooks, &eval_hooks, &other_hooks}) h->create_gradient_tracking_hook({});
+  auto training = torchdbg::attach(*net, train_hooks);
+  auto validation = torchdbg::attach(*net, eval_hooks, AttachOptions().backward(false).no_grad_forward(true));
+  auto second = torchdbg::attach(*net, other_hooks);  // a full session on a second manager
+  for (int step = 0; step < 2; ++step) {
+    INFO("step " << step);
+    for (auto* h : {&train_hooks, &eval_hooks, &other_hooks}) h->set_step(step);
+    train.seen.clear();
+    eval.seen.clear();
+    other.seen.clear();
+    net->zero_grad();
+    net->forward(x).sum().backward();
+    CHECK(same(train.seen));
+    CHECK(same(eval.seen));
+    CHECK(same(other.seen));
+    // An evaluation pass: only the session observing no-grad forwards sees it.
+    for (auto* h : {&train_hooks, &eval_hooks, &other_hooks}) h->set_step(10 + step);
+    train.seen.clear();
+    eval.seen.clear();
+    other.seen.clear();
+    {
+      torch::NoGradGuard no_grad;
+      net->forward(x);
+    }
+    for (auto* h : {&train_hooks, &eval_hooks, &other_hooks}) h->set_step(20 + step);
+    CHECK(train.seen.empty());
+    CHECK(same(eval.seen));
+    CHECK(other.seen.empty());
+  }
+  // Both gradient sessions have every gradient, each in its own norms.
+  double total = 0;
+  for (const auto& p : net->parameters()) total += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
+  REQUIRE(train_hooks.state().gradient_norm);
+  REQUIRE(other_hooks.state().gradient_norm);
+  CHECK_CLOSE(*train_hooks.state().gradient_norm, std::sqrt(total), 1e-6);
+  CHECK_CLOSE(*other_hooks.state().gradient_norm, std::sqrt(total), 1e-6);
+  CHECK(training.gradient_norms() == second.gradient_norms());
+  CHECK(training.backward_deliveries() == second.backward_deliveries());
+  CHECK(validation.backward_deliveries() == 0);
+}
+
+TEST_CASE("Hogwild: two threads' passes on one model keep their own norms, also when one runs inside the other",
+          "[attach]") {
+  torchdbg_test::SeededRng rng(43);
+  auto net = torch::nn::Sequential(torch::nn::Linear(6, 8), torch::nn::Tanh(), torch::nn::Linear(8, 8),
+                                   torch::nn::Tanh(), torch::nn::Linear(8, 2));
+  const auto xa = torch::randn({4, 6}), xb = torch::randn({7, 6}) * 3;
+  const auto loss_of = [&](const torch::Tensor& x) { return net->forward(x).pow(2).mean(); };
+  // The reference: each pass's gradients alone, before anything is attached.
+  const auto named = net->named_parameters();
+  struct Norms {
+    double global = 0;
+    std::map<std::string, double> modules;
+  };
+  const auto reference = [&](const torch::Tensor& x) {
+    std::vector<torch::Tensor> params;
+    for (const auto& p : named) params.push_back(p.value());
+    const auto grads = torch::autograd::grad({loss_of(x)}, params);
+    Norms n;
+    for (std::size_t i = 0; i < grads.size(); ++i) {
+      const double sq = grads[i].to(torch::kDouble).pow(2).sum().item<double>();
+      const std::string key = named.keys()[i];
+      n.modules[key.substr(0, key.find('.'))] += sq;
+      n.global += sq;
+    }
+    n.global = std::sqrt(n.global);
+    for (auto& [m, v] : n.modules) v = std::sqrt(v);
+    return n;
+  };
+  const Norms ref_a = reference(xa), ref_b = reference(xb);
+  HookManager hooks;
+  hooks.create_gradient_tracking_hook({});
+  auto session = torchdbg::attach(*net, hooks, AttachOptions().concurrent_forward(true));
+  std::mutex m;
+  std::vector<std::pair<std::thread::id, Norms>> ends;
+  hooks.add_listener([&](HookManager::Change c) {
+    if (c != HookManager::Change::GradientNorm) return;
+    Norms n;
+    n.global = *hooks.state().gradient_norm;
+    for (const auto& [name, v] : session.gradient_norms()) n.modules[name] = v;
+    std::lock_guard<std::mutex> lock(m);
+    ends.emplace_back(std::this_thread::get_id(), n);
+  });
+  // A's pass blocks after its last layer's gradients (a hook on the first Tanh's output)
+  // until B's whole pass has run on another thread.
+  std::condition_variable cv;
+  int phase = 0;
+  std::thread::id thread_b;
+  const auto check = [&](const Norms& got, const Norms& ref) {
+    CHECK_CLOSE(got.global, ref.global, 1e-6);
+    REQUIRE(got.modules.size() == ref.modules.size());
+    for (const auto& [name, v] : ref.modules) {
+      INFO(name);
+      CHECK_CLOSE(got.modules.at(name), v, 1e-6);
+    }
+  };
+  for (int step = 0; step < 3; ++step) {
+    INFO("step " << step);
+    hooks.set_step(step);
+    ends.clear();
+    phase = 0;
+    const auto h = net[1]->as<torch::nn::Tanh>()->forward(net[0]->as<torch::nn::Linear>()->forward(xa));
+    h.register_hook([&](const torch::Tensor&) {
+      std::unique_lock<std::mutex> lock(m);
+      phase = 1;
+      cv.notify_all();
+      cv.wait(lock, [&] { return phase == 2; });
+    });
+    auto rest = net[4]->as<torch::nn::Linear>()->forward(
+        net[3]->as<torch::nn::Tanh>()->forward(net[2]->as<torch::nn::Linear>()->forward(h)));
+    std::thread b([&] {
+      thread_b = std::this_thread::get_id();
+      {
+        std::unique_lock<std::mutex> lock(m);
+        cv.wait(lock, [&] { return phase == 1; });
+      }
+      loss_of(xb).backward();
+      std::lock_guard<std::mutex> lock(m);
+      phase = 2;
+      cv.notify_all();
+    });
+    rest.pow(2).mean().backward();
+    b.join();
+    REQUIRE(ends.size() == 2);
+    CHECK(ends[0].first == thread_b);
+    check(ends[0].second, ref_b);
+    check(ends[1].second, ref_a);
+  }
 }

@@ -13,7 +13,9 @@
 //   backward pass on another thread may run it, and detach() must be safe at any time.
 //   The first hook of a backward pass queues an autograd final callback, which computes the
 //   per-module gradient norms (one host copy for all modules), reports the global norm to
-//   the manager (`set_gradient_norm`) and, with `auto_step`, advances the step. A pass that
+//   the manager (`set_gradient_norm`) and, with `auto_step`, advances the step. Each pass
+//   (an autograd graph task) keeps its own norms: passes that several threads run at once on
+//   one model (Hogwild) are never summed together, and each ends on its own. A pass that
 //   throws (LibTorch then drops its final callbacks) is noticed when the pass is freed: it is
 //   counted (`failed_backward_passes`), its partial norms are dropped and the next pass
 //   starts afresh.
@@ -46,7 +48,9 @@
 //   outputs carry {"module_type": "torch::nn::LinearImpl"}; the first module output after a
 //   step change also carries {"input_rms": "<RMS of its data input>"} and, when the input
 //   holds NaN or ±Inf, {"input_nan": "<count>", "input_inf": "<count>"}. Operators inside
-//   backward are ignored. A backward pass restarts the call counts of the sessions whose
+//   backward are ignored. Several sessions on one model (a training session and a
+//   validation one with `no_grad_forward`, or two managers) each attribute every operator
+//   and each receives its own deliveries. A backward pass restarts the call counts of the sessions whose
 //   forward ran on its thread only, so two threads training their own models never touch
 //   each other's counts, and the observer stays on during a pass when some session's
 //   forward runs on another thread.
@@ -100,16 +104,27 @@
 //   goes to the first registered;
 // - a module output that nothing consumes before the step ends is delivered at the step
 //   change or `flush()`, and an in-place change made to it before then is what hooks see;
+// - threads training one model at once (Hogwild) share the session's call counters: a
+//   call's index mixes both threads' calls (its norms do not), and a tied pair told apart by
+//   call order may swap; the health monitor judges the gradients that arrive between two
+//   pass ends together;
+// - a backward pass run inside another one (a custom Function's backward calling
+//   backward) is a pass of its own: its norm is reported, and with `auto_step` it is a step.
 // Where a call must be seen exactly as the module made it (one delivery per call, the
 // returned tensor, read/replace/stop), route it through torchdbg: `Hooked<>` members or
 // `hooked_call` (hooked.hpp).
 
-// The pieces, in the order data flows: options; the module table; a session's core
-// (delivery, device queue, gradient bookkeeping); the gradient taps; the forward observer;
-// the session a user holds.
+// The pieces, in the order data flows: options; the module table; each backward pass's
+// gradient bookkeeping; the device queue; a session's core (delivery, pass ends); the
+// gradient taps; the forward observer's per-thread state, its attribution of operators to
+// modules, the observer itself; the session a user holds.
 #include "torchdbg/attach/options.hpp"
 #include "torchdbg/attach/modules.hpp"
+#include "torchdbg/attach/pass_ledger.hpp"
+#include "torchdbg/attach/deferred.hpp"
 #include "torchdbg/attach/core.hpp"
 #include "torchdbg/attach/gradient_tap.hpp"
+#include "torchdbg/attach/observer_state.hpp"
+#include "torchdbg/attach/attribution.hpp"
 #include "torchdbg/attach/observer.hpp"
 #include "torchdbg/attach/session.hpp"

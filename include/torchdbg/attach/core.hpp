@@ -2,8 +2,8 @@
 // SPDX-License-Identifier: MIT
 #pragma once
 
-// A session's shared state: delivery to the manager, the queue of device deliveries and
-// the per-pass gradient bookkeeping.
+// A session's shared state: delivery to the manager, queued device deliveries, and the end
+// of each backward pass.
 
 #include <ATen/ATen.h>
 
@@ -24,9 +24,11 @@
 #include <utility>
 #include <vector>
 
+#include "torchdbg/attach/deferred.hpp"
 #include "torchdbg/attach/modules.hpp"
 #include "torchdbg/attach/options.hpp"
 #include "torchdbg/attach/pass_end.hpp"
+#include "torchdbg/attach/pass_ledger.hpp"
 #include "torchdbg/hook_context.hpp"
 #include "torchdbg/tensor_stats.hpp"
 
@@ -56,8 +58,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       param_base_.push_back(total);
       total += mod.params.size();
     }
-    hook_pass_ = std::make_unique<std::atomic<uint64_t>[]>(total);
-    for (std::size_t i = 0; i < total; ++i) hook_pass_[i].store(0);
+    hooked_.resize(total);
   }
   /// The step the call counters belong to.
   std::atomic<int64_t> calls_step{std::numeric_limits<int64_t>::min()};
@@ -122,7 +123,8 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   /// Sends one tensor to the manager, or queues it (see StatsBatching); never throws.
   /// `base_md` is copied only when the input's RMS is added to it.
   void send(std::size_t module, std::string_view name, const at::Tensor& t, bool is_forward,
-            const Metadata& base_md, const TensorStats* precomputed = nullptr, InputMoments input = {}) {
+            const Metadata& base_md, const TensorStats* precomputed = nullptr, InputMoments input = {},
+            std::shared_ptr<PassLedger::Pass> pass = nullptr) {
     if (!active.load()) return;
     if (is_forward) {
       note_order(module);
@@ -144,16 +146,10 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     const Metadata& md = own ? *own : base_md;
     if (precomputed == nullptr && defers(t)) {
       try {
-        Deferred d{module, std::string(name), t, is_forward, md, pack_moments(t.detach()),
-                   input.packed, {}};
+        DeferredQueue::Item d{module, std::string(name), t, is_forward, md, pack_moments(t.detach()),
+                              input.packed, {}, std::move(pass)};
         if (prefetch) d.extras = prefetch(name, t, is_forward, md);
-        bool full = false;
-        {
-          std::lock_guard<std::mutex> lock(defer_mutex_);
-          deferred_.push_back(std::move(d));
-          full = static_cast<int64_t>(deferred_.size()) >= options.max_deferred();
-        }
-        if (full) flush_deferred();
+        if (deferred_.push(std::move(d), options.max_deferred())) flush_deferred();
         return;
       } catch (...) {
         // could not reduce on the device: deliver at once, the hooks compute what they need
@@ -171,86 +167,47 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   /// Brings every queued delivery's statistics to the host (one copy per device) and runs
   /// their hooks in arrival order; never throws.
   void flush_deferred() {
-    std::vector<Deferred> batch;
-    {
-      std::lock_guard<std::mutex> lock(defer_mutex_);
-      batch.swap(deferred_);
-    }
+    std::vector<DeferredQueue::Item> batch = deferred_.take();
     if (batch.empty()) return;
     DeliveringScope scope;
-    const std::size_t n = batch.size();
-    std::vector<std::optional<Moments>> stats(n), inputs(n);
-    std::vector<Prefetched> extras(n);
-    try {
-      std::vector<at::Device> devices;
-      for (const auto& d : batch)
-        if (std::find(devices.begin(), devices.end(), d.packed.device()) == devices.end())
-          devices.push_back(d.packed.device());
-      for (const at::Device& dev : devices) {
-        // Everything queued on `dev`, laid end to end: moments, input moments, prefetches.
-        std::vector<at::Tensor> parts;
-        for (const auto& d : batch) {
-          if (d.packed.device() != dev) continue;
-          parts.push_back(d.packed);
-          if (d.input_packed.defined()) parts.push_back(d.input_packed.to(dev));
-          for (const auto& e : d.extras) parts.push_back(e.second.to(dev, at::kDouble));
-        }
-        const at::Tensor host = at::cat(parts).to(at::kCPU, at::kDouble).contiguous();
-        host_transfers.fetch_add(1);
-        const double* v = host.data_ptr<double>();
-        for (std::size_t i = 0; i < n; ++i) {
-          if (batch[i].packed.device() != dev) continue;
-          stats[i] = unpack_moments(v);
-          v += kPackedMoments;
-          if (batch[i].input_packed.defined()) {
-            inputs[i] = unpack_moments(v);
-            v += kPackedMoments;
-          }
-          for (const auto& e : batch[i].extras) {
-            const auto len = static_cast<std::size_t>(e.second.numel());
-            extras[i][e.first].assign(v, v + len);
-            v += len;
-          }
-        }
-      }
-    } catch (...) {
-      // the copy failed (a device error): the deliveries still run and compute their own
-      for (auto& s : stats) s.reset();
-      for (auto& s : inputs) s.reset();
-      for (auto& e : extras) e.clear();
-    }
-    for (std::size_t i = 0; i < n; ++i) {
-      Deferred& d = batch[i];
+    std::vector<DeferredQueue::Fetched> fetched = DeferredQueue::fetch(batch, host_transfers);
+    for (std::size_t i = 0; i < batch.size(); ++i) {
+      DeferredQueue::Item& d = batch[i];
       try {
         std::optional<TensorStats> s;
-        if (stats[i]) s = stats_from_moments(*stats[i], d.tensor);
-        if (inputs[i]) add_input_rms(d.md, *inputs[i]);
-        if (!d.is_forward && s) add_gradient_square(d.module, s->l2_norm * s->l2_norm);
-        if (active.load()) deliver(d.name, d.tensor, d.is_forward, d.md, s ? &*s : nullptr, &extras[i]);
+        if (fetched[i].stats) s = stats_from_moments(*fetched[i].stats, d.tensor);
+        if (fetched[i].input) add_input_rms(d.md, *fetched[i].input);
+        if (d.pass && s && options.gradient_norms()) passes_.add(*d.pass, d.module, s->l2_norm * s->l2_norm);
+        if (active.load()) deliver(d.name, d.tensor, d.is_forward, d.md, s ? &*s : nullptr, &fetched[i].extras);
       } catch (...) {
       }
     }
-    // The queue's buffer serves the next step: no reallocation per step.
-    batch.clear();
-    std::lock_guard<std::mutex> lock(defer_mutex_);
-    if (deferred_.empty() && deferred_.capacity() < batch.capacity()) deferred_.swap(batch);
+    deferred_.recycle(batch);
   }
 
   void on_grad(std::size_t m, std::size_t param, const at::Tensor& g);
-  /// Delivers gradient `g` of module `m`'s parameter `param` and counts it toward the pass's
+  /// Delivers gradient `g` of module `m`'s parameter `param` and counts it toward `pass`'s
   /// norms (when gradient hooks are due); on_grad and observe_gradients call it.
-  void take_gradient(std::size_t m, std::size_t param, const at::Tensor& g);
-  /// Ends a pass whose gradients were handed over (observe_gradients): norms, auto_step.
-  void end_handed_pass() {
-    gradients_in_pass_.store(true);
-    on_backward_end();
+  void take_gradient(std::size_t m, std::size_t param, const at::Tensor& g,
+                     const std::shared_ptr<PassLedger::Pass>& pass);
+  /// A pass for gradients handed over (observe_gradients); end it with end_handed_pass.
+  std::shared_ptr<PassLedger::Pass> open_handed_pass() {
+    bool opened = false;
+    return passes_.open(nullptr, modules.size(), &opened);
   }
-  /// Whether a tensor hook delivered parameter `param` of module `m` in the last pass that
-  /// ended: LibTorch 2.x runs leaf tensor hooks for torch::autograd::grad too, and such a
-  /// gradient handed over again (observe_gradients) is not delivered twice.
-  [[nodiscard]] bool hooked_in_last_pass(std::size_t m, std::size_t param) const {
-    const uint64_t ended = passes_ended_.load();
-    return ended > 0 && hook_pass_[param_base_[m] + param].load(std::memory_order_relaxed) == ended;
+  /// Ends a pass whose gradients were handed over: norms, auto_step.
+  void end_handed_pass(PassLedger::Pass& pass) {
+    passes_.note_gradient(pass);
+    on_backward_end(pass);
+  }
+  /// Whether a tensor hook delivered parameter `param` of module `m` as `g` itself, or in the
+  /// last pass that ended: LibTorch 2.x runs leaf tensor hooks for torch::autograd::grad too,
+  /// and such a gradient handed over again (observe_gradients) is not delivered twice.
+  [[nodiscard]] bool delivered_by_hook(std::size_t m, std::size_t param, const at::Tensor& g) const {
+    std::lock_guard<std::mutex> lock(hooked_mutex_);
+    const Hooked& h = hooked_[param_base_[m] + param];
+    if (h.pass != 0 && h.pass == passes_.last_closed()) return true;
+    return h.grad && !h.grad->expired() && h.grad->_unsafe_get_target() == g.unsafeGetTensorImpl();
   }
   std::atomic<bool> warned_no_gradient{false};
 
@@ -261,7 +218,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     return out;
   }
   [[nodiscard]] std::vector<std::pair<std::string, double>> gradient_norms() const {
-    std::lock_guard<std::mutex> lock(grad_mutex_);
+    std::lock_guard<std::mutex> lock(norms_mutex_);
     return last_norms_;
   }
 
@@ -296,17 +253,6 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   }
 
  private:
-  struct Deferred {
-    std::size_t module;
-    std::string name;
-    at::Tensor tensor;
-    bool is_forward;
-    Metadata md;
-    at::Tensor packed;        // kPackedMoments doubles, on the tensor's device
-    at::Tensor input_packed;  // the data input's, or undefined
-    std::vector<std::pair<std::string, at::Tensor>> extras;  // the manager's prefetches
-  };
-
   /// The data input's "input_rms" and, when it holds any, "input_nan" and "input_inf" counts.
   static void add_input_rms(Metadata& md, const Moments& m) {
     if (m.nan > 0) md.emplace("input_nan", std::to_string(m.nan));
@@ -315,14 +261,6 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     char buf[40];
     std::snprintf(buf, sizeof buf, "%.17g", std::sqrt(m.sum_squares() / static_cast<double>(m.finite)));
     md.emplace("input_rms", buf);
-  }
-
-  void add_gradient_square(std::size_t m, double sq) {
-    if (!options.gradient_norms()) return;
-    std::lock_guard<std::mutex> lock(grad_mutex_);
-    if (grad_sq_.size() < modules.size()) grad_sq_.resize(modules.size());
-    grad_sq_[m].seen = true;
-    grad_sq_[m].sum += sq;
   }
 
   void note_order(std::size_t m) {
@@ -334,33 +272,32 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     }
   }
 
-  void on_backward_end() {
-    end_queued_.store(false);
+  /// `pass` ended: its queued statistics (gradients' included, one copy per device), its norms,
+  /// auto_step; nothing when none of its gradients were this session's.
+  void on_backward_end(PassLedger::Pass& pass) {
     // A pass that reached none of this session's parameters (another model's, or one taken
     // with torch::autograd::grad) is no step of it; torch::autograd::grad is suspected until
     // gradients are handed over (warned of at the next iteration's first call).
-    const bool had_gradients = gradients_in_pass_.exchange(false);
-    if (!had_gradients) {
+    if (!passes_.had_gradients(pass)) {
+      passes_.close(pass);
       if (forward_since_pass.load()) no_gradient_pass.store(true);
       return;
     }
     forward_since_pass.store(false);
-    passes_ended_.fetch_add(1);
-    flush_deferred();  // the step's queued statistics, gradients' included: one copy per device
-    if (active.load() && options.gradient_norms()) {
+    flush_deferred();  // the queued gradients' squares count toward their passes
+    const auto squares = passes_.close(pass).second;
+    if (active.load() && options.gradient_norms() && !squares.empty()) {
       std::vector<std::pair<std::string, double>> norms;
       double total = 0.0;
-      {
-        std::lock_guard<std::mutex> lock(grad_mutex_);
-        for (std::size_t i = 0; i < grad_sq_.size(); ++i) {
-          if (!grad_sq_[i].seen) continue;
-          norms.emplace_back(modules[i].name, std::sqrt(grad_sq_[i].sum));
-          total += grad_sq_[i].sum;
-          grad_sq_[i] = GradSq{};
-        }
-        if (!norms.empty()) last_norms_ = norms;
+      for (const auto& [m, sq] : squares) {
+        norms.emplace_back(modules[m].name, std::sqrt(sq));
+        total += sq;
       }
-      if (!norms.empty() && report_gradient_norm) {
+      {
+        std::lock_guard<std::mutex> lock(norms_mutex_);
+        last_norms_ = norms;
+      }
+      if (report_gradient_norm) {
         try {
           report_gradient_norm(std::sqrt(total));
         } catch (...) {
@@ -386,20 +323,33 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   /// call (ForwardObserver), or its first gradient (on_grad): the end of the pass is awaited, so
   /// a pass that throws before any gradient arrives is noticed too (and counted by every
   /// session whose forward ran on that thread since its last pass).
-  void begin_pass() {
-    if (!active.load()) return;
-    const bool due = backward_due.load();
-    if ((due || options.auto_step()) && !end_queued_.exchange(true)) {
-      std::weak_ptr<AttachCore> self = weak_from_this();
-      const bool queued = queue_pass_end(
-          [self] {
-            if (auto s = self.lock()) s->on_backward_end();
-          },
-          [self] {
-            if (auto s = self.lock()) s->on_backward_failed();
-          });
-      if (!queued) end_queued_.store(false);  // not inside a backward pass (a manual hook call)
+  /// Returns the pass (null when nothing waits for its end: no hook due, no auto_step).
+  std::shared_ptr<PassLedger::Pass> begin_pass() {
+    if (!active.load()) return nullptr;
+    if (!backward_due.load() && !options.auto_step()) return nullptr;
+    const void* id = PassLedger::current_id();
+    if (id == nullptr) return nullptr;  // not inside a backward pass (a manual hook call)
+    bool opened = false;
+    std::shared_ptr<PassLedger::Pass> pass = passes_.open(id, modules.size(), &opened);
+    if (!opened) return pass;
+    std::weak_ptr<AttachCore> self = weak_from_this();
+    std::weak_ptr<PassLedger::Pass> p = pass;  // the ledger holds it until it is closed
+    const bool queued = queue_pass_end(
+        [self, p] {
+          auto s = self.lock();
+          auto q = p.lock();
+          if (s && q) s->on_backward_end(*q);
+        },
+        [self, p] {
+          auto s = self.lock();
+          auto q = p.lock();
+          if (s && q) s->on_backward_failed(*q);
+        });
+    if (!queued) {
+      passes_.close(*pass);
+      return nullptr;
     }
+    return pass;
   }
   /// Forward deliveries since the last pass ended (begin_pass is called for such sessions).
   std::atomic<bool> forward_since_pass{false};
@@ -422,17 +372,12 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
 
   /// The pass threw: what it queued is delivered (those gradients were computed), its partial
   /// norms are dropped, the step does not advance, and the next pass starts afresh.
-  void on_backward_failed() noexcept {
-    end_queued_.store(false);
-    gradients_in_pass_.store(false);
+  void on_backward_failed(PassLedger::Pass& pass) noexcept {
     forward_since_pass.store(false);
     failed_passes.fetch_add(1);
     flush_deferred();
     try {
-      {
-        std::lock_guard<std::mutex> lock(grad_mutex_);
-        for (auto& g : grad_sq_) g = GradSq{};
-      }
+      passes_.close(pass);
       if (active.load() && report_failed_pass) report_failed_pass();
     } catch (...) {
     }
@@ -441,44 +386,44 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   mutable std::mutex order_mutex_;
   std::vector<std::size_t> order_;
   std::vector<char> seen_;
-  mutable std::mutex grad_mutex_;
-  /// A module's squared gradient norm during one backward pass.
-  struct GradSq {
-    bool seen = false;
-    double sum = 0.0;
+  PassLedger passes_;
+  mutable std::mutex norms_mutex_;
+  std::vector<std::pair<std::string, double>> last_norms_;  // of the last pass that ended
+  std::vector<std::size_t> param_base_;                      // module -> its first parameter's slot
+  /// Per parameter: the gradient a hook delivered last, and its pass's serial (0: none).
+  struct Hooked {
+    std::optional<WeakImpl> grad;
+    uint64_t pass = 0;
   };
-  std::vector<GradSq> grad_sq_;
-  std::vector<std::pair<std::string, double>> last_norms_;
-  std::atomic<bool> end_queued_{false};
-  std::atomic<bool> gradients_in_pass_{false};  // a gradient arrived in the awaited pass
-  std::atomic<uint64_t> passes_ended_{0};       // passes that ended with gradients
-  std::vector<std::size_t> param_base_;         // module -> its first parameter's slot
-  std::unique_ptr<std::atomic<uint64_t>[]> hook_pass_;  // per parameter: the pass a hook delivered it in
+  mutable std::mutex hooked_mutex_;
+  std::vector<Hooked> hooked_;
   std::mutex follow_mutex_;
   std::map<std::tuple<std::size_t, int, uint32_t>, std::shared_ptr<const FollowUp>> follow_ups_;
   std::unique_ptr<std::atomic<uint32_t>[]> calls_;
-  std::mutex defer_mutex_;
-  std::vector<Deferred> deferred_;
+  DeferredQueue deferred_;
 };
 
 inline void AttachCore::on_grad(std::size_t m, std::size_t param, const at::Tensor& g) {
   if (!active.load()) return;
   // The end-of-backward callback is needed for norms and queued deliveries (when hooks are
   // due) and auto_step only: a step with nothing due costs this one check per gradient.
-  begin_pass();
-  if (g.defined()) hook_pass_[param_base_[m] + param].store(passes_ended_.load(std::memory_order_relaxed) + 1,
-                                                           std::memory_order_relaxed);  // the pass under way
-  take_gradient(m, param, g);
+  const std::shared_ptr<PassLedger::Pass> pass = begin_pass();
+  if (g.defined()) {
+    std::lock_guard<std::mutex> lock(hooked_mutex_);
+    hooked_[param_base_[m] + param] = Hooked{weak_of(g), pass ? pass->serial : 0};
+  }
+  take_gradient(m, param, g, pass);
 }
 
-inline void AttachCore::take_gradient(std::size_t m, std::size_t param, const at::Tensor& g) {
+inline void AttachCore::take_gradient(std::size_t m, std::size_t param, const at::Tensor& g,
+                                      const std::shared_ptr<PassLedger::Pass>& pass) {
   if (!g.defined()) return;
-  gradients_in_pass_.store(true, std::memory_order_relaxed);
   no_gradient_pass.store(false, std::memory_order_relaxed);
+  if (pass) passes_.note_gradient(*pass);
   if (!backward_due.load()) return;
   const Metadata& md = modules[m].params[param].grad_md;
   if (defers(g)) {  // the norm comes with the batch
-    send(m, modules[m].name, g, false, md);
+    send(m, modules[m].name, g, false, md, nullptr, {}, pass);
     return;
   }
   std::optional<TensorStats> stats;
@@ -486,7 +431,7 @@ inline void AttachCore::take_gradient(std::size_t m, std::size_t param, const at
     // One pass: the same statistics serve the norm and every hook of this delivery.
     try {
       stats = compute_stats(g, StatsOptions().sign_counts(gradient_signs.load()));
-      add_gradient_square(m, stats->l2_norm * stats->l2_norm);
+      if (pass) passes_.add(*pass, m, stats->l2_norm * stats->l2_norm);
     } catch (...) {
     }
   }

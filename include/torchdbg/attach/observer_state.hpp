@@ -20,8 +20,8 @@
 namespace torchdbg::detail {
 
 /// The forward observer's thread-local state and the operator helpers it uses: which module
-/// output is pending on this thread, the outputs and weight views it remembers, and the
-/// context an operator's start hands to its end.
+/// outputs are pending on this thread (one per session), the outputs and weight views it
+/// remembers, and the context an operator's start hands to its end.
 class ObserverState {
  protected:
   /// A few tensor identities (the module tensors one call reads); beyond capacity, the
@@ -67,10 +67,17 @@ class ObserverState {
     int direct = 0;
     int derived = 0;
   };
+  /// What an operator reads of one session's tensors.
+  struct CoreReads {
+    TensorSet used;                           // every module tensor of it read
+    const c10::TensorImpl* source = nullptr;  // the first, for Weights
+  };
   struct Tls {
     int backward_depth = 0;
     int skip_depth = 0;
-    Pending pending;
+    /// The output of each session's module call not delivered yet (its operators may go on:
+    /// `x @ w + b`); several sessions attached to one model each have theirs.
+    std::array<Pending, 4> pending;
     /// Recent module outputs already delivered, and views of them (`fc(x).view(...)`,
     /// `.transpose(...)`): an activation applied to one later, whatever ran in between, is
     /// still "<module>/<activation>". The oldest is forgotten first.
@@ -78,24 +85,50 @@ class ObserverState {
     std::size_t next_output = 0;
     std::array<Derived, 16> derived;
     std::size_t next_derived = 0;
-    std::vector<const c10::TensorImpl*> grads_of_owned;  // on_start's scratch, kept allocated
-    std::array<Candidate, 8> candidates;                  // on_start's scratch
+    // on_start's scratch, kept allocated
+    std::vector<const c10::TensorImpl*> grads_of_owned;
+    std::array<Candidate, 8> candidates;
+    std::vector<CoreReads> reads;                   // per session
+    std::vector<const c10::TensorImpl*> data;       // the data inputs (and templates' tensors)
   };
-  struct OpCtx : at::ObserverContext {
-    /// Update: an in-place update of a module's own tensor or an optimizer's arithmetic; the
-    /// operators it runs inside (`mul_` calling `mul` with a wrapped scalar) are not looked at.
-    /// Internal: a step inside a module's forward that is not its output (Module::internal).
-    /// Alias: a view-like operator on a module's output; its output joins Tls::outputs.
-    /// Reader: another operator reading a remembered module output (a loss, dropout, a copy);
-    /// the operators it runs inside (cross_entropy's log_softmax) are its own, not follow-ups.
-    enum Kind { Backward, Forward, Weights, Activation, Update, Internal, Alias, Reader } kind = Backward;
+  /// What one session makes of an operator.
+  /// Forward: an operator of a module's call; its output becomes the call's pending output.
+  /// Weights: an operator on a module's tensors alone (`weight.t()`); its output is remembered.
+  /// Internal: a step inside a module's forward that is not its output (Module::internal).
+  /// Activation: a follow-up operator on a module's output ("<module>/<op>").
+  /// Alias: a view-like operator on a module's output; its output joins Tls::outputs.
+  /// Reader: another operator reading a remembered module output (a loss, dropout, a copy).
+  struct Decision {
+    enum Kind { Forward, Weights, Internal, Activation, Alias, Reader } kind = Reader;
     std::shared_ptr<AttachCore> core;
     std::size_t module = 0;
-    uint32_t call = 0;                   // Activation, Alias: the call of the module's output
+    uint32_t call = 0;                        // Activation, Alias: the call of the module's output
     const c10::TensorImpl* source = nullptr;  // Weights
     TensorSet used;                           // Forward: the module tensors it reads
-    int follow_up = -1;  // Activation: index in FollowUpOps
+    int follow_up = -1;                       // Activation: index in FollowUpOps
     std::optional<AttachCore::InputMoments> input;
+  };
+  /// Backward: an autograd node. Update: an in-place update of a module's own tensor or an
+  /// optimizer's arithmetic. Decided: what each session that sees the operator makes of it.
+  /// The operators an Update or Decided one runs inside (`mul_` calling `mul` with a wrapped
+  /// scalar, cross_entropy's log_softmax) are its own and not looked at.
+  struct OpCtx : at::ObserverContext {
+    enum Kind { Backward, Update, Decided } kind = Backward;
+    Decision first;              // the first session's
+    std::vector<Decision> more;  // further sessions' (several attached to one model)
+    std::size_t count = 0;
+    void add(Decision d) {
+      if (count++ == 0) {
+        first = std::move(d);
+      } else {
+        more.push_back(std::move(d));
+      }
+    }
+    template <typename F>
+    void each(F&& f) {
+      if (count > 0) f(first);
+      for (auto& d : more) f(d);
+    }
   };
 
   static Tls& tls() {
@@ -116,11 +149,29 @@ class ObserverState {
     return false;
   }
 
-  /// Delivers the pending output and remembers it among Tls::outputs; returns its slot there
-  /// (outputs.size() when nothing was pending).
-  static std::size_t flush_pending(Tls& t) {
-    Pending p = std::move(t.pending);
-    t.pending = {};
+  /// Session `core`'s pending output on this thread, or null.
+  static Pending* pending_of(Tls& t, const AttachCore* core) {
+    for (auto& p : t.pending)
+      if (p.core.get() == core && core != nullptr) return &p;
+    return nullptr;
+  }
+  /// A free pending slot for a new call (the oldest one is delivered to make room).
+  static Pending& free_pending(Tls& t) {
+    for (auto& p : t.pending)
+      if (!p.core) return p;
+    flush_pending(t, t.pending[0]);
+    return t.pending[0];
+  }
+  /// Delivers every pending output on this thread.
+  static void flush_all(Tls& t) {
+    for (auto& p : t.pending)
+      if (p.core) flush_pending(t, p);
+  }
+  /// Delivers the pending output `which` and remembers it among Tls::outputs; returns its slot
+  /// there (outputs.size() when nothing was pending).
+  static std::size_t flush_pending(Tls& t, Pending& which) {
+    Pending p = std::move(which);
+    which = {};
     if (!p.core || !p.out.defined() || !p.info) return t.outputs.size();
     const std::size_t slot = remember_output(t, Derived{p.core->id, p.module, p.call, nullptr, weak_of(p.out)});
     p.core->send(p.module, p.info->name, p.out, true, p.info->md, nullptr, std::move(p.input));
@@ -132,11 +183,11 @@ class ObserverState {
     t.next_output = (slot + 1) % t.outputs.size();
     return slot;
   }
-  /// The slot of Tls::outputs holding `impl`, or outputs.size().
-  static std::size_t output_slot(const Tls& t, const c10::TensorImpl* impl) {
+  /// The slot of Tls::outputs holding session `core`'s output `impl`, or outputs.size().
+  static std::size_t output_slot(const Tls& t, uint64_t core, const c10::TensorImpl* impl) {
     for (std::size_t i = 0; i < t.outputs.size(); ++i) {
       const Derived& o = t.outputs[i];
-      if (o.core != 0 && o.impl && o.impl->_unsafe_get_target() == impl && !o.impl->expired()) return i;
+      if (o.core == core && o.impl && o.impl->_unsafe_get_target() == impl && !o.impl->expired()) return i;
     }
     return t.outputs.size();
   }

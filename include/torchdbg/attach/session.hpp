@@ -217,8 +217,8 @@ class BasicAttachSession {
   }
 
   /// Hands over gradients no tensor hook saw, such as those `torch::autograd::grad` returns
-  /// on LibTorch 1.x (2.x runs the hooks for it: gradients its pass delivered are skipped, so
-  /// the same code is right on both):
+  /// on LibTorch 1.x (2.x runs the hooks for it: a gradient a hook delivered, in the pass that
+  /// ended last or as this very tensor, is skipped, so the same code is right on both):
   /// `grads[i]` is delivered as the gradient of `params[i]` (under its module, with
   /// {"parameter": name}, counted in the norms), then the pass ends as a backward pass does
   /// (norms reported, `auto_step`). An undefined gradient is skipped (`allow_unused`), whatever
@@ -251,14 +251,14 @@ class BasicAttachSession {
     }
     if (!core_->active.load()) return;
     // LibTorch 2.x runs the parameters' tensor hooks for torch::autograd::grad: what they
-    // delivered in the pass that just ended is not delivered again.
-    bool any = false;
+    // delivered is not delivered again.
+    std::shared_ptr<detail::PassLedger::Pass> pass;
     for (std::size_t i = 0; i < params.size(); ++i) {
-      if (!grads[i].defined() || core_->hooked_in_last_pass(where[i].first, where[i].second)) continue;
-      core_->take_gradient(where[i].first, where[i].second, grads[i]);
-      any = true;
+      if (!grads[i].defined() || core_->delivered_by_hook(where[i].first, where[i].second, grads[i])) continue;
+      if (!pass) pass = core_->open_handed_pass();
+      core_->take_gradient(where[i].first, where[i].second, grads[i], pass);
     }
-    if (any) core_->end_handed_pass();
+    if (pass) core_->end_handed_pass(*pass);
   }
 
   /// Copies that brought queued statistics to the host: one per device per flush (normally

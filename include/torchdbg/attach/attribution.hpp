@@ -1,0 +1,314 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+// Which module's call an operator belongs to, for every session that sees it.
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+
+#include <algorithm>
+#include <memory>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "torchdbg/attach/core.hpp"
+#include "torchdbg/attach/observer_state.hpp"
+#include "torchdbg/attach/operators.hpp"
+
+namespace torchdbg::detail {
+
+/// Attribution of a forward operator: each session owning a tensor the operator reads decides
+/// which of its modules' calls the operator belongs to (Decision), and each session whose
+/// module output it reads decides whether it is an activation, a view or another reader.
+/// Sessions attached to one model decide alike and each receives its own deliveries.
+class Attribution : protected ObserverState {
+ protected:
+  using CoreList = std::vector<std::shared_ptr<AttachCore>>;
+
+  /// What the sessions make of forward operator `fn` (null: nothing; no skip either).
+  static std::unique_ptr<OpCtx> attribute(const at::RecordFunction& fn, Tls& t, const CoreList& cores) {
+    const bool grad_mode = at::GradMode::is_enabled();
+    // An in-place operator whose `self` is a module's own tensor updates state (optimizer
+    // steps, running statistics); it is never a forward output.
+    const std::string_view op_name = fn.name();
+    const bool in_place = !op_name.empty() && op_name.back() == '_';
+    // `x.view_as(weight)`: a parameter passed as a shape or dtype template does not make the
+    // operator the module's. `zeros_like(weight)`, `weight.new_zeros(...)`: a fresh tensor
+    // holding none of the parameter's values (an optimizer's state, `exp_avg`), neither the
+    // module's output nor derived from its weights, even with the parameter as `self`.
+    auto ends_with = [&](std::string_view suf) {
+      return op_name.size() >= suf.size() && op_name.substr(op_name.size() - suf.size()) == suf;
+    };
+    const bool fresh_op = ends_with("_like") || op_name.substr(0, 10) == "aten::new_";
+    const bool template_op = ends_with("_as");
+    // The modules whose tensors this operator reads (several when weights are tied, or when
+    // several sessions attach to one model).
+    std::array<Candidate, 8>& cands = t.candidates;
+    std::size_t ncand = 0;
+    t.reads.assign(cores.size(), CoreReads{});
+    t.data.clear();
+    const auto add_candidates = [&](std::size_t ci, const std::vector<std::size_t>& mods, bool direct) {
+      for (const std::size_t m : mods) {
+        std::size_t k = 0;
+        while (k < ncand && !(cands[k].core == ci && cands[k].module == m)) ++k;
+        if (k == ncand) {
+          if (ncand == cands.size()) continue;
+          cands[ncand++] = Candidate{ci, m, 0, 0};
+        }
+        ++(direct ? cands[k].direct : cands[k].derived);
+      }
+    };
+    const auto read = [&](std::size_t ci, const c10::TensorImpl* impl) {
+      if (t.reads[ci].source == nullptr) t.reads[ci].source = impl;
+      t.reads[ci].used.add(impl);
+    };
+    bool has_data = false;
+    at::Tensor data_in;  // the first data input
+    bool first_input = true;
+    bool updates_owned = false;
+    const at::ArrayRef<const c10::IValue> inputs = safe_inputs(fn);
+    // An operator taking a parameter together with that parameter's own gradient is an
+    // optimizer's (weight decay `grad + wd * p`, ...), whatever the grad mode.
+    std::vector<const c10::TensorImpl*>& grads_of_owned = t.grads_of_owned;
+    grads_of_owned.clear();
+    for (const c10::IValue& v : inputs) {
+      for_each_tensor(v, [&](const at::Tensor& x) {
+        if (!x.defined() || !x.requires_grad()) return;
+        for (const auto& c : cores) {
+          if (c->owner.count(x.unsafeGetTensorImpl()) && x.grad().defined()) {
+            grads_of_owned.push_back(x.grad().unsafeGetTensorImpl());
+          }
+        }
+      });
+    }
+    for (const c10::IValue& v : inputs) {
+      for_each_tensor(v, [&](const at::Tensor& x) {
+        const bool is_self = first_input;
+        first_input = false;
+        if (!x.defined()) return;
+        if (template_op && !is_self) return;  // a shape/dtype template, not an operand
+        const c10::TensorImpl* impl = x.unsafeGetTensorImpl();
+        if (fresh_op) {  // only its shape and dtype are used
+          t.data.push_back(impl);
+          return;
+        }
+        bool module_tensor = false;
+        for (std::size_t ci = 0; ci < cores.size(); ++ci) {
+          const AttachCore& c = *cores[ci];
+          auto it = c.owner.find(impl);
+          if (it == c.owner.end()) continue;
+          module_tensor = true;
+          if (!grad_mode && !c.options.no_grad_forward()) continue;
+          add_candidates(ci, it->second, /*direct=*/true);
+          read(ci, impl);
+          updates_owned = updates_owned || (in_place && is_self);
+        }
+        if (module_tensor) return;
+        for (const auto& d : t.derived) {
+          if (d.core == 0 || !d.impl || d.impl->_unsafe_get_target() != impl || d.impl->expired()) continue;
+          for (std::size_t ci = 0; ci < cores.size(); ++ci) {
+            const AttachCore& c = *cores[ci];
+            if (c.id != d.core) continue;
+            module_tensor = true;
+            auto it = c.owner.find(d.source);
+            if (it == c.owner.end()) continue;
+            add_candidates(ci, it->second, /*direct=*/false);
+            read(ci, d.source);
+          }
+        }
+        if (module_tensor) return;
+        if (std::find(grads_of_owned.begin(), grads_of_owned.end(), impl) != grads_of_owned.end()) {
+          updates_owned = true;  // an optimizer's arithmetic, not a forward
+        }
+        has_data = true;
+        if (!data_in.defined()) data_in = x;
+        t.data.push_back(impl);
+      });
+    }
+    if (updates_owned) {
+      auto ctx = std::make_unique<OpCtx>();
+      ctx->kind = OpCtx::Update;
+      return ctx;
+    }
+    std::unique_ptr<OpCtx> ctx;
+    const auto add = [&](Decision d) {
+      if (!ctx) ctx = std::make_unique<OpCtx>();
+      ctx->kind = OpCtx::Decided;
+      ctx->add(std::move(d));
+    };
+    const auto reads_data = [&](const c10::TensorImpl* impl) {
+      return impl != nullptr && std::find(t.data.begin(), t.data.end(), impl) != t.data.end();
+    };
+    // Sessions owning a tensor it reads: a module's operator. A call's pending output that no
+    // session's operator continues is delivered first.
+    std::array<bool, std::tuple_size<decltype(t.pending)>::value> keep{};
+    bool flush_others = false;
+    for (std::size_t ci = 0; ci < cores.size() && ncand > 0; ++ci) {
+      // Tied tensors: the module whose kind fits the operator (an embedding lookup vs a
+      // matmul), then the one whose own tensors the operator reads most (a bias outranks a
+      // shared weight), then tensors derived from its own; among modules alike in all of
+      // these, the one called least in this step, then the first registered.
+      const AttachCore& core = *cores[ci];
+      const AttachCore::Kind op_kind = AttachCore::kind_of_op(op_name);
+      const auto rank = [&](const Candidate& c) {
+        const std::size_t target = core.modules[c.module].forward_as;
+        return std::make_tuple(AttachCore::kind_fit(core.modules[c.module].kind, op_kind), c.direct, c.derived,
+                               -static_cast<int64_t>(core.calls(target)), -static_cast<int64_t>(c.module));
+      };
+      const Candidate* best = nullptr;
+      for (std::size_t k = 0; k < ncand; ++k)
+        if (cands[k].core == ci && (best == nullptr || rank(cands[k]) > rank(*best))) best = &cands[k];
+      if (best == nullptr) continue;
+      const std::shared_ptr<AttachCore>& owner = cores[ci];
+      Decision d;
+      d.core = owner;
+      d.module = owner->modules[best->module].forward_as;
+      if (!has_data) {
+        d.kind = Decision::Weights;  // e.g. weight.t(): remember its output as the module's
+        d.source = t.reads[ci].source;
+      } else if (owner->modules[d.module].internal && best->module == d.module) {
+        d.kind = Decision::Internal;  // what it consumes is delivered now
+        flush_others = true;
+      } else {
+        d.kind = Decision::Forward;
+        if (owner->input_due.exchange(false) && data_in.is_floating_point()) d.input = input_moments(*owner, data_in);
+        // The same module's operator on its pending output, reading module tensors the call
+        // has not read yet, continues that call (`x @ w + b` as two operators); anything
+        // else is a new call (`fc(a) + fc(b)`, `fc(fc(x))`).
+        Pending* p = pending_of(t, owner.get());
+        const bool continues = p != nullptr && p->module == d.module && p->out.defined() &&
+                               reads_data(p->out.unsafeGetTensorImpl()) && !t.reads[ci].used.meets(p->used);
+        if (continues) {
+          keep[static_cast<std::size_t>(p - t.pending.data())] = true;
+        } else {
+          flush_others = true;
+        }
+        d.used = t.reads[ci].used;
+      }
+      add(std::move(d));
+    }
+    if (flush_others)
+      for (std::size_t i = 0; i < t.pending.size(); ++i)
+        if (t.pending[i].core && !keep[i]) flush_pending(t, t.pending[i]);
+    // Sessions whose module output it reads (pending, remembered, or a view of one).
+    for (std::size_t ci = 0; ci < cores.size(); ++ci) {
+      bool owns = false;
+      for (std::size_t k = 0; k < ncand && !owns; ++k) owns = cands[k].core == ci;
+      if (owns) continue;
+      const std::shared_ptr<AttachCore>& core = cores[ci];
+      std::size_t slot = t.outputs.size();
+      // The module's pending output, as it returned it, is delivered now, and remembered.
+      Pending* p = pending_of(t, core.get());
+      if (p != nullptr && p->out.defined() && reads_data(p->out.unsafeGetTensorImpl())) slot = flush_pending(t, *p);
+      for (std::size_t i = 0; i < t.data.size() && slot == t.outputs.size(); ++i)
+        slot = output_slot(t, core->id, t.data[i]);
+      if (slot == t.outputs.size()) continue;
+      if (!grad_mode && !core->options.no_grad_forward()) continue;  // metrics, evaluation
+      const Derived seen = t.outputs[slot];
+      const int op = core->options.activations() ? FollowUpOps::find(op_name) : -1;
+      // An activation takes the output up, and every view of it (its output is delivered once
+      // a call); a view or any other reader leaves it for an activation that comes later.
+      if (op >= 0) {
+        for (auto& o : t.outputs)
+          if (o.core == seen.core && o.module == seen.module && o.call == seen.call) o = {};
+      }
+      Decision d;
+      d.core = core;
+      d.module = seen.module;
+      d.call = seen.call;
+      if (!fresh_op && is_alias_op(op_name)) {  // a view of it: an activation may follow
+        d.kind = Decision::Alias;
+      } else if (op >= 0) {
+        d.kind = Decision::Activation;
+        d.follow_up = op;
+      } else {
+        d.kind = Decision::Reader;
+      }
+      add(std::move(d));
+    }
+    return ctx;
+  }
+
+  /// At the operator's end: what each session decided is done with its output.
+  static void finish(const at::RecordFunction& fn, OpCtx& ctx, Tls& t) {
+    at::Tensor out;
+    bool have_out = false;
+    ctx.each([&](Decision& d) {
+      if (d.kind == Decision::Internal || d.kind == Decision::Reader) return;
+      if (!have_out) {
+        out = first_output(fn);
+        have_out = true;
+      }
+      if (!out.defined()) return;
+      try {
+        switch (d.kind) {
+          case Decision::Weights:
+            t.derived[t.next_derived] = Derived{d.core->id, d.module, 0, d.source, weak_of(out)};
+            t.next_derived = (t.next_derived + 1) % t.derived.size();
+            break;
+          case Decision::Forward:
+            forward_output(t, d, out);
+            break;
+          case Decision::Alias:
+            remember_output(t, Derived{d.core->id, d.module, d.call, nullptr, weak_of(out)});
+            break;
+          case Decision::Activation: {
+            const auto f = d.core->delivery_info(d.module, d.follow_up, d.call);
+            d.core->send(d.module, f->name, out, true, f->md);
+            break;
+          }
+          default:
+            break;
+        }
+      } catch (...) {
+        // out of memory for a name: the delivery is lost, the operator is not
+      }
+    });
+  }
+
+ private:
+  /// The RMS of a module's data input (once a step), on the host or packed on its device.
+  static std::optional<AttachCore::InputMoments> input_moments(const AttachCore& core, const at::Tensor& x) {
+    DeliveringScope scope;
+    try {
+      AttachCore::InputMoments in;
+      if (core.defers(x)) {
+        in.packed = pack_moments(x.detach());  // no sync: comes with the batch
+      } else {
+        in.host = compute_moments(x.detach(), /*signs=*/false);  // the RMS only
+      }
+      return in;
+    } catch (...) {
+      return std::nullopt;
+    }
+  }
+
+  /// A module operator's output: the session's pending call goes on, or a new call begins.
+  static void forward_output(Tls& t, Decision& d, at::Tensor out) {
+    Pending* cur = pending_of(t, d.core.get());
+    if (cur != nullptr && cur->module == d.module) {  // the same call goes on
+      if (d.input) cur->input = std::move(*d.input);
+      for (std::size_t i = 0; i < d.used.size; ++i) cur->used.add(d.used.items[i]);
+      cur->out = std::move(out);
+      return;
+    }
+    if (cur != nullptr) flush_pending(t, *cur);
+    Pending& p = cur != nullptr ? *cur : free_pending(t);
+    p.used = d.used;
+    p.core = d.core;
+    p.module = d.module;
+    p.call = d.core->next_call(d.module);
+    d.core->forward_thread.store(thread_token(), std::memory_order_relaxed);
+    // A new iteration after a pass that brought this session no gradient.
+    if (p.call == 0 && d.core->no_gradient_pass.load(std::memory_order_relaxed) &&
+        d.core->no_gradient_pass.exchange(false))
+      d.core->warn_no_gradient();
+    p.info = d.core->delivery_info(d.module, -1, p.call);
+    p.input = d.input.value_or(AttachCore::InputMoments{});
+    p.out = std::move(out);
+  }
+};
+
+}  // namespace torchdbg::detail

@@ -1,0 +1,114 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+// Per backward pass gradient bookkeeping: each pass's squared norms are its own.
+
+#include <torch/csrc/autograd/engine.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+namespace torchdbg::detail {
+
+/// The backward passes a session is waiting on, each with the squared gradient norms of the
+/// modules its gradients reached. A pass is an autograd graph task: passes run at once by
+/// several threads (Hogwild training) or one after another are never summed together.
+/// Thread-safe.
+class PassLedger {
+ public:
+  struct Pass {
+    const void* id = nullptr;  // the graph task's identity while it runs; null: handed over
+    uint64_t serial = 0;       // unique in the session, from 1
+    bool gradients = false;    // a gradient arrived
+    std::vector<double> squares;  // per module
+    std::vector<char> seen;       // per module: a gradient of it arrived in this pass
+  };
+
+  /// The identity of the autograd pass running on this thread, or null outside one.
+  static const void* current_id() { return torch::autograd::get_current_graph_task_exec_info(); }
+
+  /// The pass with identity `id` (see current_id), opened when new (`*opened` set then).
+  std::shared_ptr<Pass> open(const void* id, std::size_t modules, bool* opened) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    *opened = false;
+    for (const auto& p : open_)
+      if (p->id == id && id != nullptr) return p;
+    auto p = std::make_shared<Pass>();
+    p->id = id;
+    p->serial = ++serial_;
+    p->squares.assign(modules, 0.0);
+    p->seen.assign(modules, 0);
+    open_.push_back(p);
+    *opened = true;
+    return p;
+  }
+
+  /// The open pass with identity `id`, or null.
+  [[nodiscard]] std::shared_ptr<Pass> find(const void* id) const {
+    if (id == nullptr) return nullptr;
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& p : open_)
+      if (p->id == id) return p;
+    return nullptr;
+  }
+
+  /// Adds `sq` to module `m`'s squared norm in `pass` (nothing once the pass is closed).
+  void add(Pass& pass, std::size_t m, double sq) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pass.gradients = true;
+    if (m >= pass.squares.size()) return;
+    pass.squares[m] += sq;
+    pass.seen[m] = 1;
+  }
+  /// Marks that a gradient arrived in `pass` (its norm not counted).
+  void note_gradient(Pass& pass) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pass.gradients = true;
+  }
+
+  /// Whether a gradient arrived in `pass`.
+  [[nodiscard]] bool had_gradients(const Pass& pass) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return pass.gradients;
+  }
+
+  /// Ends `pass`: whether any gradient arrived, and (module, squared norm) for each module
+  /// its gradients reached, in module order.
+  std::pair<bool, std::vector<std::pair<std::size_t, double>>> close(Pass& pass) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    open_.erase(std::remove_if(open_.begin(), open_.end(), [&](const auto& p) { return p.get() == &pass; }),
+                open_.end());
+    std::vector<std::pair<std::size_t, double>> out;
+    for (std::size_t m = 0; m < pass.squares.size(); ++m)
+      if (pass.seen[m]) out.emplace_back(m, pass.squares[m]);
+    last_closed_.store(pass.serial);
+    const bool gradients = pass.gradients;
+    pass.squares.clear();
+    pass.seen.clear();
+    pass.gradients = false;
+    return {gradients, std::move(out)};
+  }
+
+  /// The serial of the pass closed last (0: none yet).
+  [[nodiscard]] uint64_t last_closed() const { return last_closed_.load(); }
+
+  /// Passes open now.
+  [[nodiscard]] std::size_t open_count() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return open_.size();
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<std::shared_ptr<Pass>> open_;
+  uint64_t serial_ = 0;
+  std::atomic<uint64_t> last_closed_{0};
+};
+
+}  // namespace torchdbg::detail
