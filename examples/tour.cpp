@@ -53,6 +53,7 @@ void quick_start() {
                                                      torch::randint(0, 4, {32}));
     hooks.set_loss(loss.item<double>());
     loss.backward();
+    if (hooks.is_paused()) break;  // the failing step's update is not applied
     opt.step();
   }
   std::cout << torchdbg::diagnose(health).summary() << "\n";  // what went wrong, and where

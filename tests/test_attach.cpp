@@ -1506,3 +1506,27 @@ TEST_CASE("Hogwild: two threads' passes on one model keep their own norms, also 
     check(ends[1].second, ref_a);
   }
 }
+
+TEST_CASE("a model on the stack is attached like one held by a shared_ptr", "[attach]") {
+  struct Net : torch::nn::Module {
+    Net() {
+      fc1 = register_module("fc1", torch::nn::Linear(4, 6));
+      fc2 = register_module("fc2", torch::nn::Linear(6, 2));
+    }
+    torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::relu(fc1(x))); }
+    torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  };
+  Net model;  // as PyTorch's mnist example builds it
+  HookManager hooks;
+  std::vector<std::string> names;
+  hooks.register_callback("n", [&](const torchdbg::HookContext& c) {
+    names.push_back(std::string(c.layer_name()) + (c.is_forward() ? "" : "." + std::string(*c.metadata_value("parameter"))));
+  });
+  hooks.register_hook(HookConfig().trigger(HookTrigger::every_n_steps(1)).actions({HookAction::custom_callback("n")}));
+  auto session = torchdbg::attach(model, hooks);
+  hooks.set_step(0);
+  model.forward(torch::randn({3, 4})).sum().backward();
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{"fc1", "fc1.bias", "fc1.weight", "fc1/relu", "fc2", "fc2.bias", "fc2.weight"});
+  CHECK(session.execution_order() == std::vector<std::string>{"fc1", "fc2"});
+}

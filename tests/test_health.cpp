@@ -412,6 +412,7 @@ TEST_CASE("install feeds the monitor from the manager and removal stops it", "[h
     REQUIRE(hooks.is_paused());
     CHECK(hooks.pause_info()->step == 3);
     CHECK(hooks.pause_info()->reason.find("loss_divergence") != std::string::npos);
+    CHECK(hooks.pause_info()->hook_name == "torchdbg.health");
     REQUIRE(m.failure_report().has_value());
     CHECK(m.failure_report()->step == 3);
   }
@@ -611,4 +612,24 @@ TEST_CASE("an installation's removal waits for a pause of its manager running on
     mgr.reset();  // freed: a pause that got past removal would be a use after free (ASan)
     feeder.join();
   }
+}
+
+TEST_CASE("a health pause names its layer and step in pause_info", "[health]") {
+  torchdbg::HookManager hooks;
+  HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+  auto inst = m.install(hooks);
+  hooks.set_step(0);
+  hooks.execute_hooks("enc.fc1", torch::randn({8, 4}), true);
+  hooks.set_step(1);
+  auto bad = torch::randn({8, 4});
+  bad[2][1] = std::numeric_limits<float>::quiet_NaN();
+  hooks.execute_hooks("enc.fc1", bad, true);
+  hooks.set_step(2);
+  REQUIRE(hooks.is_paused());
+  const auto info = hooks.pause_info();
+  REQUIRE(info);
+  CHECK(info->layer == "enc.fc1");
+  CHECK(info->step == 1);
+  CHECK(info->hook_name == "torchdbg.health");
+  CHECK(info->reason.find("enc.fc1") != std::string::npos);
 }

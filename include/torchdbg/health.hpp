@@ -620,7 +620,9 @@ class BasicHealthMonitor {
                             .layer_patterns(options_.layers());
     BasicHookManager<M>* mgr = &hooks;
     const uint64_t pause_token = add_install_pause(
-        [mgr](int64_t, const std::string&, const std::string& reason) { mgr->pause_training(reason); });
+        [mgr](int64_t step, const std::string& layer, const std::string& reason) {
+          mgr->pause_training(reason, layer, step, "torchdbg.health");
+        });
     const uint64_t listener =
         hooks.add_listener([this, mgr](typename BasicHookManager<M>::Change change) {
           using Change = typename BasicHookManager<M>::Change;

@@ -48,8 +48,8 @@ struct HookManagerOptions {
 /// Why and where training was paused.
 struct PauseInfo {
   int64_t step = 0;
-  std::string layer;      ///< empty when paused by `pause_training()`
-  std::string hook_name;  ///< empty when paused by `pause_training()`
+  std::string layer;      ///< empty when paused by `pause_training(reason)`
+  std::string hook_name;  ///< the hook, "torchdbg.health", or empty (`pause_training(reason)`)
   HookId hook_id;
   std::string reason;
 };
@@ -500,6 +500,16 @@ class BasicHookManager {
   void pause_training(std::string reason) {
     PauseInfo info;
     info.step = step();
+    info.reason = std::move(reason);
+    request_pause(std::move(info));
+  }
+  /// Raises the pause flag for a finding about `layer` at `step`, made by `source` (the
+  /// health monitor pauses this way: pause_info() names the layer and "torchdbg.health").
+  void pause_training(std::string reason, std::string layer, int64_t at_step, std::string source) {
+    PauseInfo info;
+    info.step = at_step;
+    info.layer = std::move(layer);
+    info.hook_name = std::move(source);
     info.reason = std::move(reason);
     request_pause(std::move(info));
   }

@@ -63,9 +63,13 @@ class BasicAttachSession {
     // MultiheadAttention applies its out_proj child's weights in its own forward: those
     // operators produce the attention module's output, also when out_proj is not selected.
     std::vector<std::pair<std::size_t, std::shared_ptr<torch::nn::Module>>> attention;
-    for (const auto& item : model.named_modules("", /*include_self=*/true)) {
-      const std::string name = item.key().empty() ? "root" : item.key();
-      torch::nn::Module& m = *item.value();
+    // The model and its submodules, root first. named_modules(include_self) would need the
+    // model held by a shared_ptr; one on the stack (`Net model;`) is attached the same way.
+    std::vector<std::pair<std::string, torch::nn::Module*>> all{{"root", &model}};
+    for (const auto& item : model.named_modules("", /*include_self=*/false))
+      all.emplace_back(item.key(), item.value().get());
+    for (const auto& [name, module] : all) {
+      torch::nn::Module& m = *module;
       if (!patterns.empty()) {
         bool hit = false;
         for (const auto& re : patterns)
