@@ -468,7 +468,7 @@ struct Recorder {
   void listen(const torchdbg::AttachSession& session) {
     hooks.add_listener([this, &session](torchdbg::HookManager::Change c) {
       if (c != torchdbg::HookManager::Change::GradientNorm) return;
-      PassEnd e{std::this_thread::get_id(), hooks.state().gradient_norm.value_or(-1.0), session.gradient_norms()};
+      PassEnd e{std::this_thread::get_id(), hooks.reported_gradient_norm().value_or(-1.0), session.gradient_norms()};
       std::lock_guard<std::mutex> lock(mutex);
       ends.push_back(std::move(e));
     });

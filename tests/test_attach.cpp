@@ -1455,7 +1455,7 @@ TEST_CASE("Hogwild: two threads' passes on one model keep their own norms, also 
   hooks.add_listener([&](HookManager::Change c) {
     if (c != HookManager::Change::GradientNorm) return;
     Norms n;
-    n.global = *hooks.state().gradient_norm;
+    n.global = *hooks.reported_gradient_norm();
     for (const auto& [name, v] : session.gradient_norms()) n.modules[name] = v;
     std::lock_guard<std::mutex> lock(m);
     ends.emplace_back(std::this_thread::get_id(), n);
@@ -1529,4 +1529,166 @@ TEST_CASE("a model on the stack is attached like one held by a shared_ptr", "[at
   std::sort(names.begin(), names.end());
   CHECK(names == std::vector<std::string>{"fc1", "fc1.bias", "fc1.weight", "fc1/relu", "fc2", "fc2.bias", "fc2.weight"});
   CHECK(session.execution_order() == std::vector<std::string>{"fc1", "fc2"});
+}
+
+TEST_CASE("Hogwild at full speed: every pass's norms are its reference's, one step a pass, thrown passes counted",
+          "[attach]") {
+  for (const auto batching : {torchdbg::StatsBatching::Device, torchdbg::StatsBatching::All}) {
+    INFO("batching " << static_cast<int>(batching));
+    torchdbg_test::SeededRng rng(47);
+    auto net = torch::nn::Sequential(torch::nn::Linear(6, 12), torch::nn::Tanh(), torch::nn::Linear(12, 2));
+    const int threads = 3, passes = 12;
+    const auto named = net->named_parameters();
+    std::vector<torch::Tensor> params;
+    for (const auto& p : named) params.push_back(p.value());
+    // The reference of each pass, before anything is attached: its global and module norms.
+    std::vector<torch::Tensor> xs;
+    std::vector<std::pair<double, std::map<std::string, double>>> refs;
+    for (int i = 0; i < threads * passes; ++i) {
+      xs.push_back(torch::randn({3 + i % 4, 6}) * (1.0 + 0.25 * i));
+      const auto grads = torch::autograd::grad({net->forward(xs.back()).pow(2).mean()}, params);
+      std::map<std::string, double> modules;
+      double total = 0;
+      for (std::size_t k = 0; k < grads.size(); ++k) {
+        const double sq = grads[k].to(torch::kDouble).pow(2).sum().item<double>();
+        modules[named.keys()[k].substr(0, 1)] += sq;
+        total += sq;
+      }
+      for (auto& [m, v] : modules) v = std::sqrt(v);
+      refs.emplace_back(std::sqrt(total), modules);
+    }
+    HookManager hooks;
+    hooks.create_gradient_tracking_hook({});
+    auto session = torchdbg::attach(*net, hooks, AttachOptions().concurrent_forward(true).batching(batching).auto_step(true));
+    std::mutex m;
+    std::vector<std::pair<double, std::map<std::string, double>>> seen;
+    std::atomic<int> failed{0};
+    hooks.add_listener([&](HookManager::Change c) {
+      if (c == HookManager::Change::BackwardFailed) ++failed;
+      if (c != HookManager::Change::GradientNorm) return;
+      std::map<std::string, double> modules;
+      for (const auto& [name, v] : session.gradient_norms()) modules[name] = v;  // this pass's
+      const double global = *hooks.reported_gradient_norm();
+      std::lock_guard<std::mutex> lock(m);
+      seen.emplace_back(global, std::move(modules));
+    });
+    hooks.set_step(0);
+    std::atomic<int> thrown{0};
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        for (int i = 0; i < passes; ++i) {
+          const auto& x = xs[static_cast<std::size_t>(t * passes + i)];
+          torch::Tensor loss;
+          if (t == 0 && i % 4 == 3) {
+            // This pass throws after the last layer's gradients, before the first layer's.
+            auto h = net[0]->as<torch::nn::Linear>()->forward(x);
+            h.register_hook([](const torch::Tensor&) -> torch::Tensor { throw std::runtime_error("hook"); });
+            loss = net[2]->as<torch::nn::Linear>()->forward(torch::tanh(h)).pow(2).mean();
+          } else {
+            loss = net->forward(x).pow(2).mean();
+          }
+          try {
+            loss.backward();
+          } catch (const std::exception&) {
+            ++thrown;
+          }
+        }
+      });
+    }
+    for (auto& th : pool) th.join();
+    CHECK(thrown.load() == 3);
+    CHECK(failed.load() == 3);
+    CHECK(session.failed_backward_passes() == 3);
+    CHECK(hooks.step() == threads * passes - 3);
+    // Each pass that ended matches one reference, each reference (but the thrown) once.
+    REQUIRE(seen.size() == static_cast<std::size_t>(threads * passes - 3));
+    std::vector<bool> used(refs.size(), false);
+    for (int i = 0; i < passes; ++i)
+      if (i % 4 == 3) used[static_cast<std::size_t>(i)] = true;  // thread 0's thrown passes
+    for (const auto& [global, modules] : seen) {
+      std::size_t k = 0;
+      while (k < refs.size() && (used[k] || std::fabs(refs[k].first - global) > 1e-6 * std::max(1.0, global))) ++k;
+      INFO("global " << global);
+      REQUIRE(k < refs.size());
+      used[k] = true;
+      REQUIRE(modules.size() == refs[k].second.size());
+      for (const auto& [name, v] : refs[k].second) CHECK_CLOSE(modules.at(name), v, 1e-6);
+    }
+  }
+}
+
+TEST_CASE("observe_gradients after a backward pass in the same step delivers the handed gradients", "[attach]") {
+  torchdbg_test::SeededRng rng(53);
+  auto net = torch::nn::Sequential(torch::nn::Linear(4, 5), torch::nn::Tanh(), torch::nn::Linear(5, 2));
+  const auto x1 = torch::randn({3, 4}), x2 = torch::randn({6, 4}) * 2;
+  const auto params = net->parameters();
+  const auto ref = torch::autograd::grad({net->forward(x2).pow(2).sum()}, params);
+  double ref_sq = 0;
+  for (const auto& g : ref) ref_sq += g.to(torch::kDouble).pow(2).sum().item<double>();
+  HookManager hooks;
+  hooks.create_gradient_tracking_hook({});  // gradients only: no forward delivery opens the pass
+  auto session = torchdbg::attach(*net, hooks, AttachOptions().auto_step(true));
+  hooks.set_step(0);
+  net->forward(x1).pow(2).sum().backward();
+  CHECK(session.backward_deliveries() == 4);
+  CHECK(hooks.step() == 1);
+  const auto grads = torch::autograd::grad({net->forward(x2).pow(2).sum()}, params);
+  session.observe_gradients(params, grads);
+  // On LibTorch 1.x handed over; on 2.x delivered by the hooks autograd::grad runs, and not twice.
+  CHECK(session.backward_deliveries() == 8);
+  REQUIRE(hooks.state().gradient_norm);
+  CHECK_CLOSE(*hooks.state().gradient_norm, std::sqrt(ref_sq), 1e-6);
+  CHECK(hooks.step() == 2);
+}
+
+TEST_CASE("six sessions on one model: a two-operator call, an activation after other calls, tied weights", "[attach]") {
+  struct Model : torch::nn::Module {
+    Model() {
+      tok = register_module("tok", torch::nn::Embedding(10, 6));
+      fc = register_module("fc", torch::nn::Linear(6, 6));
+      o1 = register_module("o1", torch::nn::Linear(6, 6));
+      o2 = register_module("o2", torch::nn::Linear(6, 6));
+      dec = register_module("dec", torch::nn::Linear(6, 10));
+      dec->weight = tok->weight;  // tied
+      w = register_parameter("w", torch::randn({6, 6}));
+    }
+    torch::Tensor forward(const torch::Tensor& ids) {
+      const auto e = torch::relu(tok(ids));
+      const auto y = fc(e);
+      auto h = o1(e);
+      h = h + o2(e);
+      const auto mm = e.matmul(w.t()) + 1.0;  // the root's own call: two operators
+      return dec(torch::tanh(y) + h + mm);
+    }
+    torch::nn::Embedding tok{nullptr};
+    torch::nn::Linear fc{nullptr}, o1{nullptr}, o2{nullptr}, dec{nullptr};
+    torch::Tensor w;
+  };
+  torchdbg_test::SeededRng rng(59);
+  auto model = std::make_shared<Model>();
+  const int n = 6;
+  std::vector<std::unique_ptr<HookManager>> managers;
+  std::vector<std::vector<std::string>> names(n);
+  std::vector<torchdbg::AttachSession> sessions;
+  for (int i = 0; i < n; ++i) {
+    managers.push_back(std::make_unique<HookManager>());
+    auto& list = names[static_cast<std::size_t>(i)];
+    managers.back()->register_callback("n", [&list](const torchdbg::HookContext& c) {
+      if (c.is_forward()) list.push_back(std::string(c.layer_name()) + "#" + std::string(*c.metadata_value("call")));
+    });
+    managers.back()->register_hook(
+        HookConfig().trigger(HookTrigger::every_forward()).actions({HookAction::custom_callback("n")}));
+    sessions.push_back(torchdbg::attach(*model, *managers.back()));
+  }
+  model->forward(torch::randint(0, 10, {4})).sum().backward();
+  const std::vector<std::string> want{"tok#0", "tok/relu#0", "fc#0", "o1#0", "o2#0", "root#0", "fc/tanh#0", "dec#0"};
+  for (int i = 0; i < n; ++i) {
+    INFO("session " << i);
+    auto got = names[static_cast<std::size_t>(i)];
+    std::sort(got.begin(), got.end());
+    auto w = want;
+    std::sort(w.begin(), w.end());
+    CHECK(got == w);
+  }
 }

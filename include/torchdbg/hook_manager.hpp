@@ -405,16 +405,7 @@ class BasicHookManager {
   /// cleared (loss conditions are false until `set_loss`), so a forward pass never sees the
   /// last step's loss as its own.
   void set_step(int64_t step) {
-    notify(Change::Before);
-    {
-      std::lock_guard<Mutex> lock(state_mutex_);
-      if (state_.step != step) {
-        state_.loss.reset();
-        state_.loss_step.reset();
-      }
-      state_.step = step;
-    }
-    notify(Change::After);
+    change_step([step](int64_t) { return step; });
   }
   void set_loss(double loss) {
     {
@@ -436,8 +427,50 @@ class BasicHookManager {
       std::lock_guard<Mutex> lock(state_mutex_);
       state_.gradient_norm = norm;
     }
+    // The norm this thread reports, for its listeners (another thread's pass may end meanwhile).
+    struct Reporting {
+      Reporting(const void* m, double n) : saved(current()) { current() = {m, n}; }
+      ~Reporting() { current() = saved; }
+      std::pair<const void*, double> saved;
+    } reporting(this, norm);
     notify(Change::GradientNorm);
   }
+  /// The gradient norm: in a GradientNorm listener, the one being reported on this thread
+  /// (when several threads' passes end at once, state() may already hold another's);
+  /// elsewhere, state().gradient_norm.
+  [[nodiscard]] std::optional<double> reported_gradient_norm() const {
+    if (current().first == this) return current().second;
+    return state().gradient_norm;
+  }
+  /// Moves to step() + 1 as set_step does; concurrent calls (several threads' backward
+  /// passes with `auto_step`) each move one step.
+  void advance_step() {
+    std::lock_guard<std::recursive_mutex> lock(advance_mutex_);
+    // The next step is read after the Before listeners, which may end a queued pass that
+    // advances first (auto_step with StatsBatching::All).
+    change_step([](int64_t current) { return current + 1; });
+  }
+ private:
+  template <typename Next>
+  void change_step(Next next) {
+    notify(Change::Before);
+    {
+      std::lock_guard<Mutex> lock(state_mutex_);
+      const int64_t step = next(state_.step);
+      if (state_.step != step) {
+        state_.loss.reset();
+        state_.loss_step.reset();
+      }
+      state_.step = step;
+    }
+    notify(Change::After);
+  }
+  static std::pair<const void*, double>& current() {
+    thread_local std::pair<const void*, double> c{nullptr, 0.0};
+    return c;
+  }
+
+ public:
   void set_memory_mb(double mb) {
     std::lock_guard<Mutex> lock(state_mutex_);
     state_.memory_mb = mb;
@@ -922,6 +955,7 @@ class BasicHookManager {
   std::atomic<int> attached_{0};
 
   mutable Mutex state_mutex_;
+  std::recursive_mutex advance_mutex_;  // advance_step's read and set_step, as one
   TrainingState state_;
 
   mutable Mutex listener_mutex_;

@@ -45,18 +45,15 @@ class Attribution : protected ObserverState {
     const bool template_op = ends_with("_as");
     // The modules whose tensors this operator reads (several when weights are tied, or when
     // several sessions attach to one model).
-    std::array<Candidate, 8>& cands = t.candidates;
-    std::size_t ncand = 0;
+    std::vector<Candidate>& cands = t.candidates;
+    cands.clear();
     t.reads.assign(cores.size(), CoreReads{});
     t.data.clear();
     const auto add_candidates = [&](std::size_t ci, const std::vector<std::size_t>& mods, bool direct) {
       for (const std::size_t m : mods) {
         std::size_t k = 0;
-        while (k < ncand && !(cands[k].core == ci && cands[k].module == m)) ++k;
-        if (k == ncand) {
-          if (ncand == cands.size()) continue;
-          cands[ncand++] = Candidate{ci, m, 0, 0};
-        }
+        while (k < cands.size() && !(cands[k].core == ci && cands[k].module == m)) ++k;
+        if (k == cands.size()) cands.push_back(Candidate{ci, m, 0, 0});
         ++(direct ? cands[k].direct : cands[k].derived);
       }
     };
@@ -143,9 +140,10 @@ class Attribution : protected ObserverState {
     };
     // Sessions owning a tensor it reads: a module's operator. A call's pending output that no
     // session's operator continues is delivered first.
-    std::array<bool, std::tuple_size<decltype(t.pending)>::value> keep{};
+    std::vector<char>& keep = t.keep;
+    keep.assign(t.pending.size(), 0);
     bool flush_others = false;
-    for (std::size_t ci = 0; ci < cores.size() && ncand > 0; ++ci) {
+    for (std::size_t ci = 0; ci < cores.size() && !cands.empty(); ++ci) {
       // Tied tensors: the module whose kind fits the operator (an embedding lookup vs a
       // matmul), then the one whose own tensors the operator reads most (a bias outranks a
       // shared weight), then tensors derived from its own; among modules alike in all of
@@ -158,7 +156,7 @@ class Attribution : protected ObserverState {
                                -static_cast<int64_t>(core.calls(target)), -static_cast<int64_t>(c.module));
       };
       const Candidate* best = nullptr;
-      for (std::size_t k = 0; k < ncand; ++k)
+      for (std::size_t k = 0; k < cands.size(); ++k)
         if (cands[k].core == ci && (best == nullptr || rank(cands[k]) > rank(*best))) best = &cands[k];
       if (best == nullptr) continue;
       const std::shared_ptr<AttachCore>& owner = cores[ci];
@@ -181,7 +179,7 @@ class Attribution : protected ObserverState {
         const bool continues = p != nullptr && p->module == d.module && p->out.defined() &&
                                reads_data(p->out.unsafeGetTensorImpl()) && !t.reads[ci].used.meets(p->used);
         if (continues) {
-          keep[static_cast<std::size_t>(p - t.pending.data())] = true;
+          keep[static_cast<std::size_t>(p - t.pending.data())] = 1;
         } else {
           flush_others = true;
         }
@@ -195,7 +193,7 @@ class Attribution : protected ObserverState {
     // Sessions whose module output it reads (pending, remembered, or a view of one).
     for (std::size_t ci = 0; ci < cores.size(); ++ci) {
       bool owns = false;
-      for (std::size_t k = 0; k < ncand && !owns; ++k) owns = cands[k].core == ci;
+      for (std::size_t k = 0; k < cands.size() && !owns; ++k) owns = cands[k].core == ci;
       if (owns) continue;
       const std::shared_ptr<AttachCore>& core = cores[ci];
       std::size_t slot = t.outputs.size();
@@ -245,8 +243,7 @@ class Attribution : protected ObserverState {
       try {
         switch (d.kind) {
           case Decision::Weights:
-            t.derived[t.next_derived] = Derived{d.core->id, d.module, 0, d.source, weak_of(out)};
-            t.next_derived = (t.next_derived + 1) % t.derived.size();
+            remember(t, t.derived, Derived{d.core->id, d.module, 0, d.source, weak_of(out)}, kDerived);
             break;
           case Decision::Forward:
             forward_output(t, d, out);
@@ -301,6 +298,8 @@ class Attribution : protected ObserverState {
     p.module = d.module;
     p.call = d.core->next_call(d.module);
     d.core->forward_thread.store(thread_token(), std::memory_order_relaxed);
+    if (std::find(t.forward_cores.begin(), t.forward_cores.end(), d.core->id) == t.forward_cores.end())
+      t.forward_cores.push_back(d.core->id);
     // A new iteration after a pass that brought this session no gradient.
     if (p.call == 0 && d.core->no_gradient_pass.load(std::memory_order_relaxed) &&
         d.core->no_gradient_pass.exchange(false))

@@ -145,14 +145,16 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     }
     const Metadata& md = own ? *own : base_md;
     if (precomputed == nullptr && defers(t)) {
+      if (pass) passes_.hold(*pass);  // its norm waits for this square
       try {
         DeferredQueue::Item d{module, std::string(name), t, is_forward, md, pack_moments(t.detach()),
-                              input.packed, {}, std::move(pass)};
+                              input.packed, {}, pass};
         if (prefetch) d.extras = prefetch(name, t, is_forward, md);
         if (deferred_.push(std::move(d), options.max_deferred())) flush_deferred();
         return;
       } catch (...) {
         // could not reduce on the device: deliver at once, the hooks compute what they need
+        if (pass && passes_.release(*pass)) finish_pass(*pass);
       }
     }
     try {
@@ -181,11 +183,18 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
         if (active.load()) deliver(d.name, d.tensor, d.is_forward, d.md, s ? &*s : nullptr, &fetched[i].extras);
       } catch (...) {
       }
+      // The last queued gradient of a pass that ended while another thread flushed it.
+      if (d.pass && passes_.release(*d.pass)) finish_pass(*d.pass);
     }
     deferred_.recycle(batch);
   }
 
   void on_grad(std::size_t m, std::size_t param, const at::Tensor& g);
+  static std::pair<const AttachCore*, const std::vector<std::pair<std::string, double>>*>& reporting() {
+    thread_local std::pair<const AttachCore*, const std::vector<std::pair<std::string, double>>*> r{nullptr,
+                                                                                                     nullptr};
+    return r;
+  }
   /// Delivers gradient `g` of module `m`'s parameter `param` and counts it toward `pass`'s
   /// norms (when gradient hooks are due); on_grad and observe_gradients call it.
   void take_gradient(std::size_t m, std::size_t param, const at::Tensor& g,
@@ -200,14 +209,13 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     passes_.note_gradient(pass);
     on_backward_end(pass);
   }
-  /// Whether a tensor hook delivered parameter `param` of module `m` as `g` itself, or in the
-  /// last pass that ended: LibTorch 2.x runs leaf tensor hooks for torch::autograd::grad too,
-  /// and such a gradient handed over again (observe_gradients) is not delivered twice.
+  /// Whether a tensor hook delivered `g` itself as the gradient of parameter `param` of
+  /// module `m`: LibTorch 2.x runs leaf tensor hooks for torch::autograd::grad too, and the
+  /// tensors it returns, handed over again (observe_gradients), are not delivered twice.
   [[nodiscard]] bool delivered_by_hook(std::size_t m, std::size_t param, const at::Tensor& g) const {
     std::lock_guard<std::mutex> lock(hooked_mutex_);
-    const Hooked& h = hooked_[param_base_[m] + param];
-    if (h.pass != 0 && h.pass == passes_.last_closed()) return true;
-    return h.grad && !h.grad->expired() && h.grad->_unsafe_get_target() == g.unsafeGetTensorImpl();
+    const auto& h = hooked_[param_base_[m] + param];
+    return h && !h->expired() && h->_unsafe_get_target() == g.unsafeGetTensorImpl();
   }
   std::atomic<bool> warned_no_gradient{false};
 
@@ -217,7 +225,10 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     for (auto i : order_) out.push_back(modules[i].name);
     return out;
   }
+  /// The last pass's module norms; in the manager's listeners while a pass is reported, that
+  /// pass's (another thread's pass may end meanwhile).
   [[nodiscard]] std::vector<std::pair<std::string, double>> gradient_norms() const {
+    if (reporting().first == this) return *reporting().second;
     std::lock_guard<std::mutex> lock(norms_mutex_);
     return last_norms_;
   }
@@ -285,9 +296,22 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     }
     forward_since_pass.store(false);
     flush_deferred();  // the queued gradients' squares count toward their passes
+    if (passes_.end(pass)) finish_pass(pass);  // else when another thread's flush has its squares in
+  }
+
+  /// Reports `pass`'s norms, its end, and steps (auto_step).
+  void finish_pass(PassLedger::Pass& pass) {
     const auto squares = passes_.close(pass).second;
+    std::vector<std::pair<std::string, double>> norms;
+    // The manager's listeners, on this thread, read this pass's norms (gradient_norms()).
+    struct Reporting {
+      Reporting(const AttachCore* c, const std::vector<std::pair<std::string, double>>* n) : saved(reporting()) {
+        reporting() = {c, n};
+      }
+      ~Reporting() { reporting() = saved; }
+      std::pair<const AttachCore*, const std::vector<std::pair<std::string, double>>*> saved;
+    } scope(this, &norms);
     if (active.load() && options.gradient_norms() && !squares.empty()) {
-      std::vector<std::pair<std::string, double>> norms;
       double total = 0.0;
       for (const auto& [m, sq] : squares) {
         norms.emplace_back(modules[m].name, std::sqrt(sq));
@@ -390,13 +414,8 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   mutable std::mutex norms_mutex_;
   std::vector<std::pair<std::string, double>> last_norms_;  // of the last pass that ended
   std::vector<std::size_t> param_base_;                      // module -> its first parameter's slot
-  /// Per parameter: the gradient a hook delivered last, and its pass's serial (0: none).
-  struct Hooked {
-    std::optional<WeakImpl> grad;
-    uint64_t pass = 0;
-  };
   mutable std::mutex hooked_mutex_;
-  std::vector<Hooked> hooked_;
+  std::vector<std::optional<WeakImpl>> hooked_;  // per parameter: the gradient a hook delivered last
   std::mutex follow_mutex_;
   std::map<std::tuple<std::size_t, int, uint32_t>, std::shared_ptr<const FollowUp>> follow_ups_;
   std::unique_ptr<std::atomic<uint32_t>[]> calls_;
@@ -410,7 +429,7 @@ inline void AttachCore::on_grad(std::size_t m, std::size_t param, const at::Tens
   const std::shared_ptr<PassLedger::Pass> pass = begin_pass();
   if (g.defined()) {
     std::lock_guard<std::mutex> lock(hooked_mutex_);
-    hooked_[param_base_[m] + param] = Hooked{weak_of(g), pass ? pass->serial : 0};
+    hooked_[param_base_[m] + param] = weak_of(g);
   }
   take_gradient(m, param, g, pass);
 }

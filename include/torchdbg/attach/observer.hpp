@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 
+#include <algorithm>
 #include <array>
 #include <memory>
 #include <mutex>
@@ -145,11 +146,13 @@ class ForwardObserver : private Attribution {
         const auto cores = instance().cores();  // held: the loop must not outlive a temporary
         const std::uintptr_t me = thread_token();
         for (const auto& c : *cores) {
-          if (c->forward_thread.load(std::memory_order_relaxed) != me) continue;
-          c->reset_calls();
-          // Its end is awaited even if the pass throws before any gradient arrives.
-          if (c->forward_since_pass.load(std::memory_order_relaxed)) c->begin_pass();
+          if (c->forward_thread.load(std::memory_order_relaxed) == me) c->reset_calls();
+          // A session whose forward ran on this thread since its last pass here: the end is
+          // awaited even if the pass throws before any gradient arrives.
+          if (std::find(t.forward_cores.begin(), t.forward_cores.end(), c->id) != t.forward_cores.end())
+            c->begin_pass();
         }
+        t.forward_cores.clear();
       }
       if (++t.backward_depth == 1) instance().pause_for_backward();
       return std::make_unique<OpCtx>();

@@ -58,6 +58,7 @@ class ObserverState {
     /// Weights: the module-registered tensor this one is derived from (`weight.t()`).
     const c10::TensorImpl* source = nullptr;
     std::optional<WeakImpl> impl;
+    uint64_t seq = 0;  // when remembered: the oldest of a session is forgotten first
   };
   /// A module an operator's tensors point to: through tensors it registered itself (direct)
   /// or through tensors derived from them (`weight.t()`).
@@ -77,17 +78,20 @@ class ObserverState {
     int skip_depth = 0;
     /// The output of each session's module call not delivered yet (its operators may go on:
     /// `x @ w + b`); several sessions attached to one model each have theirs.
-    std::array<Pending, 4> pending;
+    std::vector<Pending> pending;
     /// Recent module outputs already delivered, and views of them (`fc(x).view(...)`,
     /// `.transpose(...)`): an activation applied to one later, whatever ran in between, is
-    /// still "<module>/<activation>". The oldest is forgotten first.
-    std::array<Derived, 8> outputs;
-    std::size_t next_output = 0;
-    std::array<Derived, 16> derived;
-    std::size_t next_derived = 0;
+    /// still "<module>/<activation>". Up to kOutputs a session; its oldest is forgotten first.
+    std::vector<Derived> outputs;
+    /// Tensors derived from a module's weights alone (`weight.t()`), up to kDerived a session.
+    std::vector<Derived> derived;
+    uint64_t seq = 0;
+    /// Sessions that made a call on this thread since a backward pass last began here.
+    std::vector<uint64_t> forward_cores;
     // on_start's scratch, kept allocated
     std::vector<const c10::TensorImpl*> grads_of_owned;
-    std::array<Candidate, 8> candidates;
+    std::vector<Candidate> candidates;
+    std::vector<char> keep;  // per pending output: an operator continues its call
     std::vector<CoreReads> reads;                   // per session
     std::vector<const c10::TensorImpl*> data;       // the data inputs (and templates' tensors)
   };
@@ -131,6 +135,9 @@ class ObserverState {
     }
   };
 
+  static constexpr std::size_t kOutputs = 8;
+  static constexpr std::size_t kDerived = 16;
+
   static Tls& tls() {
     thread_local Tls t;
     return t;
@@ -155,12 +162,11 @@ class ObserverState {
       if (p.core.get() == core && core != nullptr) return &p;
     return nullptr;
   }
-  /// A free pending slot for a new call (the oldest one is delivered to make room).
+  /// A free pending slot for a new call.
   static Pending& free_pending(Tls& t) {
     for (auto& p : t.pending)
       if (!p.core) return p;
-    flush_pending(t, t.pending[0]);
-    return t.pending[0];
+    return t.pending.emplace_back();
   }
   /// Delivers every pending output on this thread.
   static void flush_all(Tls& t) {
@@ -177,10 +183,26 @@ class ObserverState {
     p.core->send(p.module, p.info->name, p.out, true, p.info->md, nullptr, std::move(p.input));
     return slot;
   }
-  static std::size_t remember_output(Tls& t, Derived d) {
-    const std::size_t slot = t.next_output;
-    t.outputs[slot] = std::move(d);
-    t.next_output = (slot + 1) % t.outputs.size();
+  static std::size_t remember_output(Tls& t, Derived d) { return remember(t, t.outputs, std::move(d), kOutputs); }
+  /// Puts `d` into `list`, forgetting its session's oldest entry when it holds `per_session`
+  /// of them; returns its slot.
+  static std::size_t remember(Tls& t, std::vector<Derived>& list, Derived d, std::size_t per_session) {
+    d.seq = ++t.seq;
+    std::size_t n = 0, oldest = list.size(), free = list.size();
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      if (list[i].core == 0) {
+        if (free == list.size()) free = i;
+      } else if (list[i].core == d.core) {
+        ++n;
+        if (oldest == list.size() || list[i].seq < list[oldest].seq) oldest = i;
+      }
+    }
+    const std::size_t slot = n >= per_session ? oldest : free;
+    if (slot == list.size()) {
+      list.push_back(std::move(d));
+    } else {
+      list[slot] = std::move(d);
+    }
     return slot;
   }
   /// The slot of Tls::outputs holding session `core`'s output `impl`, or outputs.size().

@@ -48,7 +48,7 @@ struct AttachOptions {
   /// an update such as SGD's weight decay `grad + wd * param` is not a forward output.
   TORCH_ARG(bool, no_grad_forward) = false;
   /// Forward passes of observed models may run on other threads while a backward pass runs
-  /// (Hogwild-style training). By default the operator observer is removed for the rest of a
+  /// (Hogwild-style training, or an evaluation thread beside the training one). By default the operator observer is removed for the rest of a
   /// backward pass once it starts (it would only box operators it ignores, about 2% of an MLP
   /// step); with this set it stays, so those concurrent forward passes are seen.
   TORCH_ARG(bool, concurrent_forward) = false;

@@ -7,7 +7,6 @@
 #include <torch/csrc/autograd/engine.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -26,6 +25,9 @@ class PassLedger {
     const void* id = nullptr;  // the graph task's identity while it runs; null: handed over
     uint64_t serial = 0;       // unique in the session, from 1
     bool gradients = false;    // a gradient arrived
+    bool ended = false;        // the pass ended; its norms wait for queued gradients (`held`)
+    int held = 0;              // its gradients queued (DeferredQueue) whose squares are not in yet
+    bool closed = false;
     std::vector<double> squares;  // per module
     std::vector<char> seen;       // per module: a gradient of it arrived in this pass
   };
@@ -66,6 +68,25 @@ class PassLedger {
     pass.squares[m] += sq;
     pass.seen[m] = 1;
   }
+  /// A gradient of `pass` was queued: its square comes with a later flush (release).
+  void hold(Pass& pass) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++pass.held;
+  }
+  /// A queued gradient of `pass` was flushed (its square added, or lost). True when the pass
+  /// had ended and waited for it last: the caller finishes the pass then.
+  [[nodiscard]] bool release(Pass& pass) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --pass.held;
+    return pass.ended && pass.held == 0 && !pass.closed;
+  }
+  /// `pass` ended (its final callback). True when nothing it queued is still being flushed
+  /// (by another thread): the caller finishes the pass now; otherwise the last release does.
+  [[nodiscard]] bool end(Pass& pass) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pass.ended = true;
+    return pass.held == 0;
+  }
   /// Marks that a gradient arrived in `pass` (its norm not counted).
   void note_gradient(Pass& pass) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -87,16 +108,13 @@ class PassLedger {
     std::vector<std::pair<std::size_t, double>> out;
     for (std::size_t m = 0; m < pass.squares.size(); ++m)
       if (pass.seen[m]) out.emplace_back(m, pass.squares[m]);
-    last_closed_.store(pass.serial);
+    pass.closed = true;
     const bool gradients = pass.gradients;
     pass.squares.clear();
     pass.seen.clear();
     pass.gradients = false;
     return {gradients, std::move(out)};
   }
-
-  /// The serial of the pass closed last (0: none yet).
-  [[nodiscard]] uint64_t last_closed() const { return last_closed_.load(); }
 
   /// Passes open now.
   [[nodiscard]] std::size_t open_count() const {
@@ -108,7 +126,6 @@ class PassLedger {
   mutable std::mutex mutex_;
   std::vector<std::shared_ptr<Pass>> open_;
   uint64_t serial_ = 0;
-  std::atomic<uint64_t> last_closed_{0};
 };
 
 }  // namespace torchdbg::detail

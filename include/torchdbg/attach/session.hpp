@@ -106,7 +106,7 @@ class BasicAttachSession {
     core_->warn = [mgr](const std::string& message) {
       mgr->warn("torchdbg.attach", "step " + std::to_string(mgr->step()) + ": " + message);
     };
-    core_->advance_step = [mgr] { mgr->set_step(mgr->step() + 1); };
+    core_->advance_step = [mgr] { mgr->advance_step(); };
     if (core_->options.backward()) {
       for (std::size_t m = 0; m < core_->modules.size(); ++m) {
         auto& params = core_->modules[m].params;
@@ -198,7 +198,10 @@ class BasicAttachSession {
   /// Attached modules in the order their forward outputs were first seen.
   [[nodiscard]] std::vector<std::string> execution_order() const { return core_->execution_order(); }
 
-  /// Per-module gradient L2 norms of the last backward pass that had hooks due.
+  /// Per-module gradient L2 norms of the last backward pass that had hooks due. In a
+  /// manager's GradientNorm or BackwardEnd listener, those of the pass being reported on that
+  /// thread (with several threads training, another pass may end meanwhile; read the global
+  /// norm there with HookManager::reported_gradient_norm()).
   [[nodiscard]] std::vector<std::pair<std::string, double>> gradient_norms() const {
     return core_->gradient_norms();
   }
@@ -221,8 +224,8 @@ class BasicAttachSession {
   }
 
   /// Hands over gradients no tensor hook saw, such as those `torch::autograd::grad` returns
-  /// on LibTorch 1.x (2.x runs the hooks for it: a gradient a hook delivered, in the pass that
-  /// ended last or as this very tensor, is skipped, so the same code is right on both):
+  /// on LibTorch 1.x (2.x runs the hooks for it: a tensor a hook delivered is skipped, so the
+  /// same code is right on both):
   /// `grads[i]` is delivered as the gradient of `params[i]` (under its module, with
   /// {"parameter": name}, counted in the norms), then the pass ends as a backward pass does
   /// (norms reported, `auto_step`). An undefined gradient is skipped (`allow_unused`), whatever
