@@ -41,7 +41,7 @@
 //   returned it and "fc1/relu" in the view's shape. The activation may come later: after
 //   another module's call (`y = fc(x); h = other(z); a = tanh(y)`) or another reader of the
 //   output (`y.detach().clone()` kept for logging), it is still "fc/tanh" (a thread
-//   remembers its last 8 module outputs and views of them; an activation, delivered once,
+//   remembers each session's last 8 module outputs and views of them; an activation, delivered once,
 //   takes its output off that list). An elementwise function that can make
 //   finite values non-finite (log, sqrt, rsqrt, reciprocal, exp, pow, ...) is delivered the
 //   same way with metadata {"op": "log"}, so a NaN born there is attributed to it. Module

@@ -23,7 +23,6 @@ class PassLedger {
  public:
   struct Pass {
     const void* id = nullptr;  // the graph task's identity while it runs; null: handed over
-    uint64_t serial = 0;       // unique in the session, from 1
     bool gradients = false;    // a gradient arrived
     bool ended = false;        // the pass ended; its norms wait for queued gradients (`held`)
     int held = 0;              // its gradients queued (DeferredQueue) whose squares are not in yet
@@ -39,25 +38,17 @@ class PassLedger {
   std::shared_ptr<Pass> open(const void* id, std::size_t modules, bool* opened) {
     std::lock_guard<std::mutex> lock(mutex_);
     *opened = false;
+    // A pass that ended may wait here for another thread's flush while a new graph task
+    // takes its address: that is a new pass.
     for (const auto& p : open_)
-      if (p->id == id && id != nullptr) return p;
+      if (p->id == id && id != nullptr && !p->ended) return p;
     auto p = std::make_shared<Pass>();
     p->id = id;
-    p->serial = ++serial_;
     p->squares.assign(modules, 0.0);
     p->seen.assign(modules, 0);
     open_.push_back(p);
     *opened = true;
     return p;
-  }
-
-  /// The open pass with identity `id`, or null.
-  [[nodiscard]] std::shared_ptr<Pass> find(const void* id) const {
-    if (id == nullptr) return nullptr;
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto& p : open_)
-      if (p->id == id) return p;
-    return nullptr;
   }
 
   /// Adds `sq` to module `m`'s squared norm in `pass` (nothing once the pass is closed).
@@ -116,16 +107,9 @@ class PassLedger {
     return {gradients, std::move(out)};
   }
 
-  /// Passes open now.
-  [[nodiscard]] std::size_t open_count() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return open_.size();
-  }
-
  private:
   mutable std::mutex mutex_;
   std::vector<std::shared_ptr<Pass>> open_;
-  uint64_t serial_ = 0;
 };
 
 }  // namespace torchdbg::detail
