@@ -115,14 +115,17 @@
 // `hooked_call` (hooked.hpp).
 
 // The pieces, in the order data flows: options; the module table; each backward pass's
-// gradient bookkeeping; the device queue; a session's core (delivery, pass ends); the
-// gradient taps; the forward observer's per-thread state, its attribution of operators to
-// modules, the observer itself; the session a user holds.
+// gradient bookkeeping; the device queue; delivery names; a session's core (its state and
+// delivery; the gradient entry and pass ends in core_passes); the gradient taps; the forward
+// observer's per-thread state, its attribution of operators to modules, the observer itself;
+// the session a user holds.
 #include "torchdbg/attach/options.hpp"
 #include "torchdbg/attach/modules.hpp"
 #include "torchdbg/attach/pass_ledger.hpp"
 #include "torchdbg/attach/deferred.hpp"
+#include "torchdbg/attach/delivery_names.hpp"
 #include "torchdbg/attach/core.hpp"
+#include "torchdbg/attach/core_passes.hpp"
 #include "torchdbg/attach/gradient_tap.hpp"
 #include "torchdbg/attach/observer_state.hpp"
 #include "torchdbg/attach/attribution.hpp"

@@ -3,7 +3,7 @@
 #pragma once
 
 // A session's shared state: delivery to the manager, queued device deliveries, and the end
-// of each backward pass.
+// of each backward pass (defined in core_passes.hpp, with the gradient entry).
 
 #include <ATen/ATen.h>
 
@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "torchdbg/attach/deferred.hpp"
+#include "torchdbg/attach/delivery_names.hpp"
 #include "torchdbg/attach/modules.hpp"
 #include "torchdbg/attach/options.hpp"
 #include "torchdbg/attach/pass_end.hpp"
@@ -233,34 +234,9 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     return last_norms_;
   }
 
-  /// A forward delivery's name and metadata: the module's output (`op` -1: its name,
-  /// {"module_type", ..., "call", "<k>"}) or a follow-up operator's ("<module>/<op>",
-  /// {"activation"|"op": op, "call": "<k>"}), for the module's call `call` in the step. Built
-  /// on first use and kept for the first kCachedCalls calls, so a step builds no strings.
-  struct FollowUp {
-    std::string name;
-    Metadata md;
-  };
-  static constexpr uint32_t kCachedCalls = 4096;
-  std::shared_ptr<const FollowUp> delivery_info(std::size_t module, int op, uint32_t call) {
-    const auto make = [&] {
-      auto f = std::make_shared<FollowUp>();
-      if (op < 0) {
-        f->name = modules[module].name;
-        f->md = modules[module].forward_md;
-      } else {
-        const char* n = FollowUpOps::kNames[op];
-        f->name = modules[module].name + "/" + n;
-        f->md.emplace(FollowUpOps::is_math(op) ? "op" : "activation", n);
-      }
-      f->md.emplace("call", std::to_string(call));
-      return std::shared_ptr<const FollowUp>(std::move(f));
-    };
-    if (call >= kCachedCalls) return make();
-    std::lock_guard<std::mutex> lock(follow_mutex_);
-    auto& slot = follow_ups_[{module, op, call}];
-    if (!slot) slot = make();
-    return slot;
+  /// A forward delivery's name and metadata (DeliveryNames).
+  std::shared_ptr<const DeliveryInfo> delivery_info(std::size_t module, int op, uint32_t call) {
+    return names_.get(*this, module, op, call);
   }
 
  private:
@@ -285,62 +261,10 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
 
   /// `pass` ended: its queued statistics (gradients' included, one copy per device), its norms,
   /// auto_step; nothing when none of its gradients were this session's.
-  void on_backward_end(PassLedger::Pass& pass) {
-    // A pass that reached none of this session's parameters (another model's, or one taken
-    // with torch::autograd::grad) is no step of it; torch::autograd::grad is suspected until
-    // gradients are handed over (warned of at the next iteration's first call).
-    if (!passes_.had_gradients(pass)) {
-      passes_.close(pass);
-      if (forward_since_pass.load()) no_gradient_pass.store(true);
-      return;
-    }
-    forward_since_pass.store(false);
-    flush_deferred();  // the queued gradients' squares count toward their passes
-    if (passes_.end(pass)) finish_pass(pass);  // else when another thread's flush has its squares in
-  }
+  void on_backward_end(PassLedger::Pass& pass);
 
   /// Reports `pass`'s norms, its end, and steps (auto_step).
-  void finish_pass(PassLedger::Pass& pass) {
-    const auto squares = passes_.close(pass).second;
-    std::vector<std::pair<std::string, double>> norms;
-    // The manager's listeners, on this thread, read this pass's norms (gradient_norms()).
-    struct Reporting {
-      Reporting(const AttachCore* c, const std::vector<std::pair<std::string, double>>* n) : saved(reporting()) {
-        reporting() = {c, n};
-      }
-      ~Reporting() { reporting() = saved; }
-      std::pair<const AttachCore*, const std::vector<std::pair<std::string, double>>*> saved;
-    } scope(this, &norms);
-    if (active.load() && options.gradient_norms() && !squares.empty()) {
-      double total = 0.0;
-      for (const auto& [m, sq] : squares) {
-        norms.emplace_back(modules[m].name, std::sqrt(sq));
-        total += sq;
-      }
-      {
-        std::lock_guard<std::mutex> lock(norms_mutex_);
-        last_norms_ = norms;
-      }
-      if (report_gradient_norm) {
-        try {
-          report_gradient_norm(std::sqrt(total));
-        } catch (...) {
-        }
-      }
-    }
-    if (active.load() && report_pass_end) {
-      try {
-        report_pass_end();
-      } catch (...) {
-      }
-    }
-    if (active.load() && options.auto_step() && advance_step) {
-      try {
-        advance_step();
-      } catch (...) {
-      }
-    }
-  }
+  void finish_pass(PassLedger::Pass& pass);
 
  public:
   /// The first backward node of a pass on the thread whose forward made this session's last
@@ -348,33 +272,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   /// a pass that throws before any gradient arrives is noticed too (and counted by every
   /// session whose forward ran on that thread since its last pass).
   /// Returns the pass (null when nothing waits for its end: no hook due, no auto_step).
-  std::shared_ptr<PassLedger::Pass> begin_pass() {
-    if (!active.load()) return nullptr;
-    if (!backward_due.load() && !options.auto_step()) return nullptr;
-    const void* id = PassLedger::current_id();
-    if (id == nullptr) return nullptr;  // not inside a backward pass (a manual hook call)
-    bool opened = false;
-    std::shared_ptr<PassLedger::Pass> pass = passes_.open(id, modules.size(), &opened);
-    if (!opened) return pass;
-    std::weak_ptr<AttachCore> self = weak_from_this();
-    std::weak_ptr<PassLedger::Pass> p = pass;  // the ledger holds it until it is closed
-    const bool queued = queue_pass_end(
-        [self, p] {
-          auto s = self.lock();
-          auto q = p.lock();
-          if (s && q) s->on_backward_end(*q);
-        },
-        [self, p] {
-          auto s = self.lock();
-          auto q = p.lock();
-          if (s && q) s->on_backward_failed(*q);
-        });
-    if (!queued) {
-      passes_.close(*pass);
-      return nullptr;
-    }
-    return pass;
-  }
+  std::shared_ptr<PassLedger::Pass> begin_pass();
   /// Forward deliveries since the last pass ended (begin_pass is called for such sessions).
   std::atomic<bool> forward_since_pass{false};
   /// A pass ended with forward deliveries before it and no gradient (torch::autograd::grad).
@@ -396,16 +294,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
 
   /// The pass threw: what it queued is delivered (those gradients were computed), its partial
   /// norms are dropped, the step does not advance, and the next pass starts afresh.
-  void on_backward_failed(PassLedger::Pass& pass) noexcept {
-    forward_since_pass.store(false);
-    failed_passes.fetch_add(1);
-    flush_deferred();
-    try {
-      passes_.close(pass);
-      if (active.load() && report_failed_pass) report_failed_pass();
-    } catch (...) {
-    }
-  }
+  void on_backward_failed(PassLedger::Pass& pass) noexcept;
 
   mutable std::mutex order_mutex_;
   std::vector<std::size_t> order_;
@@ -416,45 +305,11 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   std::vector<std::size_t> param_base_;                      // module -> its first parameter's slot
   mutable std::mutex hooked_mutex_;
   std::vector<std::optional<WeakImpl>> hooked_;  // per parameter: the gradient a hook delivered last
-  std::mutex follow_mutex_;
-  std::map<std::tuple<std::size_t, int, uint32_t>, std::shared_ptr<const FollowUp>> follow_ups_;
+  DeliveryNames names_;
   std::unique_ptr<std::atomic<uint32_t>[]> calls_;
   DeferredQueue deferred_;
 };
 
-inline void AttachCore::on_grad(std::size_t m, std::size_t param, const at::Tensor& g) {
-  if (!active.load()) return;
-  // The end-of-backward callback is needed for norms and queued deliveries (when hooks are
-  // due) and auto_step only: a step with nothing due costs this one check per gradient.
-  const std::shared_ptr<PassLedger::Pass> pass = begin_pass();
-  if (g.defined()) {
-    std::lock_guard<std::mutex> lock(hooked_mutex_);
-    hooked_[param_base_[m] + param] = weak_of(g);
-  }
-  take_gradient(m, param, g, pass);
-}
-
-inline void AttachCore::take_gradient(std::size_t m, std::size_t param, const at::Tensor& g,
-                                      const std::shared_ptr<PassLedger::Pass>& pass) {
-  if (!g.defined()) return;
-  no_gradient_pass.store(false, std::memory_order_relaxed);
-  if (pass) passes_.note_gradient(*pass);
-  if (!backward_due.load()) return;
-  const Metadata& md = modules[m].params[param].grad_md;
-  if (defers(g)) {  // the norm comes with the batch
-    send(m, modules[m].name, g, false, md, nullptr, {}, pass);
-    return;
-  }
-  std::optional<TensorStats> stats;
-  if (options.gradient_norms()) {
-    // One pass: the same statistics serve the norm and every hook of this delivery.
-    try {
-      stats = compute_stats(g, StatsOptions().sign_counts(gradient_signs.load()));
-      if (pass) passes_.add(*pass, m, stats->l2_norm * stats->l2_norm);
-    } catch (...) {
-    }
-  }
-  send(m, modules[m].name, g, false, md, stats ? &*stats : nullptr);
-}
-
 }  // namespace torchdbg::detail
+
+#include "torchdbg/attach/core_passes.hpp"  // the definitions of the pass ends and the gradient entry

@@ -46,7 +46,7 @@ class ObserverState {
     std::shared_ptr<AttachCore> core;
     std::size_t module = 0;
     uint32_t call = 0;  // the module's call index in the step
-    std::shared_ptr<const AttachCore::FollowUp> info;  // the delivery's name and metadata
+    std::shared_ptr<const DeliveryInfo> info;  // the delivery's name and metadata
     TensorSet used;  // the module's tensors its operators read so far in this call
     at::Tensor out;
     AttachCore::InputMoments input;
