@@ -6,7 +6,7 @@
 // from one run). Prints one line per model and mode and writes the same figures as JSON.
 //
 //   torchdbg_bench [--threads N] [--rounds R] [--steps S] [--rss-steps N] [--json FILE] [--models
-//   mlp,cnn,tiny] [--modes detached,full,every10,idle] [--no-health] [--device cpu|cuda]
+//   mlp,cnn,tiny,one] [--modes detached,full,every10,idle] [--no-health] [--device cpu|cuda]
 //   [--default-malloc]
 //
 // glibc's mmap and trim thresholds are fixed (32 MiB, 1 GiB) unless --default-malloc: with
@@ -14,6 +14,7 @@
 // steps freed before them.
 //
 // `tiny` is the MLP at 16 features: it prints what one delivery costs outside the kernel.
+// `one` is a single Linear with the README's quick start: what torchdbg costs per step.
 //
 // With --device cuda the models train on the GPU, each timed step ends with a device
 // synchronize, and the run also prints how many copies brought statistics to the host per
@@ -61,6 +62,14 @@ struct TinyMlp : Mlp {
   TinyMlp() : Mlp(16, 16) {}
 };
 
+/// One Linear (PyTorch's regression example, a small RL policy): a step of a few tens of
+/// microseconds, where what torchdbg costs per step whatever the model's size shows.
+struct OneLinear : torch::nn::Module {
+  OneLinear() : fc(register_module("fc", torch::nn::Linear(16, 10))) {}
+  torch::Tensor forward(torch::Tensor x) { return fc(x); }
+  torch::nn::Linear fc;
+};
+
 struct Cnn : torch::nn::Module {
   Cnn() {
     const int64_t ch[] = {3, 32, 64, 128, 128};
@@ -90,7 +99,7 @@ struct Args {
   int steps = 5;
   int rss_steps = 10000;
   std::string json = "torchdbg_bench.json";
-  std::string models = "mlp,cnn,tiny";  // tiny: the per-delivery cost
+  std::string models = "mlp,cnn,tiny,one";  // tiny: the per-delivery cost; one: the fixed cost
   std::string modes = "detached,full,every10,idle";
   bool health = true;  // --no-health: statistics hooks only, to see the health monitor's share
   std::string device = "cpu";
@@ -143,9 +152,11 @@ struct Monitor {
       torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.0))};
   torchdbg::HealthMonitor health;
   torchdbg::HealthInstallation<std::mutex, std::mutex> fed;
-  Monitor(bool every10, bool with_health = true)
+  /// `quick_start`: the README's quick start only (the health monitor, no other hook).
+  Monitor(bool every10, bool with_health = true, bool quick_start = false)
       : health(torchdbg::HealthOptions().interval(every10 ? 10 : 1)) {
     if (with_health) fed = health.install(hooks);
+    if (quick_start) return;
     // every10 does full's work on every 10th step: the same hooks, each in its own direction
     // (every_n_steps alone fires in both, which would do twice full's work on a due step).
     auto trig_f =
@@ -228,7 +239,7 @@ Paired paired_overhead(const std::vector<double>& base, const std::vector<double
 
 template <typename Model>
 nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, int64_t batch,
-                           const Args& a, bool print = true) {
+                           const Args& a, bool print = true, bool quick_start = false) {
   Trainer<Model> tr(shape, batch, torch::Device(a.device));
   for (int i = 0; i < 3; ++i) tr.step();  // warm-up
   nlohmann::json out;
@@ -240,7 +251,7 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
     uint64_t copies = 0, deliveries = 0;
     // One monitor per mode, kept across rounds (its per-layer state is built once, as in a
     // real run); only the attachment comes and goes, so baseline steps run detached.
-    Monitor monitor(mode == "every10", a.health && mode != "idle");
+    Monitor monitor(mode == "every10", a.health && mode != "idle", quick_start);
     if (mode == "idle") monitor.hooks.clear_hooks();
     for (int r = 0; r < a.rounds; ++r) {
       // ABBA: odd rounds run the monitored half first, so drift within a round (allocator,
@@ -307,6 +318,30 @@ nlohmann::json bench_delivery(const Args& a) {
           {"deliveries_per_step", per_step},
           {"baseline_median_us", r["baseline_median_us"]},
           {"monitored_median_us", r["monitored_median_us"]}};
+}
+
+/// What torchdbg costs per step whatever the model: the quick start (a health monitor, every
+/// step) and a manager with no hook (idle) on one Linear, in microseconds per step.
+nlohmann::json bench_fixed(const Args& a) {
+  Args one = a;
+  one.modes = "full,idle";
+  one.steps = 50;  // ~30 us steps: more per round for the same share of round overhead
+  one.rounds = std::max(a.rounds, 40);
+  const nlohmann::json r = bench_model<OneLinear>("one", {16}, 32, one, /*print=*/false, /*quick_start=*/true);
+  nlohmann::json out;
+  for (const char* mode : {"full", "idle"}) {
+    const auto& m = r[mode];
+    const double us = m["monitored_median_us"].get<double>() - m["baseline_median_us"].get<double>();
+    fmt::print("fixed cost per step {}: {:.1f} us (one Linear 16->10, batch 32: {:.1f} us step, {:+.1f}%){}\n",
+               mode, us, m["baseline_median_us"].get<double>(), m["overhead_percent"].get<double>(),
+               std::string(mode) == "full" ? ", the quick start's health monitor" : ", attached, no hook");
+    out[mode] = {{"us_per_step", us},
+                 {"paired_difference_us_per_step", m["paired_difference_us_per_step"]},
+                 {"baseline_median_us", m["baseline_median_us"]},
+                 {"overhead_percent", m["overhead_percent"]}};
+  }
+  std::fflush(stdout);
+  return out;
 }
 
 /// Median seconds of `reps` runs of f.
@@ -418,6 +453,7 @@ int main(int argc, char** argv) {
     if (a.models.find("cnn") != std::string::npos)
       report["cnn"] = bench_model<Cnn>("cnn", {3, 32, 32}, 32, a);
     if (a.models.find("tiny") != std::string::npos) report["delivery"] = bench_delivery(a);
+    if (a.models.find("one") != std::string::npos) report["fixed"] = bench_fixed(a);
     report["kernel"] = bench_kernel();
     if (a.rss_steps > 0) report["rss"] = bench_rss(a);
     std::ofstream(a.json) << report.dump(2) << "\n";

@@ -201,6 +201,7 @@ struct Expected {
   int64_t call = 0;  // in a session that observes grad-mode forwards only (-1: none sees it)
   torch::Tensor value;
   int64_t eval_call = 0;  // in a session that also observes no-grad forwards
+  torch::Tensor input;    // a module call's data input (its scale: "input_from" or "input_rms")
 };
 
 struct Model : torch::nn::Module {
@@ -236,22 +237,22 @@ struct Model : torch::nn::Module {
     std::map<std::string, int64_t> calls, eval_calls;
     using Call = std::pair<int64_t, int64_t>;  // (call, eval_call)
     int64_t tied_uses = 0;
-    const auto note = [&](const std::string& name, const torch::Tensor& v) {
+    const auto note = [&](const std::string& name, const torch::Tensor& v, const torch::Tensor& in) {
       const Call k{calls[name]++, eval_calls[name]++};
-      expected.push_back({name, k.first, v, k.second});
+      expected.push_back({name, k.first, v, k.second, in});
       return k;
     };
     // The module output `h` is, if it is one: its name and call (an activation of it is
     // delivered as "<name>/<act>").
     std::string last;
     Call last_call{0, 0};
-    const auto output_of = [&](const std::string& name, const torch::Tensor& v) {
+    const auto output_of = [&](const std::string& name, const torch::Tensor& v, const torch::Tensor& in) {
       last = name;
-      last_call = note(name, v);
+      last_call = note(name, v, in);
     };
     const auto activation = [&](int a, const torch::Tensor& in, const torch::Tensor& out) {
       (void)in;
-      if (!last.empty()) expected.push_back({last + "/" + kActs[a], last_call.first, out, last_call.second});
+      if (!last.empty()) expected.push_back({last + "/" + kActs[a], last_call.first, out, last_call.second, {}});
       last.clear();
     };
     int stmt = -1;
@@ -259,15 +260,16 @@ struct Model : torch::nn::Module {
     torch::Tensor h;
     if (emb) {
       h = emb(x);
-      output_of("emb", h);
+      output_of("emb", h, x);
     } else {
       h = x;
     }
     for (const Stmt& t : spec.body) {
       switch (t.op) {
         case Op::Linear: {
+          const auto in = h;
           h = lins[t.a](h);
-          output_of("lin" + std::to_string(t.a), h);
+          output_of("lin" + std::to_string(t.a), h, in);
           break;
         }
         case Op::ActFn: {
@@ -291,45 +293,47 @@ struct Model : torch::nn::Module {
         }
         case Op::Residual: {
           const auto y = lins[t.a](h);
-          output_of("lin" + std::to_string(t.a), y);
+          output_of("lin" + std::to_string(t.a), y, h);
           h = h + y;
           last.clear();
           break;
         }
         case Op::Norm: {
+          const auto in = h;
           h = norms[t.a](h);
-          output_of("norm" + std::to_string(t.a), h);
+          output_of("norm" + std::to_string(t.a), h, in);
           break;
         }
         case Op::Between: {
           const auto y = lins[t.a](h);
           const std::string ya = "lin" + std::to_string(t.a);
-          const Call yk = note(ya, y);
+          const Call yk = note(ya, y, h);
           const auto z = lins[t.b](h);
-          note("lin" + std::to_string(t.b), z);
+          note("lin" + std::to_string(t.b), z, h);
           const auto a = act_fn(t.c, y);
-          expected.push_back({ya + "/" + kActs[t.c], yk.first, a, yk.second});
+          expected.push_back({ya + "/" + kActs[t.c], yk.first, a, yk.second, {}});
           h = a + z;
           last.clear();
           break;
         }
         case Op::Functional: {
+          const auto in = h;
           h = torch::linear(h, lins[t.a]->weight, lins[t.a]->bias);
-          output_of("lin" + std::to_string(t.a), h);
+          output_of("lin" + std::to_string(t.a), h, in);
           break;
         }
         case Op::NoGrad: {
           torch::NoGradGuard no_grad;
           const auto y = lins[t.a](h.detach());
           const std::string name = "lin" + std::to_string(t.a);
-          expected.push_back({name, -1, y, eval_calls[name]++});  // seen with no_grad_forward only
+          expected.push_back({name, -1, y, eval_calls[name]++, h});  // seen with no_grad_forward only
           break;
         }
         case Op::Gru: {
           auto hidden = torch::zeros({B, spec.width});
           for (int k = 0; k < t.b; ++k) {
             hidden = gru(h, hidden);
-            note("gru", hidden);
+            note("gru", hidden, h);
           }
           h = hidden;
           last = "gru";
@@ -339,32 +343,36 @@ struct Model : torch::nn::Module {
         case Op::Attention: {
           const auto q = h.unsqueeze(0);  // [1, B, W]: one sequence position
           const auto out = std::get<0>(mha(q, q, q));
-          output_of("mha", out);
+          output_of("mha", out, q);
           h = out.squeeze(0);  // a view: an activation of it is still "mha/<act>"
           break;
         }
         case Op::Tied: {
           // Limit by construction: two bias-free Linears sharing their weight are told apart
           // by call order only; the uses of a pass alternate tied0, tied1, tied0, ...
+          const auto in = h;
           h = (t.a == 0 ? tied0 : tied1)(h);
-          output_of(tied_uses++ % 2 == 0 ? "tied0" : "tied1", h);
+          output_of(tied_uses++ % 2 == 0 ? "tied0" : "tied1", h, in);
           break;
         }
         case Op::Conv: {
-          const auto out = conv(h.view({B, 4, spec.width / 4}));
-          output_of("conv", out);
+          const auto in = h.view({B, 4, spec.width / 4});
+          const auto out = conv(in);
+          output_of("conv", out, in);
           h = out.view({B, spec.width});  // a view: an activation of it is still "conv/<act>"
           break;
         }
         case Op::LstmCell: {
+          const auto in = h;
           const auto state = lstm_cell(h, std::make_tuple(torch::zeros({B, spec.width}), torch::zeros({B, spec.width})));
           h = std::get<0>(state);
-          output_of("lstm_cell", h);
+          output_of("lstm_cell", h, in);
           break;
         }
         case Op::BatchNorm: {
+          const auto in = h;
           h = bn(h);
-          output_of("bn", h);
+          output_of("bn", h, in);
           break;
         }
         case Op::Dropout: {
@@ -375,9 +383,10 @@ struct Model : torch::nn::Module {
         case Op::Siamese: {
           const std::string name = "lin" + std::to_string(t.a);
           const auto y1 = lins[t.a](h);
-          note(name, y1);
-          const auto y2 = lins[t.a](h * 0.5);
-          note(name, y2);
+          note(name, y1, h);
+          const auto half = h * 0.5;
+          const auto y2 = lins[t.a](half);
+          note(name, y2, half);
           h = y1 + y2;
           last.clear();
           break;
@@ -388,7 +397,7 @@ struct Model : torch::nn::Module {
     if (spec.loss == 1) return torch::nn::functional::cross_entropy(h, torch::randint(0, spec.width, {B}));
     if (spec.loss == 2) return torch::nn::functional::mse_loss(h, torch::zeros_like(h));
     const auto sq = h.pow(2);
-    if (!last.empty()) expected.push_back({last + "/pow", last_call.first, sq, last_call.second});
+    if (!last.empty()) expected.push_back({last + "/pow", last_call.first, sq, last_call.second, {}});
     return sq.mean();
   }
 
@@ -417,6 +426,10 @@ struct Seen {
   double mean = 0, std = 0, min = 0, max = 0, l2 = 0;
   int64_t numel = 0;
   std::thread::id thread;
+  // where a module call's data input came from (attach's metadata)
+  std::string input_from;
+  int64_t input_call = -1;
+  std::optional<double> input_rms;
 };
 
 struct Result {
@@ -449,6 +462,9 @@ struct Recorder {
       s.forward = c.is_forward();
       if (auto k = c.metadata_value("call")) s.call = std::stoll(std::string(*k));
       if (auto p = c.metadata_value("parameter")) s.parameter = std::string(*p);
+      if (auto f = c.metadata_value("input_from")) s.input_from = std::string(*f);
+      if (auto k = c.metadata_value("input_call")) s.input_call = std::stoll(std::string(*k));
+      if (auto r = c.metadata_value("input_rms")) s.input_rms = std::stod(std::string(*r));
       s.shape = c.tensor().sizes().vec();
       const auto& st = c.stats();
       s.mean = st.mean;
@@ -570,6 +586,33 @@ inline Result run(const Spec& spec, int steps = 3) {
         else if (!same_values(s))
           fail(where + "'" + e.name + "' call " + std::to_string(call) + " holds other values (mean " +
                std::to_string(s.mean) + " vs " + std::to_string(v.mean().item<double>()) + ")");
+        // The call's input scale: measured, or the output of the delivery it names.
+        if (e.input.defined() && e.input.is_floating_point() && e.input.numel() > 0) {
+          const double in_rms = e.input.detach().to(torch::kDouble).pow(2).mean().sqrt().item<double>();
+          ++res.checks;
+          if (s.input_rms) {
+            if (!s.input_from.empty()) fail(where + "'" + e.name + "' has both input_rms and input_from");
+            if (!close(*s.input_rms, in_rms, 1e-4))
+              fail(where + "'" + e.name + "' call " + std::to_string(call) + " input_rms " +
+                   std::to_string(*s.input_rms) + " vs " + std::to_string(in_rms));
+          } else if (!s.input_from.empty()) {
+            const Seen* from = nullptr;
+            for (const auto& x : list)
+              if (x.forward && x.name == s.input_from && (!by_call || x.call == s.input_call) &&
+                  (from == nullptr || close(std::sqrt(x.mean * x.mean + x.std * x.std), in_rms, 1e-4)))
+                from = &x;
+            const double from_rms = from ? std::sqrt(from->mean * from->mean + from->std * from->std) : 0.0;
+            if (from == nullptr)
+              fail(where + "'" + e.name + "' input_from '" + s.input_from + "' call " +
+                   std::to_string(s.input_call) + " was not delivered");
+            else if (by_call && !close(from_rms, in_rms, 1e-4))
+              fail(where + "'" + e.name + "' call " + std::to_string(call) + " input_from '" + s.input_from +
+                   "' call " + std::to_string(s.input_call) + " has RMS " + std::to_string(from_rms) +
+                   ", the input " + std::to_string(in_rms));
+          } else {
+            fail(where + "'" + e.name + "' call " + std::to_string(call) + " has no input scale");
+          }
+        }
         got.erase(it);
       }
       for (const auto& [key, s] : got)

@@ -432,7 +432,7 @@ TEST_CASE("NaN in the model's input is bad data, not the first layer's failure",
   }
 }
 
-TEST_CASE("causal rules: an upstream explosion explains dead units downstream in the same step; causes rank in forward order",
+TEST_CASE("causal rules: an upstream explosion explains dead units and explosions downstream in the same step; causes rank in forward order",
           "[diagnosis]") {
   using P = torchdbg::Phase;
   torchdbg::HealthReport r;
@@ -444,12 +444,12 @@ TEST_CASE("causal rules: an upstream explosion explains dead units downstream in
   down.confidence = 0.6;
   r.incidents = {dead, down, up};
   const auto d = torchdbg::diagnose(r);
-  REQUIRE(d.hypotheses.size() == 2);
+  REQUIRE(d.hypotheses.size() == 1);  // one destructive update: one root
   CHECK(d.hypotheses[0].kind == FailureKind::ExplodingActivation);
   CHECK(d.hypotheses[0].layer == "fc0");
-  REQUIRE(d.hypotheses[0].causal_chain.size() == 2);
-  CHECK(d.hypotheses[0].causal_chain[1].layer == "fc2/relu");
-  CHECK(d.hypotheses[1].layer == "fc2");
+  REQUIRE(d.hypotheses[0].causal_chain.size() == 3);
+  CHECK(d.hypotheses[0].causal_chain[1].layer == "fc2");
+  CHECK(d.hypotheses[0].causal_chain[2].layer == "fc2/relu");
   // Gradients rank in backward order: the layer nearest the loss first.
   torchdbg::HealthReport g;
   auto near_loss = incident(FailureKind::ExplodingGradient, "fc3", 2, P::Backward, 6);
@@ -549,4 +549,75 @@ TEST_CASE("the exploding-gradient origin uses the amplification over its usual v
   bn.details["amplification_vs_usual"] = 40.0;
   r.incidents = {fc, bn, conv};
   CHECK(torchdbg::diagnose(r).top()->layer == "bn0");
+}
+
+TEST_CASE("a fresh explosion outranks a saturation that began earlier; a persisting finding is listed once with its span",
+          "[diagnosis]") {
+  using P = torchdbg::Phase;
+  // dcgan: the generator's output tanh saturates from step 8 (by design, not silenced), then
+  // the discriminator explodes at step 20 and its sigmoid saturates on and off 39 times.
+  torchdbg::HealthReport r;
+  auto tanh_sat = incident(FailureKind::Saturation, "g.conv4/tanh", 8, P::Forward, 9, 0.9);
+  tanh_sat.last_step = 60;
+  r.incidents.push_back(tanh_sat);
+  r.incidents.push_back(incident(FailureKind::ExplodingActivation, "d.conv2", 20, P::Forward, 2, 0.5));
+  r.incidents.push_back(incident(FailureKind::LossSpike, "loss", 20, P::Loss, 1 << 30));
+  for (int64_t s = 21; s < 60; ++s) {
+    auto sat = incident(FailureKind::Saturation, "d.conv3/sigmoid", s, P::Forward, 3);
+    r.incidents.push_back(sat);
+  }
+  const auto d = torchdbg::diagnose(r);
+  REQUIRE(d.hypotheses.size() == 2);
+  const auto& top = d.hypotheses[0];
+  CHECK(top.kind == FailureKind::ExplodingActivation);
+  CHECK(top.layer == "d.conv2");
+  CHECK(top.acute());
+  // root, the loss spike, the sigmoid's saturation once (steps 21 to 59, 39 times)
+  REQUIRE(top.causal_chain.size() == 3);
+  CHECK(top.causal_chain[0].layer == "d.conv2");
+  CHECK(top.causal_chain[1].layer == "loss");
+  const auto& sat = top.causal_chain[2];
+  CHECK(sat.layer == "d.conv3/sigmoid");
+  CHECK(sat.step == 21);
+  CHECK(sat.last_step == 59);
+  CHECK(sat.occurrences == 39);
+  CHECK(d.summary().find("saturation at 'd.conv3/sigmoid' (steps 21 to 59, 39 times)") != std::string::npos);
+  CHECK(d.to_json()["hypotheses"][0]["causal_chain"][2]["occurrences"] == 39);
+  CHECK(d.hypotheses[1].layer == "g.conv4");
+  CHECK_FALSE(d.hypotheses[1].acute());
+  CHECK(d.nodes.size() == r.incidents.size());  // the graph keeps every incident
+  // Without the explosion the saturation is the top finding, as before.
+  torchdbg::HealthReport alone;
+  alone.incidents = {tanh_sat};
+  CHECK(torchdbg::diagnose(alone).top()->layer == "g.conv4");
+}
+
+TEST_CASE("a layer that saturates in a step's forward explains that step's exploding gradients; a loss failure the latest acute one",
+          "[diagnosis]") {
+  using P = torchdbg::Phase;
+  // A discriminator broken by its update: its sigmoid saturates at step 41 (after it had
+  // flapped at step 20), the generator's gradients through it explode, the loss spikes.
+  torchdbg::HealthReport r;
+  r.incidents = {incident(FailureKind::Saturation, "d.fc3/sigmoid", 20, P::Forward, 3),
+                 incident(FailureKind::Saturation, "d.fc3/sigmoid", 41, P::Forward, 3),
+                 incident(FailureKind::LossSpike, "loss", 41, P::Loss, 1 << 30),
+                 incident(FailureKind::ExplodingGradient, "g.fc1", 41, P::Backward, 4),
+                 incident(FailureKind::ExplodingGradient, "g.fc3", 41, P::Backward, 6)};
+  r.incidents[4].details["amplification"] = 50.0;
+  const auto d = torchdbg::diagnose(r);
+  REQUIRE(d.top() != nullptr);
+  CHECK(d.top()->layer == "d.fc3");
+  CHECK(d.top()->step == 41);  // not the flap of step 20: it explains none of this
+  CHECK(d.top()->acute());
+  CHECK(d.top()->causal_chain.size() == 4);  // the loss spike and the two gradients
+  // The loss spike goes to the latest acute layer failure before it, not the first failure.
+  torchdbg::HealthReport l;
+  l.incidents = {incident(FailureKind::DeadUnits, "a/relu", 2, P::Forward, 0),
+                 incident(FailureKind::ExplodingActivation, "b", 30, P::Forward, 1),
+                 incident(FailureKind::LossSpike, "loss", 30, P::Loss, 1 << 30)};
+  const auto dl = torchdbg::diagnose(l);
+  REQUIRE(dl.hypotheses.size() == 2);
+  CHECK(dl.hypotheses[0].layer == "b");
+  REQUIRE(dl.hypotheses[0].causal_chain.size() == 2);
+  CHECK(dl.hypotheses[0].causal_chain[1].layer == "loss");
 }

@@ -3,6 +3,7 @@
 #include <optional>
 #include <thread>
 #include <torchdbg/attach.hpp>
+#include <torchdbg/diagnosis.hpp>
 #include <torchdbg/health.hpp>
 
 #include "helpers.hpp"
@@ -632,4 +633,275 @@ TEST_CASE("a health pause names its layer and step in pause_info", "[health]") {
   CHECK(info->step == 1);
   CHECK(info->hook_name == "torchdbg.health");
   CHECK(info->reason.find("enc.fc1") != std::string::npos);
+}
+
+namespace {
+
+// A GAN as users write one (PyTorch's dcgan example, as MLPs): a generator and a
+// discriminator under one parent, three backward passes and three discriminator calls a step.
+struct GanG : torch::nn::Module {
+  GanG()
+      : fc1(register_module("fc1", torch::nn::Linear(8, 32))),
+        fc2(register_module("fc2", torch::nn::Linear(32, 32))),
+        fc3(register_module("fc3", torch::nn::Linear(32, 16))) {}
+  torch::Tensor forward(const torch::Tensor& z) {
+    return torch::tanh(fc3(torch::relu(fc2(torch::relu(fc1(z))))));
+  }
+  torch::nn::Linear fc1, fc2, fc3;
+};
+struct GanD : torch::nn::Module {
+  GanD()
+      : fc1(register_module("fc1", torch::nn::Linear(16, 32))),
+        fc2(register_module("fc2", torch::nn::Linear(32, 32))),
+        fc3(register_module("fc3", torch::nn::Linear(32, 1))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::leaky_relu(fc1(x), 0.2);
+    h = torch::leaky_relu(fc2(h), 0.2);
+    return torch::sigmoid(fc3(h)).view({-1});
+  }
+  torch::nn::Linear fc1, fc2, fc3;
+};
+struct Gan : torch::nn::Module {
+  Gan()
+      : generator(register_module("generator", std::make_shared<GanG>())),
+        discriminator(register_module("discriminator", std::make_shared<GanD>())) {}
+  std::shared_ptr<GanG> generator;
+  std::shared_ptr<GanD> discriminator;
+};
+
+struct GanRun {
+  int64_t steps = 0;
+  std::vector<torchdbg::Incident> incidents;
+  std::optional<torchdbg::PauseInfo> pause;
+  std::optional<torchdbg::Hypothesis> top;
+};
+
+/// Trains the GAN for `steps` (the discriminator's learning rate x1000 from `boost_at`);
+/// `step_hook` runs after each step's forwards with the step and the tensors they read.
+GanRun train_gan(uint64_t seed, int64_t steps, int64_t boost_at,
+                 const std::function<void(torchdbg::HookManager&, int64_t)>& before = nullptr,
+                 const std::function<void(int64_t, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>&
+                     after = nullptr) {
+  torch::manual_seed(seed);
+  auto gan = std::make_shared<Gan>();
+  auto& G = gan->generator;
+  auto& D = gan->discriminator;
+  torch::optim::Adam opt_g(G->parameters(), torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}));
+  torch::optim::Adam opt_d(D->parameters(), torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}));
+  const auto modes = torch::randn({4, 16});
+  torchdbg::HookManager hooks;
+  HealthMonitor health(HealthOptions()
+                           .on_failure(torchdbg::OnFailure::Pause)
+                           .expected({{"generator\\.fc3/tanh", FailureKind::Saturation}}));
+  auto installed = health.install(hooks);
+  auto session = torchdbg::attach(*gan, hooks);
+  if (before) before(hooks, 0);
+  GanRun run;
+  constexpr int64_t kBatch = 64;
+  for (int64_t step = 0; step < steps && !hooks.is_paused(); ++step) {
+    run.steps = step + 1;
+    hooks.set_step(step);
+    if (step == boost_at)
+      for (auto& g : opt_d.param_groups()) static_cast<torch::optim::AdamOptions&>(g.options()).lr(0.2);
+    D->zero_grad();
+    const auto real = torch::tanh(2.0 * (modes.index({torch::randint(0, 4, {kBatch})}) + 0.3 * torch::randn({kBatch, 16})));
+    const auto loss_real = torch::binary_cross_entropy(D->forward(real), torch::ones({kBatch}));
+    loss_real.backward();
+    const auto noise = torch::randn({kBatch, 8});
+    const auto fake = G->forward(noise);
+    const auto loss_fake = torch::binary_cross_entropy(D->forward(fake.detach()), torch::zeros({kBatch}));
+    loss_fake.backward();
+    hooks.set_loss((loss_real + loss_fake).item<double>());
+    if (hooks.is_paused()) break;
+    opt_d.step();
+    G->zero_grad();
+    torch::binary_cross_entropy(D->forward(fake), torch::ones({kBatch})).backward();
+    if (after) after(step, real, noise, fake);
+    if (hooks.is_paused()) break;
+    opt_g.step();
+  }
+  run.incidents = health.incidents();
+  run.pause = hooks.pause_info();
+  const auto d = torchdbg::diagnose(health);
+  if (d.top() != nullptr) run.top = *d.top();
+  return run;
+}
+
+double rms_of(const torch::Tensor& t) { return t.detach().to(torch::kDouble).pow(2).mean().sqrt().item<double>(); }
+
+}  // namespace
+
+TEST_CASE("a GAN: each call's input scale is its own, a healthy run raises nothing, a failing discriminator is named first",
+          "[health][attach][gan]") {
+  SECTION("input scale of every call: the noise, real images, a detached copy, the generator's tanh") {
+    struct Seen {
+      std::string name;
+      int64_t call;
+      std::optional<double> input_rms;
+      std::string input_from;
+      int64_t input_call = -1;
+    };
+    std::vector<Seen> seen;
+    std::mutex mutex;
+    int checked = 0;
+    train_gan(
+        11, 6, -1,
+        [&](torchdbg::HookManager& hooks, int64_t) {
+          hooks.register_callback("seen", [&](const torchdbg::HookContext& c) {
+            if (!c.is_forward()) return;
+            Seen s{std::string(c.layer_name()), std::stoll(std::string(c.metadata_value("call").value_or("-1"))),
+                   std::nullopt, std::string(c.metadata_value("input_from").value_or("")), -1};
+            if (auto r = c.metadata_value("input_rms")) s.input_rms = std::stod(std::string(*r));
+            if (auto k = c.metadata_value("input_call")) s.input_call = std::stoll(std::string(*k));
+            std::lock_guard<std::mutex> lock(mutex);
+            seen.push_back(std::move(s));
+          });
+          hooks.register_hook(torchdbg::HookConfig()
+                                  .trigger(torchdbg::HookTrigger::every_n_steps(1))
+                                  .actions({torchdbg::HookAction::custom_callback("seen")}));
+        },
+        [&](int64_t, const torch::Tensor& real, const torch::Tensor& noise, const torch::Tensor& fake) {
+          std::lock_guard<std::mutex> lock(mutex);
+          // A backward pass restarts the call counts: each of the three is call 0 of its pass.
+          const auto find = [&](const std::string& name, int nth) -> const Seen* {
+            for (const auto& s : seen)
+              if (s.name == name && nth-- == 0) return &s;
+            return nullptr;
+          };
+          const Seen* g1 = find("generator.fc1", 0);
+          const Seen* d_real = find("discriminator.fc1", 0);
+          const Seen* d_detached = find("discriminator.fc1", 1);
+          const Seen* d_fake = find("discriminator.fc1", 2);
+          const Seen* d2 = find("discriminator.fc2", 2);
+          CHECK(find("discriminator.fc1", 3) == nullptr);
+          REQUIRE(g1 != nullptr);
+          REQUIRE(d_real != nullptr);
+          REQUIRE(d_detached != nullptr);
+          REQUIRE(d_fake != nullptr);
+          REQUIRE(d2 != nullptr);
+          REQUIRE(d_real->input_rms.has_value());
+          CHECK_CLOSE(*d_real->input_rms, rms_of(real), 1e-6);
+          REQUIRE(g1->input_rms.has_value());
+          CHECK_CLOSE(*g1->input_rms, rms_of(noise), 1e-6);
+          REQUIRE(d_detached->input_rms.has_value());  // fake.detach(): no delivery's tensor
+          CHECK_CLOSE(*d_detached->input_rms, rms_of(fake), 1e-6);
+          CHECK_FALSE(d_fake->input_rms.has_value());
+          CHECK(d_fake->input_from == "generator.fc3/tanh");
+          CHECK(d_fake->input_call == 0);
+          CHECK(d2->input_from == "discriminator.fc1/leaky_relu");
+          CHECK(d2->input_call == 0);
+          seen.clear();
+          ++checked;
+        });
+    CHECK(checked == 6);
+  }
+  SECTION("healthy for 300 steps: no incident, no pause") {
+    for (uint64_t seed : {1, 2}) {
+      const GanRun run = train_gan(seed, 300, -1);
+      INFO("seed " << seed);
+      CHECK(run.steps == 300);
+      CHECK_FALSE(run.pause.has_value());
+      std::string found;
+      for (const auto& i : run.incidents)
+        found += std::string(torchdbg::to_string(i.kind)) + " at " + i.layer + " step " + std::to_string(i.step) + "; ";
+      INFO(found);
+      CHECK(run.incidents.empty());
+    }
+  }
+  SECTION("the discriminator's learning rate x1000: paused, the discriminator named first") {
+    for (uint64_t seed : {3, 4}) {
+      const GanRun run = train_gan(seed, 300, 40);
+      INFO("seed " << seed);
+      std::string found;
+      for (const auto& i : run.incidents)
+        found += std::string(torchdbg::to_string(i.kind)) + " at " + i.layer + " step " + std::to_string(i.step) +
+                 " phase " + torchdbg::to_string(i.phase) + " value " + std::to_string(i.value) + "; ";
+      INFO(found);
+      REQUIRE(run.pause.has_value());
+      CHECK(run.steps <= 45);
+      REQUIRE(run.top.has_value());
+      INFO(run.top->description);
+      CHECK(run.top->layer.rfind("discriminator.", 0) == 0);
+    }
+  }
+}
+
+TEST_CASE("a layer's gain is judged against its own call's input, not the output delivered before it", "[health]") {
+  torchdbg_test::SeededRng rng(21);
+  HealthMonitor m;
+  const auto gain_of = [&](const std::string& name) {
+    for (const auto& l : m.report().layers)
+      if (l.name == name) return l.gain;
+    return std::nan("");
+  };
+  for (int64_t step = 0; step < 8; ++step) {
+    // A discriminator's confident sigmoid (RMS 0.02), then the generator's first layer on
+    // noise (its input_rms), then its second layer on the first's output (input_from).
+    ActivationInfo sig = act("sigmoid");
+    sig.call = 0;
+    m.observe_activation("d.fc3/sigmoid", torch::rand({64}) * 0.01 + 0.015, step, sig);
+    const auto g1 = torch::randn({64, 32});
+    ActivationInfo i1;
+    i1.call = 0;
+    i1.input_rms = 1.0;
+    m.observe_activation("g.fc1", g1, step, i1);
+    const double g1_rms = g1.to(torch::kDouble).pow(2).mean().sqrt().item<double>();
+    const auto g2 = torch::randn({64, 32}) * 3.0;
+    ActivationInfo i2;
+    i2.call = 0;
+    i2.input_from = "g.fc1";
+    i2.input_call = 0;
+    m.observe_activation("g.fc2", g2, step, i2);
+    CHECK_CLOSE(gain_of("g.fc1"), g1.to(torch::kDouble).std(/*unbiased=*/false).item<double>(), 1e-5);
+    CHECK_CLOSE(gain_of("g.fc2"), g2.to(torch::kDouble).std(false).item<double>() / g1_rms, 1e-5);
+    // Another call of g.fc1 than the one named: its scale is not known, no gain is judged.
+    ActivationInfo i3 = i2;
+    i3.input_call = 1;
+    m.observe_activation("g.fc3", g2, step, i3);
+    CHECK(std::isnan(gain_of("g.fc3")));
+  }
+  CHECK(m.incidents().empty());
+  // Without attach's metadata (no call), the previous output is the input.
+  HealthMonitor plain;
+  plain.observe_activation("a", torch::full({16}, 2.0) + torch::randn({16}) * 0.5, 0);
+  const auto b = torch::randn({16}) * 4.0;
+  plain.observe_activation("b", b, 0);
+  double prev_rms = 0, gain = 0;
+  for (const auto& l : plain.report().layers) {
+    if (l.name == "a") prev_rms = l.rms;
+    if (l.name == "b") gain = l.gain;
+  }
+  CHECK_CLOSE(gain, b.to(torch::kDouble).std(false).item<double>() / prev_rms, 1e-5);
+}
+
+TEST_CASE("expected failures are tracked and reported, and raise no alarm, incident or pause", "[health]") {
+  CHECK_THROWS_AS(HealthMonitor(HealthOptions().expected({{"(", FailureKind::Saturation}})), torchdbg::Error);
+  torchdbg::HookManager hooks;
+  HealthMonitor m(HealthOptions()
+                      .on_failure(torchdbg::OnFailure::Pause)
+                      .pause_on({FailureKind::Saturation, FailureKind::ExplodingActivation})
+                      .expected({{"g\\.out/tanh", FailureKind::Saturation}}));
+  auto fed = m.install(hooks);
+  const auto saturated = torch::cat({torch::full({48}, 0.999), torch::zeros({16})});
+  for (int64_t step = 0; step < 4; ++step) {
+    m.observe_activation("g.out/tanh", saturated, step, act("tanh"));
+    m.observe_activation("g.outer/tanh", saturated * 0.5, step, act("tanh"));  // a name it does not match
+  }
+  const auto report = m.report();
+  bool tracked = false;
+  for (const auto& l : report.layers)
+    if (l.name == "g.out/tanh") tracked = l.activation == ActivationHealth::Saturated;
+  CHECK(tracked);
+  const auto events = of_type(m, EventType::Saturation);
+  REQUIRE(events.size() == 1);
+  CHECK(events[0].metadata.value("expected", false));
+  CHECK_FALSE(events[0].is_alarm());
+  CHECK(m.alarm_count() == 0);
+  CHECK(m.incidents().empty());
+  CHECK_FALSE(hooks.is_paused());
+  // Another kind at that layer, and the same kind elsewhere, are failures as before.
+  m.observe_activation("g.out2/tanh", saturated, 5, act("tanh"));
+  REQUIRE(m.incidents().size() == 1);
+  CHECK(m.incidents()[0].layer == "g.out2/tanh");
+  CHECK(hooks.is_paused());
 }

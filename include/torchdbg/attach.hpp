@@ -45,9 +45,12 @@
 //   takes its output off that list). An elementwise function that can make
 //   finite values non-finite (log, sqrt, rsqrt, reciprocal, exp, pow, ...) is delivered the
 //   same way with metadata {"op": "log"}, so a NaN born there is attributed to it. Module
-//   outputs carry {"module_type": "torch::nn::LinearImpl"}; the first module output after a
-//   step change also carries {"input_rms": "<RMS of its data input>"} and, when the input
-//   holds NaN or ±Inf, {"input_nan": "<count>", "input_inf": "<count>"}. Operators inside
+//   outputs carry {"module_type": "torch::nn::LinearImpl", "call": "<k>"} and where their
+//   data input came from: {"input_from": "<delivery>", "input_call": "<k>"} when it is
+//   another delivery's output or a view of one (`fc2(relu(fc1(x)).flatten(1))` names
+//   "fc1/relu"), else {"input_rms": "<RMS of it>"} (the model's input, noise, a sum); the
+//   first module output after a step change also carries the input's {"input_nan":
+//   "<count>", "input_inf": "<count>"}. Operators inside
 //   backward are ignored. Several sessions on one model (a training session and a
 //   validation one with `no_grad_forward`, or two managers) each attribute every operator
 //   and each receives its own deliveries. A backward pass restarts the call counts of the sessions whose

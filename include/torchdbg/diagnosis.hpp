@@ -12,14 +12,19 @@
 //   dead units / saturation / constant output at or downstream of a layer -> vanishing
 //     gradient at that layer
 //   a large update (exploding gradient, loss spike) -> dead units, saturation later
-//   an exploding activation -> dead units, saturation, constant output downstream of it in
-//     the same forward pass
+//   a layer that begins to saturate, die or stall in a step's forward -> exploding
+//     gradients of that step
+//   an exploding activation -> dead units, saturation, constant output and exploding
+//     activations downstream of it in the same forward pass
+//   a dead, saturated or constant layer (still in that state) -> an exploding activation
+//     downstream: the gain over a collapsed input
 //   dead units or a constant output upstream -> dead units, constant output downstream
 //   an exploding activation feeding a saturating activation is that layer's saturation.
 // Incidents that nothing explains are root causes; each becomes a hypothesis whose causal
-// chain lists what it explains. Hypotheses are ranked by severity (the worst tier in the
-// chain), then onset (step, phase, then forward order; backward order for gradients), then
-// confidence. One sort and one sweep with ordered lookups: O(E log E) for E incidents.
+// chain lists what it explains, a finding that persisted or came back once with its span.
+// Hypotheses are ranked by severity (the worst tier in the chain), then acute failures
+// (explosions, NaN) before persisting states (saturation, dead units), then onset (step,
+// phase, then forward order; backward order for gradients), then confidence. One sort and one sweep with ordered lookups: O(E log E) for E incidents.
 //
 // ```cpp
 // auto d = torchdbg::diagnose(health);
@@ -33,6 +38,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -48,7 +54,28 @@ struct CausalLink {
   int64_t step = 0;
   Phase phase = Phase::Forward;
   int rank = -1;
+  /// In a hypothesis's chain, a finding that came back (or persisted) is listed once: the
+  /// last step it was seen and how many incidents it stands for.
+  int64_t last_step = 0;
+  int64_t occurrences = 1;
 };
+
+/// Failures that break training at once (values explode or turn non-finite), as opposed to
+/// states a layer can sit in for long (dead, saturated, constant, vanishing, plateau).
+inline bool is_acute(FailureKind k) noexcept {
+  switch (k) {
+    case FailureKind::BadInput:
+    case FailureKind::NonFiniteOutput:
+    case FailureKind::NonFiniteGradient:
+    case FailureKind::ExplodingActivation:
+    case FailureKind::ExplodingGradient:
+    case FailureKind::LossDivergence:
+    case FailureKind::LossSpike:
+      return true;
+    default:
+      return false;
+  }
+}
 
 /// A ranked explanation of what went wrong.
 struct Hypothesis {
@@ -69,12 +96,21 @@ struct Hypothesis {
     for (const auto& c : causal_chain) t = std::max(t, failure_tier(c.kind));
     return t;
   }
+  /// Whether the root or what it explains is acute (is_acute).
+  [[nodiscard]] bool acute() const noexcept {
+    if (is_acute(kind)) return true;
+    for (const auto& c : causal_chain)
+      if (is_acute(c.kind)) return true;
+    return false;
+  }
 };
 
 inline nlohmann::json to_json(const CausalLink& c) {
   nlohmann::json j = {{"kind", to_string(c.kind)},
                       {"layer", c.layer},
                       {"step", c.step},
+                      {"last_step", std::max(c.step, c.last_step)},
+                      {"occurrences", c.occurrences},
                       {"phase", to_string(c.phase)}};
   if (c.rank >= 0) j["rank"] = c.rank;
   return j;
@@ -217,7 +253,11 @@ struct Diagnosis {
   static std::string describe_link(const CausalLink& c) {
     std::string k = to_string(c.kind);
     std::replace(k.begin(), k.end(), '_', ' ');
-    return k + " at '" + c.layer + "' (step " + std::to_string(c.step) + ")";
+    std::string when = c.last_step > c.step
+                           ? "steps " + std::to_string(c.step) + " to " + std::to_string(c.last_step)
+                           : "step " + std::to_string(c.step);
+    if (c.occurrences > 1) when += ", " + std::to_string(c.occurrences) + " times";
+    return k + " at '" + c.layer + "' (" + when + ")";
   }
 };
 
@@ -330,7 +370,7 @@ inline Diagnosis diagnose(const HealthReport& report) {
   d.layers_observed = report.layers.size();
   const std::vector<Incident>& inc = report.incidents;
   auto link_of = [](const Incident& i) {
-    return CausalLink{i.kind, i.layer, i.step, i.phase, i.rank};
+    return CausalLink{i.kind, i.layer, i.step, i.phase, i.rank, std::max(i.step, i.last_step), 1};
   };
   const std::size_t n = inc.size();
   std::vector<std::size_t> order(n);
@@ -362,7 +402,8 @@ inline Diagnosis diagnose(const HealthReport& report) {
   }
 
   // The sweep: what has been seen so far, by kind and by forward order.
-  std::optional<std::size_t> first_any, first_layer_failure;
+  std::optional<std::size_t> first_any, first_layer_failure, last_acute_layer_failure;
+  std::map<int64_t, std::size_t> layer_failure_in_step;  // the first layer failure of each step
   std::map<K, std::size_t> first_of;
   std::map<int64_t, std::size_t>
       blockers;  // dead/saturated incidents by forward order (first per order)
@@ -408,6 +449,8 @@ inline Diagnosis diagnose(const HealthReport& report) {
   // order within a step): it explains dead, saturated or constant layers downstream of it in
   // the same forward pass.
   std::map<int64_t, std::size_t> explode_act_in_step;
+  // The first dead, saturated or constant layer that began in each step's forward.
+  std::map<int64_t, std::size_t> fresh_forward;
   auto upstream_explosion = [&](const Incident& x) -> std::optional<std::size_t> {
     auto it = explode_act_in_step.find(x.step);
     if (it == explode_act_in_step.end() || x.phase != Phase::Forward || inc[it->second].order >= x.order ||
@@ -439,6 +482,13 @@ inline Diagnosis diagnose(const HealthReport& report) {
           break;
         case K::ExplodingGradient: {
           c = earliest({K::ExplodingActivation, K::LossSpike}, false, x.step + 1);
+          // A layer that began to saturate (or die, or stall) in this step's forward: one
+          // destructive update shows there first (a discriminator whose output saturates
+          // sends the generator exploding gradients).
+          if (!c) {
+            auto it = fresh_forward.find(x.step);
+            if (it != fresh_forward.end()) c = it->second;
+          }
           if (!c) {
             auto it = explode_origin.find(x.step);
             if (it != explode_origin.end() && it->second != i) c = it->second;
@@ -470,11 +520,27 @@ inline Diagnosis diagnose(const HealthReport& report) {
           break;
         case K::ExplodingActivation:
           c = earliest({K::ExplodingGradient, K::LossSpike}, true, x.step);
+          // Layers downstream of an explosion in the same forward pass amplify what it
+          // made (every layer after one destructive update): one root.
+          if (!c) c = upstream_explosion(x);
+          // A dead, saturated or constant layer upstream, still in that state: the input it
+          // leaves is collapsed, and a gain over it means nothing.
+          for (auto b = blockers.lower_bound(x.order); !c && b != blockers.begin();) {
+            --b;
+            if (inc[b->second].phase == Phase::Forward && inc[b->second].last_step >= x.step) c = b->second;
+          }
           break;
         case K::LossDivergence:
         case K::LossSpike:
         case K::LossPlateau:
-          if (first_layer_failure && inc[*first_layer_failure].step <= x.step)
+          // A sudden loss failure: the latest acute layer failure up to it, else a layer
+          // failure that began in its step (what broke the loss now); a plateau, or nothing
+          // of the kind: the first layer failure (a state the model has been in).
+          if (x.kind != K::LossPlateau && last_acute_layer_failure)
+            c = last_acute_layer_failure;
+          else if (x.kind != K::LossPlateau && layer_failure_in_step.count(x.step))
+            c = layer_failure_in_step[x.step];
+          else if (first_layer_failure && inc[*first_layer_failure].step <= x.step)
             c = first_layer_failure;
           break;
       }
@@ -485,6 +551,9 @@ inline Diagnosis diagnose(const HealthReport& report) {
     if (!first_any) first_any = i;
     if (x.module != "loss" && failure_tier(x.kind) == 2 && !first_layer_failure)
       first_layer_failure = i;
+    if (x.module != "loss" && failure_tier(x.kind) == 2 && is_acute(x.kind)) last_acute_layer_failure = i;
+    if (x.module != "loss" && failure_tier(x.kind) == 2 && !layer_failure_in_step.count(x.step))
+      layer_failure_in_step[x.step] = i;
     if ((x.kind == K::DeadUnits || x.kind == K::Saturation || x.kind == K::ConstantOutput) &&
         !blockers.count(x.order))
       blockers[x.order] = i;
@@ -492,6 +561,9 @@ inline Diagnosis diagnose(const HealthReport& report) {
       vanishing_group[x.step] = i;
     if (x.kind == K::ExplodingActivation && x.phase == Phase::Forward && !explode_act_in_step.count(x.step))
       explode_act_in_step[x.step] = i;
+    if ((x.kind == K::DeadUnits || x.kind == K::Saturation || x.kind == K::ConstantOutput) &&
+        x.phase == Phase::Forward && !fresh_forward.count(x.step))
+      fresh_forward[x.step] = i;
     (void)exploding_group;
   }
 
@@ -523,7 +595,7 @@ inline Diagnosis diagnose(const HealthReport& report) {
     int64_t order;
   };
   std::vector<Ranked> ranked;
-  std::map<std::pair<K, std::string>, std::size_t> seen;  // (kind, module) -> ranked index
+  std::map<std::tuple<K, std::string, bool>, std::size_t> seen;  // (kind, module, acute) -> ranked index
   for (auto& [root, group] : members) {
     const Incident& r = inc[root];
     std::size_t shown = root;
@@ -537,7 +609,12 @@ inline Diagnosis diagnose(const HealthReport& report) {
       }
     }
     const Incident& s = inc[shown];
-    auto key = std::make_pair(r.kind, s.module);
+    // A recurrence joins the hypothesis made for the same failure at the same module, unless
+    // it explains an acute failure the first did not (a sigmoid that saturated now and then,
+    // and later saturates because its layer exploded): that is a finding of its own.
+    bool group_acute = false;
+    for (auto g : group) group_acute = group_acute || is_acute(inc[g].kind);
+    auto key = std::make_tuple(r.kind, s.module, group_acute);
     std::vector<std::size_t> sorted = group;
     std::sort(sorted.begin(), sorted.end(), [&](std::size_t a, std::size_t b) {
       if (inc[a].step != inc[b].step) return inc[a].step < inc[b].step;
@@ -578,8 +655,29 @@ inline Diagnosis diagnose(const HealthReport& report) {
     seen[key] = ranked.size();
     ranked.push_back({std::move(h), root, r.phase, r.order});
   }
+  // A finding that persisted or came back is one link with its span (the first, root or
+  // not, keeps its place).
+  for (auto& r : ranked) {
+    std::vector<CausalLink> chain;
+    std::map<std::tuple<K, std::string, int>, std::size_t> at;
+    for (auto& c : r.h.causal_chain) {
+      auto [it, fresh] = at.emplace(std::make_tuple(c.kind, c.layer, c.rank), chain.size());
+      if (fresh) {
+        chain.push_back(std::move(c));
+      } else {
+        CausalLink& same = chain[it->second];
+        same.last_step = std::max({same.last_step, c.step, c.last_step});
+        same.occurrences += c.occurrences;
+      }
+    }
+    r.h.causal_chain = std::move(chain);
+  }
+  // Severity first; among failures alike in severity, one that breaks training at once (an
+  // explosion, NaN) before a state that began earlier and persists (an output tanh that
+  // saturates by design), unless that state explains it; then onset.
   std::stable_sort(ranked.begin(), ranked.end(), [](const Ranked& a, const Ranked& b) {
     if (a.h.tier() != b.h.tier()) return a.h.tier() > b.h.tier();
+    if (a.h.acute() != b.h.acute()) return a.h.acute();
     if (a.h.step != b.h.step) return a.h.step < b.h.step;
     if (a.phase != b.phase) return a.phase < b.phase;
     // Within a step, the order things happened: forward order, and backward (reverse) order

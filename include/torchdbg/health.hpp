@@ -131,7 +131,17 @@ struct ActivationInfo {
   std::string_view op;              ///< an elementwise op that produced it ("log")
   std::string_view module_type;     ///< the module's class ("torch::nn::BatchNorm2dImpl")
   std::string_view pre_activation;  ///< the unobserved activation this output feeds ("tanh")
-  std::optional<double> input_rms;  ///< RMS of the layer's input when known
+  /// RMS of this call's data input when attach measured it ("input_rms": an input no
+  /// delivery produced, such as the model's input or noise).
+  std::optional<double> input_rms;
+  /// The delivery whose output is this call's data input, and its call in the step (attach's
+  /// "input_from", "input_call"): the input's scale is that output's RMS, when the monitor
+  /// observed it in this step.
+  std::string_view input_from;
+  int64_t input_call = -1;
+  /// The module's call in the step (attach's "call"); unset for outputs not from attach,
+  /// whose input scale is then taken as the previous output's (a plain sequential model).
+  std::optional<int64_t> call;
   /// NaN and ±Inf elements of the model's input, on the step's first module output (attach's
   /// "input_nan"/"input_inf"); `input_observed` when the input was looked at at all.
   int64_t input_nan = 0;
@@ -149,6 +159,8 @@ enum class OnFailure { Record, Pause };
 
 /// (layer regex, activation) pairs: see HealthOptions::pre_activations.
 using PreActivations = std::vector<std::pair<std::string, std::string>>;
+/// (layer regex, failure) pairs: see HealthOptions::expected.
+using ExpectedFailures = std::vector<std::pair<std::string, FailureKind>>;
 
 /// Thresholds and capacities of the health monitor, with defaults in one place.
 ///
@@ -225,6 +237,17 @@ struct HealthOptions {
   /// states, events and incidents like the built-in rules' (FailureKind::Custom, or a
   /// built-in kind). The built-in rules take their thresholds from the options above.
   TORCH_ARG(std::vector<HealthRulePtr>, rules);
+
+  /// Failures that layers show by design, each (layer regex, whole name; kind): a GAN
+  /// generator's tanh output saturates to make images in [-1, 1].
+  ///
+  /// ```cpp
+  /// HealthOptions().expected({{"generator\\.out/tanh", FailureKind::Saturation}})
+  /// ```
+  ///
+  /// The layer's state is still tracked and reported, and its events carry
+  /// {"expected": true}; they are no alarms, and no incident or pause comes of them.
+  TORCH_ARG(ExpectedFailures, expected);
 
   // ---- events, confidence, policy
   /// Consecutive evaluations in a state after which persistence counts fully in confidence.
@@ -339,6 +362,8 @@ struct SemanticEvent {
 
   /// Warning or worse: a transition into an unhealthy state that is not merely informational.
   [[nodiscard]] bool is_alarm() const noexcept {
+    if (auto it = metadata.find("expected"); it != metadata.end() && it->is_boolean() && it->get<bool>())
+      return false;  // HealthOptions::expected
     return type != EventType::ActivationRecovered && type != EventType::GradientRecovered &&
            type != EventType::LossRecovered && type != EventType::LossPlateau &&
            type != EventType::TrainingPaused;
@@ -571,6 +596,8 @@ class BasicHealthMonitor {
                     "' for '" + pattern + "'");
       pre_acts_.emplace_back(detail::compile_pattern(pattern, "pre_activations pattern"), act);
     }
+    for (const auto& [pattern, kind] : options_.expected())
+      expected_.emplace_back(detail::compile_pattern(pattern, "expected failure pattern"), kind);
     rules_ = builtin_health_rules(options_);
     for (std::size_t i = 0; i < options_.rules().size(); ++i) {
       if (!options_.rules()[i])
@@ -947,6 +974,7 @@ class BasicHealthMonitor {
     std::optional<std::size_t> act_incident;
     double rms = detail::kNaN, gain = detail::kNaN, sat_frac = detail::kNaN,
            dead_frac = detail::kNaN;
+    int64_t rms_call = -1;  // the call (ActivationInfo::call) `rms` was measured on
     double nonfinite_frac = 0.0;
     double gain_base = detail::kNaN;
     int64_t gain_n = 0;
@@ -1039,10 +1067,21 @@ class BasicHealthMonitor {
     };
     ActivationInfo info{md("activation"), md("op"), md("module_type"), md("pre_activation"),
                         std::nullopt};
+    info.input_from = md("input_from");
+    const auto integer = [&](std::string_view k) -> std::optional<int64_t> {
+      auto it = metadata.find(k);
+      if (it == metadata.end()) return std::nullopt;
+      try {
+        return std::stoll(it->second);
+      } catch (...) {
+        return std::nullopt;
+      }
+    };
+    info.call = integer("call");
+    info.input_call = integer("input_call").value_or(-1);
     if (auto it = metadata.find("input_rms"); it != metadata.end()) {
       try {
         info.input_rms = std::stod(it->second);
-        info.input_observed = true;
       } catch (...) {
       }
     }
@@ -1082,6 +1121,16 @@ class BasicHealthMonitor {
 
   std::size_t index_of(const Layer& L) const {
     return static_cast<std::size_t>(&L - layers_.data());
+  }
+
+  /// The RMS of output `name`'s call `call` in `step`, when observed and finite.
+  std::optional<double> output_rms(std::string_view name, int64_t call, int64_t step) const {
+    auto it = index_.find(std::string(name));
+    if (it == index_.end()) return std::nullopt;
+    const Layer& P = layers_[it->second];
+    if (!P.seen_fwd || P.act_step != step || P.rms_call != call || P.nonfinite_frac > 0.0 || !(P.rms > 0.0))
+      return std::nullopt;
+    return P.rms;
   }
 
   Layer* layer_rec(std::string_view name) {
@@ -1197,11 +1246,20 @@ class BasicHealthMonitor {
     const bool prefetch_valid = k.known && k.name == L.act_kind && k.pre == L.pre_activation;
 
     // ---- the measurements
+    // The input's scale: measured by attach, the output it came from (observed in this
+    // step, same call), or without attach's metadata the previous output.
+    std::optional<double> in_rms;
+    if (info.input_rms && *info.input_rms > 0.0) {
+      in_rms = info.input_rms;
+    } else if (!info.input_from.empty()) {
+      in_rms = output_rms(info.input_from, info.input_call, step);
+    } else if (!info.call) {
+      in_rms = prev_rms_;
+    }
     const double numel = static_cast<double>(s.numel);
     L.nonfinite_frac = numel > 0 ? static_cast<double>(s.nan_count + s.inf_count) / numel : 0.0;
     L.rms = s.finite_count > 0 ? std::sqrt(s.mean * s.mean + s.std * s.std) : detail::kNaN;
-    std::optional<double> in_rms = prev_rms_;
-    if (!in_rms && info.input_rms && *info.input_rms > 0.0) in_rms = info.input_rms;
+    L.rms_call = info.call.value_or(-1);
     prev_rms_ = (s.has_non_finite() || !(L.rms > 0.0)) ? std::optional<double>()
                                                        : std::optional<double>(L.rms);
     // The gain compares the output's spread with the input's scale: a shifted bias moves the
@@ -1318,6 +1376,7 @@ class BasicHealthMonitor {
     if (found) {
       for (const auto& [key, v] : found->details.items()) e.metadata[key] = v;
       if (!found->reason.empty()) e.metadata["reason"] = found->reason;
+      if (is_expected(found->kind, L.name)) e.metadata["expected"] = true;
     }
     if (!L.act_kind.empty()) e.metadata["activation"] = L.act_kind;
     const uint64_t id = emit(std::move(e));
@@ -1598,6 +1657,7 @@ class BasicHealthMonitor {
       if (found) {
         for (const auto& [key, v] : found->details.items()) e.metadata[key] = v;
         if (!found->reason.empty()) e.metadata["reason"] = found->reason;
+        if (is_expected(found->kind, L.name)) e.metadata["expected"] = true;
       }
       const uint64_t id = emit(std::move(e));
       if (found && found->incident) {
@@ -1670,6 +1730,7 @@ class BasicHealthMonitor {
     if (found) {
       for (const auto& [key, v] : found->details.items()) e.metadata[key] = v;
       if (!found->reason.empty()) e.metadata["reason"] = found->reason;
+      if (is_expected(found->kind, "loss")) e.metadata["expected"] = true;
     }
     const uint64_t id = emit(std::move(e));
     if (found && found->incident) {
@@ -1740,6 +1801,13 @@ class BasicHealthMonitor {
     emit(std::move(e));
   }
 
+  /// Whether `layer` shows failures of `kind` by design (HealthOptions::expected).
+  bool is_expected(FailureKind kind, std::string_view layer) const {
+    for (const auto& [re, k] : expected_)
+      if (k == kind && re.full_match(layer)) return true;
+    return false;
+  }
+
   /// The first finding of the rules for `sig` (`check` calls the rule's method for it). A rule
   /// that throws judges nothing and is counted in rule_errors().
   template <typename Signals, typename Check>
@@ -1763,6 +1831,7 @@ class BasicHealthMonitor {
   void record_finding(const Finding& f, const HealthRule& rule, const Layer& L, int64_t step, Phase phase,
                       uint64_t event, Pauses& pauses, std::optional<std::size_t>& slot,
                       const nlohmann::json* extra = nullptr) {
+    if (is_expected(f.kind, L.name)) return;  // by design: no incident, no pause
     const int64_t onset = f.since ? std::min(*f.since, step) : step;
     slot = add_incident(f.kind, L, onset, phase, f.margin, f.value, f.threshold, event);
     if (!slot) return;
@@ -1879,6 +1948,7 @@ class BasicHealthMonitor {
   uint64_t rule_errors_ = 0;
   std::vector<detail::Pattern> layer_patterns_;
   std::vector<std::pair<detail::Pattern, std::string>> pre_acts_;
+  std::vector<std::pair<detail::Pattern, FailureKind>> expected_;
 
   mutable Mutex mutex_;
   std::vector<Layer> layers_;

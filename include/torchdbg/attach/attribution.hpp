@@ -169,9 +169,11 @@ class Attribution : protected ObserverState {
       } else if (owner->modules[d.module].internal && best->module == d.module) {
         d.kind = Decision::Internal;  // what it consumes is delivered now
         flush_others = true;
+        // The call's input is read here (MultiheadAttention's q/k/v projection), before the
+        // operator that makes its output.
+        if (!stashed_input(t, owner->id, d.module)) t.call_inputs.push_back(call_input(t, *owner, d.module, data_in));
       } else {
         d.kind = Decision::Forward;
-        if (owner->input_due.exchange(false) && data_in.is_floating_point()) d.input = input_moments(*owner, data_in);
         // The same module's operator on its pending output, reading module tensors the call
         // has not read yet, continues that call (`x @ w + b` as two operators); anything
         // else is a new call (`fc(a) + fc(b)`, `fc(fc(x))`).
@@ -182,6 +184,19 @@ class Attribution : protected ObserverState {
           keep[static_cast<std::size_t>(p - t.pending.data())] = 1;
         } else {
           flush_others = true;
+          // A new call's data input: another delivery's output (its scale is known where it
+          // was delivered), or a tensor whose moments are taken here (the model's input, noise,
+          // a sum); the step's first call also reports the input's NaN and ±Inf.
+          CallInput in;
+          if (CallInput* stash = stashed_input(t, owner->id, d.module)) {
+            in = std::move(*stash);
+            *stash = std::move(t.call_inputs.back());
+            t.call_inputs.pop_back();
+          } else {
+            in = call_input(t, *owner, d.module, data_in);
+          }
+          d.from = std::move(in.from);
+          d.input = std::move(in.input);
         }
         d.used = t.reads[ci].used;
       }
@@ -202,8 +217,21 @@ class Attribution : protected ObserverState {
       if (p != nullptr && p->out.defined() && reads_data(p->out.unsafeGetTensorImpl())) slot = flush_pending(t, *p);
       for (std::size_t i = 0; i < t.data.size() && slot == t.outputs.size(); ++i)
         slot = output_slot(t, core->id, t.data[i]);
-      if (slot == t.outputs.size()) continue;
       if (!grad_mode && !core->options.no_grad_forward()) continue;  // metrics, evaluation
+      if (slot == t.outputs.size()) {
+        // A view of an activation's delivered output (`relu(conv(x)).flatten(1)`) is still
+        // that delivery, for the module call that reads it.
+        if (fresh_op || !is_alias_op(op_name)) continue;
+        std::size_t fed = t.fed.size();
+        for (std::size_t i = 0; i < t.data.size() && fed == t.fed.size(); ++i) fed = fed_slot(t, core->id, t.data[i]);
+        if (fed == t.fed.size()) continue;
+        Decision d;
+        d.core = core;
+        d.kind = Decision::FedAlias;
+        d.from = t.fed[fed].info;
+        add(std::move(d));
+        continue;
+      }
       const Derived seen = t.outputs[slot];
       const int op = core->options.activations() ? FollowUpOps::find(op_name) : -1;
       // An activation takes the output up, and every view of it (its output is delivered once
@@ -218,6 +246,7 @@ class Attribution : protected ObserverState {
       d.call = seen.call;
       if (!fresh_op && is_alias_op(op_name)) {  // a view of it: an activation may follow
         d.kind = Decision::Alias;
+        d.from = seen.info;
       } else if (op >= 0) {
         d.kind = Decision::Activation;
         d.follow_up = op;
@@ -243,17 +272,21 @@ class Attribution : protected ObserverState {
       try {
         switch (d.kind) {
           case Decision::Weights:
-            remember(t, t.derived, Derived{d.core->id, d.module, 0, d.source, weak_of(out)}, kDerived);
+            remember(t, t.derived, Derived{d.core->id, d.module, 0, d.source, weak_of(out), 0, nullptr}, kDerived);
             break;
           case Decision::Forward:
             forward_output(t, d, out);
             break;
           case Decision::Alias:
-            remember_output(t, Derived{d.core->id, d.module, d.call, nullptr, weak_of(out)});
+            remember_output(t, Derived{d.core->id, d.module, d.call, nullptr, weak_of(out), 0, d.from});
+            break;
+          case Decision::FedAlias:
+            remember(t, t.fed, Derived{d.core->id, 0, 0, nullptr, weak_of(out), 0, d.from}, kOutputs);
             break;
           case Decision::Activation: {
-            const auto f = d.core->delivery_info(d.module, d.follow_up, d.call);
+            auto f = d.core->delivery_info(d.module, d.follow_up, d.call);
             d.core->send(d.module, f->name, out, true, f->md);
+            remember(t, t.fed, Derived{d.core->id, d.module, d.call, nullptr, weak_of(out), 0, std::move(f)}, kOutputs);
             break;
           }
           default:
@@ -266,11 +299,29 @@ class Attribution : protected ObserverState {
   }
 
  private:
-  /// The RMS of a module's data input (once a step), on the host or packed on its device.
-  static std::optional<AttachCore::InputMoments> input_moments(const AttachCore& core, const at::Tensor& x) {
+  /// Where a new call of module `m` of `core` takes its data input `x` from: another
+  /// delivery's output, or the moments measured here (the step's first call: the model's
+  /// input, with its NaN and ±Inf counted).
+  static CallInput call_input(const Tls& t, AttachCore& core, std::size_t m, const at::Tensor& x) {
+    CallInput in{core.id, m, nullptr, std::nullopt};
+    const bool model_input = core.input_due.exchange(false);
+    if (x.defined()) in.from = delivered_as(t, core, x.unsafeGetTensorImpl());
+    if (!in.from && x.defined() && x.is_floating_point()) in.input = input_moments(core, x, model_input);
+    return in;
+  }
+  static CallInput* stashed_input(Tls& t, uint64_t core, std::size_t m) {
+    for (auto& c : t.call_inputs)
+      if (c.core == core && c.module == m) return &c;
+    return nullptr;
+  }
+
+  /// The moments of a module call's data input, on the host or packed on its device.
+  static std::optional<AttachCore::InputMoments> input_moments(const AttachCore& core, const at::Tensor& x,
+                                                               bool model_input) {
     DeliveringScope scope;
     try {
       AttachCore::InputMoments in;
+      in.model_input = model_input;
       if (core.defers(x)) {
         in.packed = pack_moments(x.detach());  // no sync: comes with the batch
       } else {
@@ -304,7 +355,7 @@ class Attribution : protected ObserverState {
     if (p.call == 0 && d.core->no_gradient_pass.load(std::memory_order_relaxed) &&
         d.core->no_gradient_pass.exchange(false))
       d.core->warn_no_gradient();
-    p.info = d.core->delivery_info(d.module, -1, p.call);
+    p.info = d.core->delivery_info(d.module, -1, p.call, d.from.get());
     p.input = d.input.value_or(AttachCore::InputMoments{});
     p.out = std::move(out);
   }

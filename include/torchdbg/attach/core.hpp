@@ -35,6 +35,15 @@
 
 namespace torchdbg::detail {
 
+/// The moments of a module call's data input, reported as "input_rms": on the host, or packed
+/// on the input's device (not synced yet). `model_input`: the step's first call, whose
+/// input's NaN and ±Inf counts are reported too.
+struct InputMoments {
+  std::optional<Moments> host;
+  at::Tensor packed;
+  bool model_input = false;
+};
+
 /// State shared by a session, its gradient hooks and the forward observer. Held by
 /// shared_ptr so that a hook still running while the session detaches finds it alive.
 class AttachCore : public ModuleTable, public std::enable_shared_from_this<AttachCore> {
@@ -114,12 +123,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     }
   }
 
-  /// The moments of a module's data input, reported as "input_rms": on the host, or packed
-  /// on the input's device (not synced yet).
-  struct InputMoments {
-    std::optional<Moments> host;
-    at::Tensor packed;
-  };
+  using InputMoments = detail::InputMoments;
 
   /// Sends one tensor to the manager, or queues it (see StatsBatching); never throws.
   /// `base_md` is copied only when the input's RMS is added to it.
@@ -136,12 +140,12 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     }
     DeliveringScope scope;  // the statistics' operators and the hooks' are not forward outputs
     std::optional<Metadata> own;  // base_md plus "input_rms", once a step
-    const auto md_with_input = [&](const Moments& m) {
+    const auto md_with_input = [&](const Moments& m, bool model_input) {
       if (!own) own = base_md;
-      add_input_rms(*own, m);
+      add_input_rms(*own, m, model_input);
     };
     try {
-      if (input.host) md_with_input(*input.host);
+      if (input.host) md_with_input(*input.host, input.model_input);
     } catch (...) {
     }
     const Metadata& md = own ? *own : base_md;
@@ -149,7 +153,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       if (pass) passes_.hold(*pass);  // its norm waits for this square
       try {
         DeferredQueue::Item d{module, std::string(name), t, is_forward, md, pack_moments(t.detach()),
-                              input.packed, {}, pass};
+                              input.packed, {}, pass, input.model_input};
         if (prefetch) d.extras = prefetch(name, t, is_forward, md);
         if (deferred_.push(std::move(d), options.max_deferred())) flush_deferred();
         return;
@@ -159,7 +163,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       }
     }
     try {
-      if (input.packed.defined()) md_with_input(unpack_moments(input.packed.to(at::kCPU)));
+      if (input.packed.defined()) md_with_input(unpack_moments(input.packed.to(at::kCPU)), input.model_input);
       deliver(name, t, is_forward, own ? *own : base_md, precomputed, nullptr);
     } catch (...) {
       // execute_hooks turns hook failures into results; anything else (bad_alloc) is
@@ -179,7 +183,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       try {
         std::optional<TensorStats> s;
         if (fetched[i].stats) s = stats_from_moments(*fetched[i].stats, d.tensor);
-        if (fetched[i].input) add_input_rms(d.md, *fetched[i].input);
+        if (fetched[i].input) add_input_rms(d.md, *fetched[i].input, d.model_input);
         if (d.pass && s && options.gradient_norms()) passes_.add(*d.pass, d.module, s->l2_norm * s->l2_norm);
         if (active.load()) deliver(d.name, d.tensor, d.is_forward, d.md, s ? &*s : nullptr, &fetched[i].extras);
       } catch (...) {
@@ -235,15 +239,19 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   }
 
   /// A forward delivery's name and metadata (DeliveryNames).
-  std::shared_ptr<const DeliveryInfo> delivery_info(std::size_t module, int op, uint32_t call) {
-    return names_.get(*this, module, op, call);
+  std::shared_ptr<const DeliveryInfo> delivery_info(std::size_t module, int op, uint32_t call,
+                                                    const DeliveryInfo* from = nullptr) {
+    return names_.get(*this, module, op, call, from);
   }
 
  private:
-  /// The data input's "input_rms" and, when it holds any, "input_nan" and "input_inf" counts.
-  static void add_input_rms(Metadata& md, const Moments& m) {
-    if (m.nan > 0) md.emplace("input_nan", std::to_string(m.nan));
-    if (m.pos_inf + m.neg_inf > 0) md.emplace("input_inf", std::to_string(m.pos_inf + m.neg_inf));
+  /// The data input's "input_rms" and, for the model's input, its "input_nan" and "input_inf"
+  /// counts.
+  static void add_input_rms(Metadata& md, const Moments& m, bool model_input) {
+    if (model_input) {
+      md.emplace("input_nan", std::to_string(m.nan));
+      md.emplace("input_inf", std::to_string(m.pos_inf + m.neg_inf));
+    }
     if (m.finite <= 0) return;
     char buf[40];
     std::snprintf(buf, sizeof buf, "%.17g", std::sqrt(m.sum_squares() / static_cast<double>(m.finite)));

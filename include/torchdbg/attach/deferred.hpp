@@ -36,6 +36,7 @@ class DeferredQueue {
     at::Tensor input_packed;  // the data input's, or undefined
     std::vector<std::pair<std::string, at::Tensor>> extras;  // the manager's prefetches
     std::shared_ptr<PassLedger::Pass> pass;  // a gradient's backward pass, or null
+    bool model_input = false;                // input_packed is the step's model input
   };
   /// An item's statistics on the host (each unset when the copy failed).
   struct Fetched {

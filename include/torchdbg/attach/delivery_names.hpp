@@ -21,19 +21,26 @@ namespace torchdbg::detail {
 struct DeliveryInfo {
   std::string name;
   Metadata md;
+  uint32_t call = 0;
+  /// The same delivery without "input_from" when DeliveryNames keeps it (for as long as the
+  /// session lives); null otherwise.
+  const DeliveryInfo* base = nullptr;
 };
 
 /// The module's output (`op` -1: its name, {"module_type", ..., "call", "<k>"}) or a follow-up
 /// operator's ("<module>/<op>", {"activation"|"op": op, "call": "<k>"}), for the module's call
-/// `call` in the step. Built on first use and kept for the first kCachedCalls calls, so a step
-/// builds no strings. Thread-safe.
+/// `call` in the step. A module output whose data input is another delivery's output (`from`)
+/// also carries {"input_from": from's name, "input_call": from's call}. Built on first use
+/// and kept for the first kCachedCalls calls, so a step builds no strings. Thread-safe.
 class DeliveryNames {
  public:
   static constexpr uint32_t kCachedCalls = 4096;
 
-  std::shared_ptr<const DeliveryInfo> get(const ModuleTable& table, std::size_t module, int op, uint32_t call) {
-    const auto make = [&] {
+  std::shared_ptr<const DeliveryInfo> get(const ModuleTable& table, std::size_t module, int op, uint32_t call,
+                                          const DeliveryInfo* from = nullptr) {
+    const auto make = [&](const DeliveryInfo* with) {
       auto f = std::make_shared<DeliveryInfo>();
+      f->call = call;
       if (op < 0) {
         f->name = table.modules[module].name;
         f->md = table.modules[module].forward_md;
@@ -43,18 +50,33 @@ class DeliveryNames {
         f->md.emplace(FollowUpOps::is_math(op) ? "op" : "activation", n);
       }
       f->md.emplace("call", std::to_string(call));
-      return std::shared_ptr<const DeliveryInfo>(std::move(f));
+      if (with != nullptr) {
+        f->md.emplace("input_from", with->name);
+        f->md.emplace("input_call", std::to_string(with->call));
+      }
+      return f;
     };
-    if (call >= kCachedCalls) return make();
+    if (call >= kCachedCalls || (from != nullptr && from->base == nullptr)) return make(from);
     std::lock_guard<std::mutex> lock(mutex_);
-    auto& slot = cache_[{module, op, call}];
-    if (!slot) slot = make();
+    auto& base = cache_[{module, op, call, nullptr}];
+    if (!base) {
+      auto f = make(nullptr);
+      f->base = f.get();
+      base = std::move(f);
+    }
+    if (from == nullptr) return base;
+    auto& slot = cache_[{module, op, call, from->base}];  // one per source delivery
+    if (!slot) {
+      auto f = make(from);
+      f->base = base.get();
+      slot = std::move(f);
+    }
     return slot;
   }
 
  private:
   std::mutex mutex_;
-  std::map<std::tuple<std::size_t, int, uint32_t>, std::shared_ptr<const DeliveryInfo>> cache_;
+  std::map<std::tuple<std::size_t, int, uint32_t, const DeliveryInfo*>, std::shared_ptr<const DeliveryInfo>> cache_;
 };
 
 }  // namespace torchdbg::detail

@@ -126,6 +126,11 @@ class ForwardObserver : private Attribution {
       if (o.core == core->id) o = {};
     for (auto& d : t.derived)
       if (d.core == core->id) d = {};
+    for (auto& d : t.fed)
+      if (d.core == core->id) d = {};
+    t.call_inputs.erase(std::remove_if(t.call_inputs.begin(), t.call_inputs.end(),
+                                       [&](const CallInput& c) { return c.core == core->id; }),
+                        t.call_inputs.end());
   }
 
  private:
@@ -140,6 +145,7 @@ class ForwardObserver : private Attribution {
     if (fn.scope() == at::RecordScope::BACKWARD_FUNCTION || name.substr(0, kEngineNode.size()) == kEngineNode) {
       if (t.backward_depth == 0) {
         flush_all(t);
+        t.call_inputs.clear();  // a call begun inside and never ended
         // The next forward counts from 0: the sessions whose last call was made on this
         // thread (a backward pass on a device's autograd thread restarts none: set_step or
         // auto_step do).

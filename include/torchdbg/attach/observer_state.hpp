@@ -59,6 +59,7 @@ class ObserverState {
     const c10::TensorImpl* source = nullptr;
     std::optional<WeakImpl> impl;
     uint64_t seq = 0;  // when remembered: the oldest of a session is forgotten first
+    std::shared_ptr<const DeliveryInfo> info;  // outputs, fed: the delivery it is (a view of)
   };
   /// A module an operator's tensors point to: through tensors it registered itself (direct)
   /// or through tensors derived from them (`weight.t()`).
@@ -73,6 +74,13 @@ class ObserverState {
     TensorSet used;                           // every module tensor of it read
     const c10::TensorImpl* source = nullptr;  // the first, for Weights
   };
+  /// Where a module call's data input came from (Decision::from, Decision::input).
+  struct CallInput {
+    uint64_t core = 0;
+    std::size_t module = 0;
+    std::shared_ptr<const DeliveryInfo> from;
+    std::optional<AttachCore::InputMoments> input;
+  };
   struct Tls {
     int backward_depth = 0;
     int skip_depth = 0;
@@ -85,6 +93,12 @@ class ObserverState {
     std::vector<Derived> outputs;
     /// Tensors derived from a module's weights alone (`weight.t()`), up to kDerived a session.
     std::vector<Derived> derived;
+    /// Activations' outputs delivered, and views of them, up to kOutputs a session: a module
+    /// call reading one is told where its input came from ("input_from").
+    std::vector<Derived> fed;
+    /// The input of a call whose first operators are internal (MultiheadAttention's q/k/v
+    /// projection), until the operator that makes its output.
+    std::vector<CallInput> call_inputs;
     uint64_t seq = 0;
     /// Sessions that made a call on this thread since a backward pass last began here.
     std::vector<uint64_t> forward_cores;
@@ -102,8 +116,10 @@ class ObserverState {
   /// Activation: a follow-up operator on a module's output ("<module>/<op>").
   /// Alias: a view-like operator on a module's output; its output joins Tls::outputs.
   /// Reader: another operator reading a remembered module output (a loss, dropout, a copy).
+  /// FedAlias: a view-like operator on an activation's delivered output; its output joins
+  /// Tls::fed.
   struct Decision {
-    enum Kind { Forward, Weights, Internal, Activation, Alias, Reader } kind = Reader;
+    enum Kind { Forward, Weights, Internal, Activation, Alias, Reader, FedAlias } kind = Reader;
     std::shared_ptr<AttachCore> core;
     std::size_t module = 0;
     uint32_t call = 0;                        // Activation, Alias: the call of the module's output
@@ -111,6 +127,9 @@ class ObserverState {
     TensorSet used;                           // Forward: the module tensors it reads
     int follow_up = -1;                       // Activation: index in FollowUpOps
     std::optional<AttachCore::InputMoments> input;
+    /// Forward: the delivery whose output is the call's data input; Alias, FedAlias: the
+    /// delivery it views.
+    std::shared_ptr<const DeliveryInfo> from;
   };
   /// Backward: an autograd node. Update: an in-place update of a module's own tensor or an
   /// optimizer's arithmetic. Decided: what each session that sees the operator makes of it.
@@ -179,7 +198,8 @@ class ObserverState {
     Pending p = std::move(which);
     which = {};
     if (!p.core || !p.out.defined() || !p.info) return t.outputs.size();
-    const std::size_t slot = remember_output(t, Derived{p.core->id, p.module, p.call, nullptr, weak_of(p.out)});
+    const std::size_t slot =
+        remember_output(t, Derived{p.core->id, p.module, p.call, nullptr, weak_of(p.out), 0, p.info});
     p.core->send(p.module, p.info->name, p.out, true, p.info->md, nullptr, std::move(p.input));
     return slot;
   }
@@ -213,6 +233,26 @@ class ObserverState {
     }
     return t.outputs.size();
   }
+  /// The delivery of session `core` that `impl` is, or is a view of: its pending output, a
+  /// remembered module output, or an activation's delivered output; null when none.
+  static std::shared_ptr<const DeliveryInfo> delivered_as(const Tls& t, const AttachCore& core,
+                                                          const c10::TensorImpl* impl) {
+    for (const auto& p : t.pending)
+      if (p.core.get() == &core && p.out.defined() && p.out.unsafeGetTensorImpl() == impl) return p.info;
+    const std::size_t slot = output_slot(t, core.id, impl);
+    if (slot < t.outputs.size()) return t.outputs[slot].info;
+    const std::size_t fed = fed_slot(t, core.id, impl);
+    return fed < t.fed.size() ? t.fed[fed].info : nullptr;
+  }
+  /// The slot of Tls::fed holding session `core`'s tensor `impl`, or fed.size().
+  static std::size_t fed_slot(const Tls& t, uint64_t core, const c10::TensorImpl* impl) {
+    for (std::size_t i = 0; i < t.fed.size(); ++i) {
+      const Derived& o = t.fed[i];
+      if (o.core == core && o.impl && o.impl->_unsafe_get_target() == impl && !o.impl->expired()) return i;
+    }
+    return t.fed.size();
+  }
+
   /// This thread's token (AttachCore::forward_thread): unique among live threads.
   static std::uintptr_t thread_token() { return reinterpret_cast<std::uintptr_t>(&tls()); }
 
