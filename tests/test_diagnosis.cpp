@@ -4,6 +4,7 @@
 // name the right kind and the right originating layer within a few steps of onset. Seeds and
 // widths vary so that the logic is not tuned to one case.
 #include <functional>
+#include <random>
 #include <sstream>
 #include <torchdbg/attach.hpp>
 #include <torchdbg/diagnosis.hpp>
@@ -560,7 +561,9 @@ TEST_CASE("a fresh explosion outranks a saturation that began earlier; a persist
   auto tanh_sat = incident(FailureKind::Saturation, "g.conv4/tanh", 8, P::Forward, 9, 0.9);
   tanh_sat.last_step = 60;
   r.incidents.push_back(tanh_sat);
-  r.incidents.push_back(incident(FailureKind::ExplodingActivation, "d.conv2", 20, P::Forward, 2, 0.5));
+  auto explosion = incident(FailureKind::ExplodingActivation, "d.conv2", 20, P::Forward, 2, 0.5);
+  explosion.last_step = 59;  // the discriminator stays broken
+  r.incidents.push_back(explosion);
   r.incidents.push_back(incident(FailureKind::LossSpike, "loss", 20, P::Loss, 1 << 30));
   for (int64_t s = 21; s < 60; ++s) {
     auto sat = incident(FailureKind::Saturation, "d.conv3/sigmoid", s, P::Forward, 3);
@@ -590,6 +593,44 @@ TEST_CASE("a fresh explosion outranks a saturation that began earlier; a persist
   torchdbg::HealthReport alone;
   alone.incidents = {tanh_sat};
   CHECK(torchdbg::diagnose(alone).top()->layer == "g.conv4");
+  // The same findings in any order give the same diagnosis.
+  for (int k = 0; k < 20; ++k) {
+    torchdbg::HealthReport shuffled = r;
+    std::shuffle(shuffled.incidents.begin(), shuffled.incidents.end(), std::mt19937(static_cast<unsigned>(k)));
+    const auto ds = torchdbg::diagnose(shuffled);
+    REQUIRE(ds.hypotheses.size() == d.hypotheses.size());
+    for (std::size_t h = 0; h < ds.hypotheses.size(); ++h) {
+      CHECK(ds.hypotheses[h].layer == d.hypotheses[h].layer);
+      CHECK(ds.hypotheses[h].step == d.hypotheses[h].step);
+      CHECK(ds.hypotheses[h].causal_chain.size() == d.hypotheses[h].causal_chain.size());
+    }
+  }
+}
+
+TEST_CASE("diagnosis: an explosion that ended long before explains nothing later; the graph has no cycle", "[diagnosis]") {
+  using P = torchdbg::Phase;
+  torchdbg::HealthReport r;
+  r.incidents = {incident(FailureKind::ExplodingActivation, "fc1", 0, P::Forward, 0),
+                 incident(FailureKind::NonFiniteOutput, "fc3", 30, P::Forward, 2)};
+  const auto d = torchdbg::diagnose(r);
+  REQUIRE(d.hypotheses.size() == 2);
+  CHECK(d.hypotheses[0].layer == "fc1");  // the earlier of two acute roots
+  CHECK(d.hypotheses[1].layer == "fc3");
+  CHECK(d.edges.empty());
+  // An explosion with its own tanh's saturation a step later: one link, not two.
+  torchdbg::HealthReport c;
+  auto sat = incident(FailureKind::Saturation, "fc1/tanh", 6, P::Forward, 3);
+  sat.last_step = 9;
+  c.incidents = {incident(FailureKind::ExplodingActivation, "fc1", 5, P::Forward, 2), sat,
+                 incident(FailureKind::LossSpike, "loss", 7, P::Loss, 1 << 30)};
+  const auto dc = torchdbg::diagnose(c);
+  CHECK(dc.edges.size() == 2);
+  for (const auto& [a, b] : dc.edges)
+    for (const auto& [a2, b2] : dc.edges) CHECK_FALSE((a == b2 && b == a2));
+  REQUIRE(dc.hypotheses.size() == 1);
+  CHECK(dc.hypotheses[0].causal_chain.size() == 3);
+  CHECK(dc.hypotheses[0].causal_chain[0].kind == dc.hypotheses[0].kind);
+  CHECK(dc.hypotheses[0].causal_chain[0].step == dc.hypotheses[0].step);
 }
 
 TEST_CASE("a layer that saturates in a step's forward explains that step's exploding gradients; a loss failure the latest acute one",

@@ -16,8 +16,9 @@
 //     gradients of that step
 //   an exploding activation -> dead units, saturation, constant output and exploding
 //     activations downstream of it in the same forward pass
-//   a dead, saturated or constant layer (still in that state) -> an exploding activation
-//     downstream: the gain over a collapsed input
+//   a constant layer, or one nearly all dead or saturated (still in that state) -> an
+//     exploding activation downstream: the gain over a collapsed input
+// A cause must still be going on, or have ended at most two steps before what it explains.
 //   dead units or a constant output upstream -> dead units, constant output downstream
 //   an exploding activation feeding a saturating activation is that layer's saturation.
 // Incidents that nothing explains are root causes; each becomes a hypothesis whose causal
@@ -409,15 +410,23 @@ inline Diagnosis diagnose(const HealthReport& report) {
       blockers;  // dead/saturated incidents by forward order (first per order)
   std::map<int64_t, std::size_t> vanishing_group;  // step -> root vanishing incident of that step
   std::map<int64_t, std::size_t> exploding_group;  // step -> root exploding-gradient incident
+  // A cause must still be going on, or have ended at most kRecent steps before the incident
+  // it explains (an explosion at step 0 that stopped there explains no NaN at step 30).
+  constexpr int64_t kRecent = 2;
+  int64_t now = 0;  // the step of the incident the sweep is at
+  std::map<K, std::size_t> last_of;
   auto earliest = [&](std::initializer_list<K> kinds, bool strictly_before,
                       int64_t step) -> std::optional<std::size_t> {
     std::optional<std::size_t> best;
     for (K k : kinds) {
-      auto it = first_of.find(k);
-      if (it == first_of.end()) continue;
-      const Incident& c = inc[it->second];
-      if (strictly_before && c.step >= step) continue;
-      if (!best || c.step < inc[*best].step) best = it->second;
+      for (const auto* seen_of : {&first_of, &last_of}) {
+        auto it = seen_of->find(k);
+        if (it == seen_of->end()) continue;
+        const Incident& c = inc[it->second];
+        if (strictly_before && c.step >= step) continue;
+        if (std::max(c.step, c.last_step) < now - kRecent) continue;
+        if (!best || c.step < inc[*best].step) best = it->second;
+      }
     }
     return best;
   };
@@ -462,6 +471,7 @@ inline Diagnosis diagnose(const HealthReport& report) {
   for (std::size_t pos = 0; pos < n; ++pos) {
     const std::size_t i = order[pos];
     const Incident& x = inc[i];
+    now = x.step;
     if (!cause[i]) {
       std::optional<std::size_t> c;
       switch (x.kind) {
@@ -527,7 +537,9 @@ inline Diagnosis diagnose(const HealthReport& report) {
           // leaves is collapsed, and a gain over it means nothing.
           for (auto b = blockers.lower_bound(x.order); !c && b != blockers.begin();) {
             --b;
-            if (inc[b->second].phase == Phase::Forward && inc[b->second].last_step >= x.step) c = b->second;
+            const Incident& y = inc[b->second];
+            const bool collapsed = y.kind == K::ConstantOutput || y.value >= 0.9;  // nearly all saturated or dead
+            if (y.phase == Phase::Forward && y.last_step >= x.step && collapsed) c = b->second;
           }
           break;
         case K::LossDivergence:
@@ -544,10 +556,18 @@ inline Diagnosis diagnose(const HealthReport& report) {
             c = first_layer_failure;
           break;
       }
+      // Never a cycle (an explosion the pre-pass gave to its own saturation).
+      for (std::optional<std::size_t> j = c; j; j = cause[*j]) {
+        if (*j == i) {
+          c.reset();
+          break;
+        }
+      }
       cause[i] = c;
     }
     // Record i for later incidents.
     if (!first_of.count(x.kind)) first_of[x.kind] = i;
+    last_of[x.kind] = i;
     if (!first_any) first_any = i;
     if (x.module != "loss" && failure_tier(x.kind) == 2 && !first_layer_failure)
       first_layer_failure = i;
@@ -596,7 +616,11 @@ inline Diagnosis diagnose(const HealthReport& report) {
   };
   std::vector<Ranked> ranked;
   std::map<std::tuple<K, std::string, bool>, std::size_t> seen;  // (kind, module, acute) -> ranked index
-  for (auto& [root, group] : members) {
+  // Roots in onset order (not the report's order): a recurrence joins the earliest.
+  for (const std::size_t root : order) {
+    auto found = members.find(root);
+    if (found == members.end() || cause[root]) continue;
+    const std::vector<std::size_t>& group = found->second;
     const Incident& r = inc[root];
     std::size_t shown = root;
     std::size_t related = 1;
@@ -666,6 +690,7 @@ inline Diagnosis diagnose(const HealthReport& report) {
         chain.push_back(std::move(c));
       } else {
         CausalLink& same = chain[it->second];
+        if (it->second > 0) same.step = std::min(same.step, c.step);  // the root keeps its onset
         same.last_step = std::max({same.last_step, c.step, c.last_step});
         same.occurrences += c.occurrences;
       }

@@ -229,6 +229,7 @@ class Attribution : protected ObserverState {
         d.core = core;
         d.kind = Decision::FedAlias;
         d.from = t.fed[fed].info;
+        d.delivery = t.fed[fed].delivery;
         add(std::move(d));
         continue;
       }
@@ -247,6 +248,7 @@ class Attribution : protected ObserverState {
       if (!fresh_op && is_alias_op(op_name)) {  // a view of it: an activation may follow
         d.kind = Decision::Alias;
         d.from = seen.info;
+        d.delivery = seen.delivery;
       } else if (op >= 0) {
         d.kind = Decision::Activation;
         d.follow_up = op;
@@ -272,21 +274,21 @@ class Attribution : protected ObserverState {
       try {
         switch (d.kind) {
           case Decision::Weights:
-            remember(t, t.derived, Derived{d.core->id, d.module, 0, d.source, weak_of(out), 0, nullptr}, kDerived);
+            remember(t, t.derived, Derived{d.core->id, d.module, 0, d.source, weak_of(out), 0, nullptr, 0, 0}, kDerived);
             break;
           case Decision::Forward:
             forward_output(t, d, out);
             break;
           case Decision::Alias:
-            remember_output(t, Derived{d.core->id, d.module, d.call, nullptr, weak_of(out), 0, d.from});
+            remember_output(t, Derived{d.core->id, d.module, d.call, nullptr, weak_of(out), 0, d.from, d.delivery, 0});
             break;
           case Decision::FedAlias:
-            remember(t, t.fed, Derived{d.core->id, 0, 0, nullptr, weak_of(out), 0, d.from}, kOutputs);
+            remember(t, t.fed, Derived{d.core->id, 0, 0, nullptr, weak_of(out), 0, d.from, d.delivery, 0}, kOutputs);
             break;
           case Decision::Activation: {
             auto f = d.core->delivery_info(d.module, d.follow_up, d.call);
             d.core->send(d.module, f->name, out, true, f->md);
-            remember(t, t.fed, Derived{d.core->id, d.module, d.call, nullptr, weak_of(out), 0, std::move(f)}, kOutputs);
+            remember(t, t.fed, Derived{d.core->id, d.module, d.call, nullptr, weak_of(out), 0, std::move(f), 0, 0}, kOutputs);
             break;
           }
           default:

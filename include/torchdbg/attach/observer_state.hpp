@@ -60,6 +60,8 @@ class ObserverState {
     std::optional<WeakImpl> impl;
     uint64_t seq = 0;  // when remembered: the oldest of a session is forgotten first
     std::shared_ptr<const DeliveryInfo> info;  // outputs, fed: the delivery it is (a view of)
+    uint64_t delivery = 0;  // outputs, fed: which delivery (a view keeps its source's)
+    uint32_t version = 0;   // the tensor's version when remembered (in-place changes since)
   };
   /// A module an operator's tensors point to: through tensors it registered itself (direct)
   /// or through tensors derived from them (`weight.t()`).
@@ -130,6 +132,7 @@ class ObserverState {
     /// Forward: the delivery whose output is the call's data input; Alias, FedAlias: the
     /// delivery it views.
     std::shared_ptr<const DeliveryInfo> from;
+    uint64_t delivery = 0;  // Alias, FedAlias: the delivery it views (Derived::delivery)
   };
   /// Backward: an autograd node. Update: an in-place update of a module's own tensor or an
   /// optimizer's arithmetic. Decided: what each session that sees the operator makes of it.
@@ -199,7 +202,7 @@ class ObserverState {
     which = {};
     if (!p.core || !p.out.defined() || !p.info) return t.outputs.size();
     const std::size_t slot =
-        remember_output(t, Derived{p.core->id, p.module, p.call, nullptr, weak_of(p.out), 0, p.info});
+        remember_output(t, Derived{p.core->id, p.module, p.call, nullptr, weak_of(p.out), 0, p.info, 0, 0});
     p.core->send(p.module, p.info->name, p.out, true, p.info->md, nullptr, std::move(p.input));
     return slot;
   }
@@ -208,6 +211,8 @@ class ObserverState {
   /// of them; returns its slot.
   static std::size_t remember(Tls& t, std::vector<Derived>& list, Derived d, std::size_t per_session) {
     d.seq = ++t.seq;
+    if (d.delivery == 0) d.delivery = d.seq;
+    if (d.impl) d.version = version_of(d.impl->_unsafe_get_target());
     std::size_t n = 0, oldest = list.size(), free = list.size();
     for (std::size_t i = 0; i < list.size(); ++i) {
       if (list[i].core == 0) {
@@ -235,14 +240,41 @@ class ObserverState {
   }
   /// The delivery of session `core` that `impl` is, or is a view of: its pending output, a
   /// remembered module output, or an activation's delivered output; null when none.
+  /// Null also when the tensor changed in place since it was delivered (`y += x`), or when
+  /// a later delivery has the same name and call (a backward pass restarted the counts and the
+  /// module ran again): the name would point at other values.
   static std::shared_ptr<const DeliveryInfo> delivered_as(const Tls& t, const AttachCore& core,
                                                           const c10::TensorImpl* impl) {
     for (const auto& p : t.pending)
       if (p.core.get() == &core && p.out.defined() && p.out.unsafeGetTensorImpl() == impl) return p.info;
+    const Derived* e = nullptr;
     const std::size_t slot = output_slot(t, core.id, impl);
-    if (slot < t.outputs.size()) return t.outputs[slot].info;
-    const std::size_t fed = fed_slot(t, core.id, impl);
-    return fed < t.fed.size() ? t.fed[fed].info : nullptr;
+    if (slot < t.outputs.size()) {
+      e = &t.outputs[slot];
+    } else if (const std::size_t fed = fed_slot(t, core.id, impl); fed < t.fed.size()) {
+      e = &t.fed[fed];
+    }
+    if (e == nullptr || !e->info || e->version == kNoVersion || version_of(impl) != e->version) return nullptr;
+    const DeliveryInfo* base = e->info->base;
+    const auto newer = [&](const Derived& o) {
+      return o.core == core.id && o.info && o.info->base == base && o.delivery > e->delivery;
+    };
+    for (const auto& p : t.pending)
+      if (p.core.get() == &core && p.info && p.info->base == base) return nullptr;
+    for (const auto& o : t.outputs)
+      if (newer(o)) return nullptr;
+    for (const auto& o : t.fed)
+      if (newer(o)) return nullptr;
+    return e->info;
+  }
+  static constexpr uint32_t kNoVersion = 0xffffffffu;
+  /// A tensor's version counter (inference tensors have none: kNoVersion).
+  static uint32_t version_of(const c10::TensorImpl* impl) {
+    try {
+      return impl->version_counter().current_version();
+    } catch (...) {
+      return kNoVersion;
+    }
   }
   /// The slot of Tls::fed holding session `core`'s tensor `impl`, or fed.size().
   static std::size_t fed_slot(const Tls& t, uint64_t core, const c10::TensorImpl* impl) {
