@@ -230,13 +230,20 @@ class ObserverState {
     }
     return slot;
   }
-  /// The slot of Tls::outputs holding session `core`'s output `impl`, or outputs.size().
-  static std::size_t output_slot(const Tls& t, uint64_t core, const c10::TensorImpl* impl) {
-    for (std::size_t i = 0; i < t.outputs.size(); ++i) {
-      const Derived& o = t.outputs[i];
+  /// The slot of `list` (Tls::outputs, Tls::fed) holding session `core`'s tensor `impl`, or
+  /// list.size().
+  static std::size_t slot_of(const std::vector<Derived>& list, uint64_t core, const c10::TensorImpl* impl) {
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const Derived& o = list[i];
       if (o.core == core && o.impl && o.impl->_unsafe_get_target() == impl && !o.impl->expired()) return i;
     }
-    return t.outputs.size();
+    return list.size();
+  }
+  static std::size_t output_slot(const Tls& t, uint64_t core, const c10::TensorImpl* impl) {
+    return slot_of(t.outputs, core, impl);
+  }
+  static std::size_t fed_slot(const Tls& t, uint64_t core, const c10::TensorImpl* impl) {
+    return slot_of(t.fed, core, impl);
   }
   /// The delivery of session `core` that `impl` is, or is a view of: its pending output, a
   /// remembered module output, or an activation's delivered output; null when none.
@@ -275,14 +282,6 @@ class ObserverState {
     } catch (...) {
       return kNoVersion;
     }
-  }
-  /// The slot of Tls::fed holding session `core`'s tensor `impl`, or fed.size().
-  static std::size_t fed_slot(const Tls& t, uint64_t core, const c10::TensorImpl* impl) {
-    for (std::size_t i = 0; i < t.fed.size(); ++i) {
-      const Derived& o = t.fed[i];
-      if (o.core == core && o.impl && o.impl->_unsafe_get_target() == impl && !o.impl->expired()) return i;
-    }
-    return t.fed.size();
   }
 
   /// This thread's token (AttachCore::forward_thread): unique among live threads.
