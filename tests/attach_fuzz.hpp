@@ -48,7 +48,7 @@ namespace torchdbg_test::fuzz {
 
 /// One statement of a generated forward, acting on the running activation `h` ([B, W]).
 enum class Op {
-  Linear,       // h = lin[a](h)                       (a call of lin[a])
+  Linear,       // h = lin[a](h); with c == 1 then h += input in place (the delivery is lin's output before)
   ActFn,        // h = act_a(h) as a function           (after a call: "<module>/<act>")
   ActModule,    // h = act_mod[a](h)                    (an activation module: no parameters)
   ViewAct,      // h = act_a(h.view(B, 2, W/2)).view(B, W)  (the activation in the view's shape)
@@ -177,6 +177,7 @@ inline Spec random_spec(uint64_t seed) {
       default: t = {Op::Siamese, pick(0, lin)}; break;
     }
     if (t.op == Op::Between && t.a == t.b) t.b = (t.b + 1) % static_cast<int>(s.linears);
+    if (t.op == Op::Linear && (seed + static_cast<uint64_t>(i)) % 4 == 0) t.c = 1;  // no draw: seeds keep their models
     s.body.push_back(t);
   }
   // The loss must depend on a parameter: without an Embedding, the first statement is a call.
@@ -269,7 +270,14 @@ struct Model : torch::nn::Module {
         case Op::Linear: {
           const auto in = h;
           h = lins[t.a](h);
-          output_of("lin" + std::to_string(t.a), h, in);
+          if (t.c == 1) {
+            // Changed in place after its delivery (`out += identity`): what the next call
+            // reads is no delivery's tensor any more.
+            output_of("lin" + std::to_string(t.a), h.detach().clone(), in);
+            h.add_(in);
+          } else {
+            output_of("lin" + std::to_string(t.a), h, in);
+          }
           break;
         }
         case Op::ActFn: {

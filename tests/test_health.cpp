@@ -732,7 +732,7 @@ double rms_of(const torch::Tensor& t) { return t.detach().to(torch::kDouble).pow
 }  // namespace
 
 TEST_CASE("a GAN: each call's input scale is its own, a healthy run raises nothing, a failing discriminator is named first",
-          "[health][attach][gan]") {
+          "[health][attach]") {
   SECTION("input scale of every call: the noise, real images, a detached copy, the generator's tanh") {
     struct Seen {
       std::string name;
@@ -830,7 +830,8 @@ TEST_CASE("a layer's gain is judged against its own call's input, not the output
   torchdbg_test::SeededRng rng(21);
   HealthMonitor m;
   const auto gain_of = [&](const std::string& name) {
-    for (const auto& l : m.report().layers)
+    const auto report = m.report();
+    for (const auto& l : report.layers)
       if (l.name == name) return l.gain;
     return std::nan("");
   };
@@ -867,7 +868,8 @@ TEST_CASE("a layer's gain is judged against its own call's input, not the output
   const auto b = torch::randn({16}) * 4.0;
   plain.observe_activation("b", b, 0);
   double prev_rms = 0, gain = 0;
-  for (const auto& l : plain.report().layers) {
+  const auto plain_report = plain.report();
+  for (const auto& l : plain_report.layers) {
     if (l.name == "a") prev_rms = l.rms;
     if (l.name == "b") gain = l.gain;
   }

@@ -230,6 +230,7 @@ class Attribution : protected ObserverState {
         d.kind = Decision::FedAlias;
         d.from = t.fed[fed].info;
         d.delivery = t.fed[fed].delivery;
+        d.changed = changed_since(t.fed[fed]);
         add(std::move(d));
         continue;
       }
@@ -249,6 +250,7 @@ class Attribution : protected ObserverState {
         d.kind = Decision::Alias;
         d.from = seen.info;
         d.delivery = seen.delivery;
+        d.changed = changed_since(seen);
       } else if (op >= 0) {
         d.kind = Decision::Activation;
         d.follow_up = op;
@@ -279,12 +281,18 @@ class Attribution : protected ObserverState {
           case Decision::Forward:
             forward_output(t, d, out);
             break;
-          case Decision::Alias:
-            remember_output(t, Derived{d.core->id, d.module, d.call, nullptr, weak_of(out), 0, d.from, d.delivery, 0});
+          case Decision::Alias: {
+            const std::size_t slot =
+                remember_output(t, Derived{d.core->id, d.module, d.call, nullptr, weak_of(out), 0, d.from, d.delivery, 0});
+            if (d.changed) t.outputs[slot].version = kNoVersion;  // a view of changed values
             break;
-          case Decision::FedAlias:
-            remember(t, t.fed, Derived{d.core->id, 0, 0, nullptr, weak_of(out), 0, d.from, d.delivery, 0}, kOutputs);
+          }
+          case Decision::FedAlias: {
+            const std::size_t slot =
+                remember(t, t.fed, Derived{d.core->id, 0, 0, nullptr, weak_of(out), 0, d.from, d.delivery, 0}, kOutputs);
+            if (d.changed) t.fed[slot].version = kNoVersion;
             break;
+          }
           case Decision::Activation: {
             auto f = d.core->delivery_info(d.module, d.follow_up, d.call);
             d.core->send(d.module, f->name, out, true, f->md);

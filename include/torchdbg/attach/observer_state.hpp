@@ -133,6 +133,7 @@ class ObserverState {
     /// delivery it views.
     std::shared_ptr<const DeliveryInfo> from;
     uint64_t delivery = 0;  // Alias, FedAlias: the delivery it views (Derived::delivery)
+    bool changed = false;   // Alias, FedAlias: what it views changed in place since delivered
   };
   /// Backward: an autograd node. Update: an in-place update of a module's own tensor or an
   /// optimizer's arithmetic. Decided: what each session that sees the operator makes of it.
@@ -261,7 +262,7 @@ class ObserverState {
     } else if (const std::size_t fed = fed_slot(t, core.id, impl); fed < t.fed.size()) {
       e = &t.fed[fed];
     }
-    if (e == nullptr || !e->info || e->version == kNoVersion || version_of(impl) != e->version) return nullptr;
+    if (e == nullptr || !e->info || changed_since(*e)) return nullptr;
     const DeliveryInfo* base = e->info->base;
     const auto newer = [&](const Derived& o) {
       return o.core == core.id && o.info && o.info->base == base && o.delivery > e->delivery;
@@ -275,6 +276,10 @@ class ObserverState {
     return e->info;
   }
   static constexpr uint32_t kNoVersion = 0xffffffffu;
+  /// Whether the tensor remembered in `d` changed in place since (or has no version).
+  static bool changed_since(const Derived& d) {
+    return !d.impl || d.version == kNoVersion || version_of(d.impl->_unsafe_get_target()) != d.version;
+  }
   /// A tensor's version counter (inference tensors have none: kNoVersion).
   static uint32_t version_of(const c10::TensorImpl* impl) {
     try {
