@@ -14,7 +14,7 @@
 #include <torch/torch.h>
 
 #include <cstdlib>
-#include <torchdbg/torchdbg.hpp>
+#include <torchdbg/lite.hpp>
 
 namespace {
 

@@ -3,7 +3,9 @@
 # Catch2 3, fmt 10 and nlohmann_json 3.11) in a chroot made with debootstrap. Makes the root
 # once (TORCHDBG_TRIXIE_ROOT, default /var/tmp/torchdbg-trixie) and reuses it, then runs this
 # checkout's own scripts/test.sh inside it, which installs what is missing there and builds in
-# build-libtorch2/ (TORCHDBG_LIBTORCH2_BUILD_DIR changes it). Arguments go to ctest.
+# build-libtorch2/ (TORCHDBG_LIBTORCH2_BUILD_DIR changes it). Arguments go to ctest. The header
+# check (every public header compiled on its own) is left to the 1.13 build unless
+# TORCHDBG_HEADER_CHECK=ON.
 #   scripts/test-libtorch2.sh --exec CMD ARGS...   runs CMD from the checkout inside the root
 #   instead (e.g. build-libtorch2/bench/torchdbg_bench once a test run has built it).
 # Needs root (debootstrap, mount, chroot) and about 5 GB of disk for the root.
@@ -23,6 +25,7 @@ if [[ -n "${TORCHDBG_IN_NAMESPACE:-}" ]]; then
   mount --bind "$repo" "$target$repo"
   env=(PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8
        TERM="${TERM:-dumb}" CI="${CI:-}" TORCHDBG_BUILD_DIR="$build"
+       TORCHDBG_HEADER_CHECK="${TORCHDBG_HEADER_CHECK:-OFF}"
        CMAKE_BUILD_TYPE="${CMAKE_BUILD_TYPE:-Release}")
   cd "$repo"
   if [[ "${1:-}" == "--exec" ]]; then

@@ -123,6 +123,8 @@
 // observer's per-thread state, its attribution of operators to modules, the observer itself;
 // the session a user holds.
 #include "torchdbg/attach/options.hpp"
+#include "torchdbg/detail/compiled.hpp"
+#if TORCHDBG_DEFINITIONS  // compiled mode: the session's declarations are enough
 #include "torchdbg/attach/modules.hpp"
 #include "torchdbg/attach/pass_ledger.hpp"
 #include "torchdbg/attach/deferred.hpp"
@@ -133,4 +135,5 @@
 #include "torchdbg/attach/observer_state.hpp"
 #include "torchdbg/attach/attribution.hpp"
 #include "torchdbg/attach/observer.hpp"
+#endif
 #include "torchdbg/attach/session.hpp"

@@ -25,7 +25,8 @@
 // chain lists what it explains, a finding that persisted or came back once with its span.
 // Hypotheses are ranked by severity (the worst tier in the chain), then acute failures
 // (explosions, NaN) before persisting states (saturation, dead units), then onset (step,
-// phase, then forward order; backward order for gradients), then confidence. One sort and one sweep with ordered lookups: O(E log E) for E incidents.
+// phase, then forward order; backward order for gradients), then confidence. One sort and one sweep
+// with ordered lookups: O(E log E) for E incidents.
 //
 // ```cpp
 // auto d = torchdbg::diagnose(health);
@@ -44,6 +45,7 @@
 #include <utility>
 #include <vector>
 
+#include "torchdbg/detail/compiled.hpp"
 #include "torchdbg/health.hpp"
 
 namespace torchdbg {
@@ -145,132 +147,151 @@ struct Diagnosis {
   std::size_t layers_observed = 0;
 
   /// No hypothesis of tier 1 or 2 (a plateau alone is not a failure).
-  [[nodiscard]] bool healthy() const noexcept {
-    for (const auto& h : hypotheses)
-      if (h.tier() > 0) return false;
-    return true;
-  }
-  [[nodiscard]] const Hypothesis* top() const noexcept {
-    return hypotheses.empty() ? nullptr : &hypotheses.front();
-  }
+  [[nodiscard]] bool healthy() const noexcept;
+  [[nodiscard]] const Hypothesis* top() const noexcept;
 
   /// A plain-English paragraph for terminals and reports.
-  [[nodiscard]] std::string summary() const {
-    if (healthy()) {
-      std::string s = "No failure detected up to step " + std::to_string(step) + " across " +
-                      std::to_string(layers_observed) + " observed layers.";
-      for (const auto& h : hypotheses) s += " Note: " + h.description;
-      return s;
-    }
-    const auto& first = hypotheses.front();
-    std::string s =
-        "Most likely cause" +
-        (first.rank >= 0 ? " (rank " + std::to_string(first.rank) + ")" : std::string()) + ": " +
-        first.description;
-    const auto& chain = hypotheses.front().causal_chain;
-    if (chain.size() > 1) {
-      s += " It explains " + std::to_string(chain.size() - 1) + " later finding" +
-           (chain.size() > 2 ? "s" : "") + ": ";
-      const std::size_t shown = std::min<std::size_t>(chain.size(), 6);
-      for (std::size_t i = 1; i < shown; ++i) {
-        s += (i > 1 ? ", " : "") + describe_link(chain[i]);
-      }
-      if (chain.size() > shown) s += " and " + std::to_string(chain.size() - shown) + " more";
-      s += ".";
-    }
-    if (hypotheses.size() > 1) {
-      s += " Other hypotheses:";
-      const std::size_t shown = std::min<std::size_t>(hypotheses.size(), 4);
-      for (std::size_t i = 1; i < shown; ++i) {
-        const auto& h = hypotheses[i];
-        s += " (" + std::to_string(i + 1) + ") " + std::string(to_string(h.kind)) + " at '" +
-             h.layer + "' from step " + std::to_string(h.step) + ", confidence " +
-             pct(h.confidence) + ";";
-      }
-      s.back() = '.';
-    }
-    return s;
-  }
+  [[nodiscard]] std::string summary() const;
 
   /// The causal graph as a Mermaid flowchart.
-  [[nodiscard]] std::string to_mermaid() const {
-    std::string s = "graph LR\n";
-    for (std::size_t i = 0; i < nodes.size(); ++i) {
-      std::string label = node_label(nodes[i]);
-      for (char& c : label)
-        if (c == '"') c = '\'';
-      s += "  n" + std::to_string(i) + "[\"" + label + "\"]\n";
-    }
-    for (const auto& [a, b] : edges)
-      s += "  n" + std::to_string(a) + " --> n" + std::to_string(b) + "\n";
-    for (std::size_t r = 0; r < roots.size(); ++r)
-      s += "  style n" + std::to_string(roots[r]) +
-           (r == 0 ? " stroke-width:3px,stroke:#c00\n" : " stroke-width:2px\n");
-    return s;
-  }
+  [[nodiscard]] std::string to_mermaid() const;
 
   /// The causal graph in Graphviz DOT.
-  [[nodiscard]] std::string to_dot() const {
-    std::string s = "digraph torchdbg_diagnosis {\n  rankdir=LR;\n  node [shape=box];\n";
-    for (std::size_t i = 0; i < nodes.size(); ++i) {
-      std::string label;
-      for (char c : node_label(nodes[i])) {
-        if (c == '"' || c == '\\') label += '\\';
-        label += c;
-      }
-      const bool root = std::find(roots.begin(), roots.end(), i) != roots.end();
-      s += "  n" + std::to_string(i) + " [label=\"" + label + "\"" +
-           (root ? ", penwidth=2, color=red" : "") + "];\n";
-    }
-    for (const auto& [a, b] : edges)
-      s += "  n" + std::to_string(a) + " -> n" + std::to_string(b) + ";\n";
-    return s + "}\n";
-  }
+  [[nodiscard]] std::string to_dot() const;
 
-  [[nodiscard]] nlohmann::json to_json() const {
-    nlohmann::json hs = nlohmann::json::array();
-    for (const auto& h : hypotheses) hs.push_back(torchdbg::to_json(h));
-    nlohmann::json ns = nlohmann::json::array();
-    for (const auto& n : nodes) ns.push_back(torchdbg::to_json(n));
-    nlohmann::json es = nlohmann::json::array();
-    for (const auto& [a, b] : edges) es.push_back({a, b});
-    return {{"step", step}, {"healthy", healthy()}, {"summary", summary()}, {"hypotheses", hs},
-            {"nodes", ns},  {"edges", es},          {"roots", roots}};
-  }
+  [[nodiscard]] nlohmann::json to_json() const;
 
-  static std::string node_label(const CausalLink& c) {
-    std::string s =
-        std::string(to_string(c.kind)) + " @ " + c.layer + " (step " + std::to_string(c.step) + ")";
-    if (c.rank >= 0) s += " rank " + std::to_string(c.rank);
-    return s;
-  }
+  static std::string node_label(const CausalLink& c);
 
  private:
-  static std::string pct(double v) {
-    char b[16];
-    std::snprintf(b, sizeof b, "%.0f%%", v * 100.0);
-    return b;
-  }
-  static std::string describe_link(const CausalLink& c) {
-    std::string k = to_string(c.kind);
-    std::replace(k.begin(), k.end(), '_', ' ');
-    std::string when = c.last_step > c.step
-                           ? "steps " + std::to_string(c.step) + " to " + std::to_string(c.last_step)
-                           : "step " + std::to_string(c.step);
-    if (c.occurrences > 1) when += ", " + std::to_string(c.occurrences) + " times";
-    return k + " at '" + c.layer + "' (" + when + ")";
-  }
+  static std::string pct(double v);
+  static std::string describe_link(const CausalLink& c);
 };
+
+#if TORCHDBG_DEFINITIONS
+
+TORCHDBG_INLINE bool Diagnosis::healthy() const noexcept {
+  for (const auto& h : hypotheses)
+    if (h.tier() > 0) return false;
+  return true;
+}
+
+TORCHDBG_INLINE auto Diagnosis::top() const noexcept -> const Hypothesis* {
+  return hypotheses.empty() ? nullptr : &hypotheses.front();
+}
+
+TORCHDBG_INLINE std::string Diagnosis::summary() const {
+  if (healthy()) {
+    std::string s = "No failure detected up to step " + std::to_string(step) + " across " +
+                    std::to_string(layers_observed) + " observed layers.";
+    for (const auto& h : hypotheses) s += " Note: " + h.description;
+    return s;
+  }
+  const auto& first = hypotheses.front();
+  std::string s = "Most likely cause" +
+                  (first.rank >= 0 ? " (rank " + std::to_string(first.rank) + ")" : std::string()) +
+                  ": " + first.description;
+  const auto& chain = hypotheses.front().causal_chain;
+  if (chain.size() > 1) {
+    s += " It explains " + std::to_string(chain.size() - 1) + " later finding" +
+         (chain.size() > 2 ? "s" : "") + ": ";
+    const std::size_t shown = std::min<std::size_t>(chain.size(), 6);
+    for (std::size_t i = 1; i < shown; ++i) {
+      s += (i > 1 ? ", " : "") + describe_link(chain[i]);
+    }
+    if (chain.size() > shown) s += " and " + std::to_string(chain.size() - shown) + " more";
+    s += ".";
+  }
+  if (hypotheses.size() > 1) {
+    s += " Other hypotheses:";
+    const std::size_t shown = std::min<std::size_t>(hypotheses.size(), 4);
+    for (std::size_t i = 1; i < shown; ++i) {
+      const auto& h = hypotheses[i];
+      s += " (" + std::to_string(i + 1) + ") " + std::string(to_string(h.kind)) + " at '" +
+           h.layer + "' from step " + std::to_string(h.step) + ", confidence " + pct(h.confidence) +
+           ";";
+    }
+    s.back() = '.';
+  }
+  return s;
+}
+
+TORCHDBG_INLINE std::string Diagnosis::to_mermaid() const {
+  std::string s = "graph LR\n";
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    std::string label = node_label(nodes[i]);
+    for (char& c : label)
+      if (c == '"') c = '\'';
+    s += "  n" + std::to_string(i) + "[\"" + label + "\"]\n";
+  }
+  for (const auto& [a, b] : edges)
+    s += "  n" + std::to_string(a) + " --> n" + std::to_string(b) + "\n";
+  for (std::size_t r = 0; r < roots.size(); ++r)
+    s += "  style n" + std::to_string(roots[r]) +
+         (r == 0 ? " stroke-width:3px,stroke:#c00\n" : " stroke-width:2px\n");
+  return s;
+}
+
+TORCHDBG_INLINE std::string Diagnosis::to_dot() const {
+  std::string s = "digraph torchdbg_diagnosis {\n  rankdir=LR;\n  node [shape=box];\n";
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    std::string label;
+    for (char c : node_label(nodes[i])) {
+      if (c == '"' || c == '\\') label += '\\';
+      label += c;
+    }
+    const bool root = std::find(roots.begin(), roots.end(), i) != roots.end();
+    s += "  n" + std::to_string(i) + " [label=\"" + label + "\"" +
+         (root ? ", penwidth=2, color=red" : "") + "];\n";
+  }
+  for (const auto& [a, b] : edges)
+    s += "  n" + std::to_string(a) + " -> n" + std::to_string(b) + ";\n";
+  return s + "}\n";
+}
+
+TORCHDBG_INLINE auto Diagnosis::to_json() const -> nlohmann::json {
+  nlohmann::json hs = nlohmann::json::array();
+  for (const auto& h : hypotheses) hs.push_back(torchdbg::to_json(h));
+  nlohmann::json ns = nlohmann::json::array();
+  for (const auto& n : nodes) ns.push_back(torchdbg::to_json(n));
+  nlohmann::json es = nlohmann::json::array();
+  for (const auto& [a, b] : edges) es.push_back({a, b});
+  return {{"step", step}, {"healthy", healthy()}, {"summary", summary()}, {"hypotheses", hs},
+          {"nodes", ns},  {"edges", es},          {"roots", roots}};
+}
+
+TORCHDBG_INLINE std::string Diagnosis::node_label(const CausalLink& c) {
+  std::string s =
+      std::string(to_string(c.kind)) + " @ " + c.layer + " (step " + std::to_string(c.step) + ")";
+  if (c.rank >= 0) s += " rank " + std::to_string(c.rank);
+  return s;
+}
+
+TORCHDBG_INLINE std::string Diagnosis::pct(double v) {
+  char b[16];
+  std::snprintf(b, sizeof b, "%.0f%%", v * 100.0);
+  return b;
+}
+
+TORCHDBG_INLINE std::string Diagnosis::describe_link(const CausalLink& c) {
+  std::string k = to_string(c.kind);
+  std::replace(k.begin(), k.end(), '_', ' ');
+  std::string when = c.last_step > c.step
+                         ? "steps " + std::to_string(c.step) + " to " + std::to_string(c.last_step)
+                         : "step " + std::to_string(c.step);
+  if (c.occurrences > 1) when += ", " + std::to_string(c.occurrences) + " times";
+  return k + " at '" + c.layer + "' (" + when + ")";
+}
 
 namespace detail {
 
-inline std::string num3(double v) {
+TORCHDBG_INLINE std::string num3(double v) {
   char b[32];
   std::snprintf(b, sizeof b, "%.3g", v);
   return b;
 }
 
-inline std::string describe_root(const Incident& i, std::size_t related) {
+TORCHDBG_INLINE std::string describe_root(const Incident& i, std::size_t related) {
   const std::string at = "'" + i.module + "'";
   const std::string step = std::to_string(i.step);
   auto pct = [](double v) { return num3(v * 100.0) + "%"; };
@@ -282,10 +303,13 @@ inline std::string describe_root(const Incident& i, std::size_t related) {
       const int64_t nan = count("nan"), inf = count("inf");
       std::string held;
       if (nan > 0) held = std::to_string(nan) + " NaN value" + (nan == 1 ? "" : "s");
-      if (inf > 0) held += (held.empty() ? "" : " and ") + std::to_string(inf) + " infinite value" + (inf == 1 ? "" : "s");
+      if (inf > 0)
+        held += (held.empty() ? "" : " and ") + std::to_string(inf) + " infinite value" +
+                (inf == 1 ? "" : "s");
       std::string s = "the model's input at step " + step + " held " + held;
       if (i.details.contains("first_layer"))
-        s += " before '" + i.details["first_layer"].get<std::string>() + "', the first layer, saw it";
+        s += " before '" + i.details["first_layer"].get<std::string>() +
+             "', the first layer, saw it";
       return s + ": the data, not a layer, is the origin.";
     }
     case FailureKind::NonFiniteOutput: {
@@ -347,11 +371,12 @@ inline std::string describe_root(const Incident& i, std::size_t related) {
              ").";
     case FailureKind::Custom: {
       const auto text = [&](const char* k) {
-        return i.details.contains(k) && i.details[k].is_string() ? i.details[k].get<std::string>() : std::string();
+        return i.details.contains(k) && i.details[k].is_string() ? i.details[k].get<std::string>()
+                                                                 : std::string();
       };
       const std::string label = text("label"), rule = text("rule"), reason = text("reason");
-      std::string s = (label.empty() ? std::string("a user rule's finding") : label) + " at '" + i.layer +
-                      "' from step " + step;
+      std::string s = (label.empty() ? std::string("a user rule's finding") : label) + " at '" +
+                      i.layer + "' from step " + step;
       if (!reason.empty()) s += ": " + reason;
       s += " (value " + num3(i.value) + ", limit " + num3(i.threshold);
       if (!rule.empty()) s += ", rule '" + rule + "'";
@@ -363,8 +388,13 @@ inline std::string describe_root(const Incident& i, std::size_t related) {
 
 }  // namespace detail
 
+#endif  // TORCHDBG_DEFINITIONS
+
 /// The ranked diagnosis of a report (see the header comment for the rules).
-inline Diagnosis diagnose(const HealthReport& report) {
+TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report);
+
+#if TORCHDBG_DEFINITIONS
+TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
   using K = FailureKind;
   Diagnosis d;
   d.step = report.step;
@@ -462,8 +492,10 @@ inline Diagnosis diagnose(const HealthReport& report) {
   std::map<int64_t, std::size_t> fresh_forward;
   auto upstream_explosion = [&](const Incident& x) -> std::optional<std::size_t> {
     auto it = explode_act_in_step.find(x.step);
-    if (it == explode_act_in_step.end() || x.phase != Phase::Forward || inc[it->second].order >= x.order ||
-        inc[it->second].module == x.module)  // a module's own explosion and saturation: the pre-pass
+    if (it == explode_act_in_step.end() || x.phase != Phase::Forward ||
+        inc[it->second].order >= x.order ||
+        inc[it->second].module ==
+            x.module)  // a module's own explosion and saturation: the pre-pass
       return std::nullopt;
     return it->second;
   };
@@ -538,7 +570,8 @@ inline Diagnosis diagnose(const HealthReport& report) {
           for (auto b = blockers.lower_bound(x.order); !c && b != blockers.begin();) {
             --b;
             const Incident& y = inc[b->second];
-            const bool collapsed = y.kind == K::ConstantOutput || y.value >= 0.9;  // nearly all saturated or dead
+            const bool collapsed =
+                y.kind == K::ConstantOutput || y.value >= 0.9;  // nearly all saturated or dead
             if (y.phase == Phase::Forward && y.last_step >= x.step && collapsed) c = b->second;
           }
           break;
@@ -571,7 +604,8 @@ inline Diagnosis diagnose(const HealthReport& report) {
     if (!first_any) first_any = i;
     if (x.module != "loss" && failure_tier(x.kind) == 2 && !first_layer_failure)
       first_layer_failure = i;
-    if (x.module != "loss" && failure_tier(x.kind) == 2 && is_acute(x.kind)) last_acute_layer_failure = i;
+    if (x.module != "loss" && failure_tier(x.kind) == 2 && is_acute(x.kind))
+      last_acute_layer_failure = i;
     if (x.module != "loss" && failure_tier(x.kind) == 2 && !layer_failure_in_step.count(x.step))
       layer_failure_in_step[x.step] = i;
     if ((x.kind == K::DeadUnits || x.kind == K::Saturation || x.kind == K::ConstantOutput) &&
@@ -579,7 +613,8 @@ inline Diagnosis diagnose(const HealthReport& report) {
       blockers[x.order] = i;
     if (x.kind == K::VanishingGradient && !cause[i] && !vanishing_group.count(x.step))
       vanishing_group[x.step] = i;
-    if (x.kind == K::ExplodingActivation && x.phase == Phase::Forward && !explode_act_in_step.count(x.step))
+    if (x.kind == K::ExplodingActivation && x.phase == Phase::Forward &&
+        !explode_act_in_step.count(x.step))
       explode_act_in_step[x.step] = i;
     if ((x.kind == K::DeadUnits || x.kind == K::Saturation || x.kind == K::ConstantOutput) &&
         x.phase == Phase::Forward && !fresh_forward.count(x.step))
@@ -615,7 +650,8 @@ inline Diagnosis diagnose(const HealthReport& report) {
     int64_t order;
   };
   std::vector<Ranked> ranked;
-  std::map<std::tuple<K, std::string, bool>, std::size_t> seen;  // (kind, module, acute) -> ranked index
+  std::map<std::tuple<K, std::string, bool>, std::size_t>
+      seen;  // (kind, module, acute) -> ranked index
   // Roots in onset order (not the report's order): a recurrence joins the earliest.
   for (const std::size_t root : order) {
     auto found = members.find(root);
@@ -707,7 +743,8 @@ inline Diagnosis diagnose(const HealthReport& report) {
     if (a.phase != b.phase) return a.phase < b.phase;
     // Within a step, the order things happened: forward order, and backward (reverse) order
     // for gradients.
-    if (a.order != b.order) return a.phase == Phase::Backward ? a.order > b.order : a.order < b.order;
+    if (a.order != b.order)
+      return a.phase == Phase::Backward ? a.order > b.order : a.order < b.order;
     return a.h.confidence > b.h.confidence;
   });
   for (auto& r : ranked) {
@@ -716,6 +753,8 @@ inline Diagnosis diagnose(const HealthReport& report) {
   }
   return d;
 }
+
+#endif  // TORCHDBG_DEFINITIONS
 
 /// The diagnosis of a monitor's current state.
 template <typename Mutex>

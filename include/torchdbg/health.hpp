@@ -46,6 +46,7 @@
 #include <utility>
 #include <vector>
 
+#include "torchdbg/detail/compiled.hpp"
 #include "torchdbg/detail/mutex.hpp"
 #include "torchdbg/detail/pattern.hpp"
 #include "torchdbg/detail/ring_buffer.hpp"
@@ -258,9 +259,9 @@ struct HealthOptions {
   TORCH_ARG(std::size_t, max_layers) = 4096;
   TORCH_ARG(OnFailure, on_failure) = OnFailure::Record;
   TORCH_ARG(std::vector<FailureKind>, pause_on) = std::vector<FailureKind>{
-      FailureKind::BadInput,        FailureKind::NonFiniteOutput, FailureKind::NonFiniteGradient,
-      FailureKind::ExplodingActivation, FailureKind::ExplodingGradient,
-      FailureKind::LossDivergence};
+      FailureKind::BadInput,          FailureKind::NonFiniteOutput,
+      FailureKind::NonFiniteGradient, FailureKind::ExplodingActivation,
+      FailureKind::ExplodingGradient, FailureKind::LossDivergence};
 };
 
 /// The built-in rules with the thresholds in `o`, in the order they are evaluated: an
@@ -268,23 +269,27 @@ struct HealthOptions {
 /// output; a gradient's non-finite values, explosion, vanishing; the loss's divergence,
 /// spike, plateau.
 inline std::vector<HealthRulePtr> builtin_health_rules(const HealthOptions& o) {
-  return {std::make_shared<NonFiniteOutputRule>(),
-          std::make_shared<DeadUnitsRule>(DeadUnitsRuleOptions().fraction(o.dead_fraction())),
-          std::make_shared<SaturationRule>(SaturationRuleOptions().fraction(o.saturated_fraction())),
-          std::make_shared<ExplodingActivationRule>(ExplodingActivationRuleOptions().gain(o.activation_gain())),
-          std::make_shared<ConstantOutputRule>(ConstantOutputRuleOptions().ratio(o.constant_ratio())),
-          std::make_shared<NonFiniteGradientRule>(),
-          std::make_shared<ExplodingGradientRule>(
-              ExplodingGradientRuleOptions().norm(o.exploding_norm()).jump(o.gradient_jump())),
-          std::make_shared<VanishingGradientRule>(VanishingGradientRuleOptions()
-                                                      .norm(o.vanishing_norm())
-                                                      .ratio(o.vanishing_ratio())
-                                                      .collapse(o.gradient_collapse())),
-          std::make_shared<LossDivergenceRule>(),
-          std::make_shared<LossSpikeRule>(
-              LossSpikeRuleOptions().factor(o.loss_spike_factor()).window(o.loss_window()).floor(o.loss_spike_floor())),
-          std::make_shared<LossPlateauRule>(
-              LossPlateauRuleOptions().window(o.plateau_window()).tolerance(o.plateau_tolerance()))};
+  return {
+      std::make_shared<NonFiniteOutputRule>(),
+      std::make_shared<DeadUnitsRule>(DeadUnitsRuleOptions().fraction(o.dead_fraction())),
+      std::make_shared<SaturationRule>(SaturationRuleOptions().fraction(o.saturated_fraction())),
+      std::make_shared<ExplodingActivationRule>(
+          ExplodingActivationRuleOptions().gain(o.activation_gain())),
+      std::make_shared<ConstantOutputRule>(ConstantOutputRuleOptions().ratio(o.constant_ratio())),
+      std::make_shared<NonFiniteGradientRule>(),
+      std::make_shared<ExplodingGradientRule>(
+          ExplodingGradientRuleOptions().norm(o.exploding_norm()).jump(o.gradient_jump())),
+      std::make_shared<VanishingGradientRule>(VanishingGradientRuleOptions()
+                                                  .norm(o.vanishing_norm())
+                                                  .ratio(o.vanishing_ratio())
+                                                  .collapse(o.gradient_collapse())),
+      std::make_shared<LossDivergenceRule>(),
+      std::make_shared<LossSpikeRule>(LossSpikeRuleOptions()
+                                          .factor(o.loss_spike_factor())
+                                          .window(o.loss_window())
+                                          .floor(o.loss_spike_floor())),
+      std::make_shared<LossPlateauRule>(
+          LossPlateauRuleOptions().window(o.plateau_window()).tolerance(o.plateau_tolerance()))};
 }
 
 /// What a transition means.
@@ -362,7 +367,8 @@ struct SemanticEvent {
 
   /// Warning or worse: a transition into an unhealthy state that is not merely informational.
   [[nodiscard]] bool is_alarm() const noexcept {
-    if (auto it = metadata.find("expected"); it != metadata.end() && it->is_boolean() && it->get<bool>())
+    if (auto it = metadata.find("expected");
+        it != metadata.end() && it->is_boolean() && it->get<bool>())
       return false;  // HealthOptions::expected
     return type != EventType::ActivationRecovered && type != EventType::GradientRecovered &&
            type != EventType::LossRecovered && type != EventType::LossPlateau &&
@@ -386,8 +392,8 @@ inline nlohmann::json to_json(const SemanticEvent& e) {
 /// The onset of a failure at one layer, kept updated while it persists.
 struct Incident {
   FailureKind kind = FailureKind::NonFiniteOutput;
-  std::string layer;      ///< the observed name ("fc2/tanh")
-  std::string module;     ///< the responsible module ("fc2"): the name before the first '/'
+  std::string layer;   ///< the observed name ("fc2/tanh")
+  std::string module;  ///< the responsible module ("fc2"): the name before the first '/'
   /// Onset: the step the failure began. Dead units are confirmed over a window of outputs;
   /// their onset is the first output of the inactive run, and `details["detected_step"]` the
   /// step that confirmed it.
@@ -498,8 +504,9 @@ inline double evidence_confidence(double margin, int64_t persisted, int64_t full
 }
 
 /// A number for JSON: null when NaN/Inf.
-inline nlohmann::json json_num(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
-
+inline nlohmann::json json_num(double v) {
+  return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr);
+}
 
 }  // namespace detail
 
@@ -514,8 +521,8 @@ template <typename Mutex, typename ManagerMutex>
 class HealthInstallation {
  public:
   HealthInstallation() = default;
-  HealthInstallation(BasicHookManager<ManagerMutex>* mgr, BasicHealthMonitor<Mutex>* monitor, HookId hook,
-                     std::string callback, uint64_t listener, uint64_t pause_token)
+  HealthInstallation(BasicHookManager<ManagerMutex>* mgr, BasicHealthMonitor<Mutex>* monitor,
+                     HookId hook, std::string callback, uint64_t listener, uint64_t pause_token)
       : mgr_(mgr),
         monitor_(monitor),
         hook_(std::move(hook)),
@@ -545,20 +552,7 @@ class HealthInstallation {
   [[nodiscard]] const HookId& hook_id() const noexcept { return hook_; }
   [[nodiscard]] bool installed() const noexcept { return mgr_ != nullptr; }
 
-  void remove() noexcept {
-    if (mgr_ == nullptr) return;
-    try {
-      mgr_->remove_listener(listener_);
-      (void)mgr_->remove_hook(hook_);
-      (void)mgr_->remove_callback(callback_);
-      (void)mgr_->remove_prefetch(callback_ + ".units");
-      (void)mgr_->remove_prefetch(callback_ + ".saturation");
-      if (monitor_ != nullptr) monitor_->release_pause_callback(pause_token_);
-    } catch (...) {
-    }
-    mgr_ = nullptr;
-    monitor_ = nullptr;
-  }
+  void remove() noexcept;
 
  private:
   BasicHookManager<ManagerMutex>* mgr_ = nullptr;
@@ -568,6 +562,26 @@ class HealthInstallation {
   uint64_t listener_ = 0;
   uint64_t pause_token_ = 0;
 };
+
+#if TORCHDBG_DEFINITIONS
+
+template <typename Mutex, typename ManagerMutex>
+void HealthInstallation<Mutex, ManagerMutex>::remove() noexcept {
+  if (mgr_ == nullptr) return;
+  try {
+    mgr_->remove_listener(listener_);
+    (void)mgr_->remove_hook(hook_);
+    (void)mgr_->remove_callback(callback_);
+    (void)mgr_->remove_prefetch(callback_ + ".units");
+    (void)mgr_->remove_prefetch(callback_ + ".saturation");
+    if (monitor_ != nullptr) monitor_->release_pause_callback(pause_token_);
+  } catch (...) {
+  }
+  mgr_ = nullptr;
+  monitor_ = nullptr;
+}
+
+#endif  // TORCHDBG_DEFINITIONS
 
 /// Per-layer health states, semantic events and failure incidents.
 ///
@@ -584,27 +598,8 @@ class BasicHealthMonitor {
   /// Called when `on_failure(Pause)` and a failure in `pause_on` starts: (step, layer, reason).
   using PauseFn = std::function<void(int64_t, const std::string&, const std::string&)>;
 
-  explicit BasicHealthMonitor(HealthOptions options = {})
-      : options_(std::move(options)),
-        events_(options_.event_capacity() == 0 ? 1 : options_.event_capacity()) {
-    validate(options_);
-    for (const auto& p : options_.layers())
-      layer_patterns_.push_back(detail::compile_pattern(p, "health layer pattern"));
-    for (const auto& [pattern, act] : options_.pre_activations()) {
-      if (act != "tanh" && act != "sigmoid" && act != "relu")
-        throw Error("torchdbg: pre_activations supports tanh, sigmoid and relu, got '" + act +
-                    "' for '" + pattern + "'");
-      pre_acts_.emplace_back(detail::compile_pattern(pattern, "pre_activations pattern"), act);
-    }
-    for (const auto& [pattern, kind] : options_.expected())
-      expected_.emplace_back(detail::compile_pattern(pattern, "expected failure pattern"), kind);
-    rules_ = builtin_health_rules(options_);
-    for (std::size_t i = 0; i < options_.rules().size(); ++i) {
-      if (!options_.rules()[i])
-        throw Error("torchdbg: HealthOptions::rules[" + std::to_string(i) + "] is null");
-      rules_.push_back(options_.rules()[i]);
-    }
-  }
+  explicit BasicHealthMonitor(HealthOptions options = {});
+  ~BasicHealthMonitor();
   BasicHealthMonitor(const BasicHealthMonitor&) = delete;
   BasicHealthMonitor& operator=(const BasicHealthMonitor&) = delete;
 
@@ -613,349 +608,81 @@ class BasicHealthMonitor {
   /// Connects the monitor to `hooks`; keep the result alive as long as it should watch, and
   /// destroy it (or call remove()) before the monitor or the manager.
   template <typename M>
-  [[nodiscard]] HealthInstallation<Mutex, M> install(BasicHookManager<M>& hooks) {
-    const std::string cb = callback_name();
-    if (hooks.has_callback(cb))
-      throw Error("torchdbg: this HealthMonitor is already installed on this HookManager (callback '" + cb +
-                  "'); remove that installation first");
-    hooks.register_callback(cb, [this](const HookContext& ctx) { on_hook(ctx); }, CallbackStats::Moments);
-    // Queued device deliveries (attach's StatsBatching) bring the counts the judgement needs
-    // in the step's one copy instead of a sync per layer.
-    BasicHookManager<M>* owner = &hooks;
-    auto due = [this, owner](std::string_view layer, bool is_forward) {
-      return is_forward && watched(layer) && owner->step() % options_.interval() == 0;
-    };
-    hooks.add_prefetch(units_key_, [this, due](std::string_view layer, const at::Tensor& t, bool fwd,
-                                                   const Metadata& md) -> at::Tensor {
-      if (!due(layer, fwd) || t.dim() == 0) return {};
-      const Kind k = kind_of(layer, activation_info(md));
-      if (!k.known || !detail::is_dead_capable(k.name)) return {};
-      return detail::count_above_per_unit_on_device(t, t.dim() == 1 ? 0 : options_.unit_dim(), 0.0);
-    });
-    hooks.add_prefetch(saturation_key_, [this, due](std::string_view layer, const at::Tensor& t,
-                                                        bool fwd, const Metadata& md) -> at::Tensor {
-      if (!due(layer, fwd)) return {};
-      const Kind k = kind_of(layer, activation_info(md));
-      if (!k.known || !saturating_kind(k.name, k.pre)) return {};
-      const auto [lo, hi] = saturation_bounds(k.name, k.pre);
-      return detail::count_outside_on_device(t, lo, hi);
-    });
-    HookConfig config = HookConfig()
-                            .name("torchdbg.health")
-                            .trigger(HookTrigger::every_n_steps(options_.interval()))
-                            .actions({HookAction::custom_callback(cb)})
-                            .layer_patterns(options_.layers());
-    BasicHookManager<M>* mgr = &hooks;
-    const uint64_t pause_token = add_install_pause(
-        [mgr](int64_t step, const std::string& layer, const std::string& reason) {
-          mgr->pause_training(reason, layer, step, "torchdbg.health");
-        });
-    const uint64_t listener =
-        hooks.add_listener([this, mgr](typename BasicHookManager<M>::Change change) {
-          using Change = typename BasicHookManager<M>::Change;
-          try {
-            if (change == Change::After) {
-              set_step(mgr->step());
-            } else if (change == Change::Loss) {
-              const TrainingState st = mgr->state();
-              if (st.loss) observe_loss(st.loss_step.value_or(st.step), *st.loss);
-            } else if (change == Change::GradientNorm || change == Change::BackwardEnd) {
-              end_backward();  // once: the second finds nothing pending
-            } else if (change == Change::BackwardFailed) {
-              abandon_backward();
-            }
-          } catch (...) {
-            // a listener must not throw into set_step/set_loss
-          }
-        });
-    set_step(hooks.step());
-    HookId id;
-    try {
-      id = hooks.register_hook(std::move(config));
-    } catch (...) {
-      hooks.remove_listener(listener);
-      (void)hooks.remove_callback(cb);
-      (void)hooks.remove_prefetch(units_key_);
-      (void)hooks.remove_prefetch(saturation_key_);
-      release_pause_callback(pause_token);
-      throw;
-    }
-    return HealthInstallation<Mutex, M>(mgr, this, id, cb, listener, pause_token);
-  }
+  [[nodiscard]] HealthInstallation<Mutex, M> install(BasicHookManager<M>& hooks);
 
   /// Adds `rule` after the current ones; it judges every later observation.
-  void add_rule(HealthRulePtr rule) {
-    if (!rule) throw Error("torchdbg: add_rule got a null rule");
-    std::lock_guard<Mutex> lock(mutex_);
-    rules_.push_back(std::move(rule));
-  }
+  void add_rule(HealthRulePtr rule);
   /// Rule calls that threw (the rule judged nothing for that observation).
-  [[nodiscard]] uint64_t rule_errors() const {
-    std::lock_guard<Mutex> lock(mutex_);
-    return rule_errors_;
-  }
+  [[nodiscard]] uint64_t rule_errors() const;
   /// The rules in evaluation order (the built-in ones first).
-  [[nodiscard]] std::vector<std::string> rule_names() const {
-    std::lock_guard<Mutex> lock(mutex_);
-    std::vector<std::string> out;
-    for (const auto& r : rules_) out.push_back(r->name());
-    return out;
-  }
+  [[nodiscard]] std::vector<std::string> rule_names() const;
 
   /// Called on a failure in `pause_on` when `on_failure(Pause)`, besides the pause of every
   /// manager the monitor is installed on (each installation pauses its own manager).
-  void set_pause_callback(PauseFn fn) {
-    std::lock_guard<Mutex> lock(mutex_);
-    pause_fn_ = std::move(fn);
-  }
+  void set_pause_callback(PauseFn fn);
 
   /// Takes back the manager pause an installation added (its `remove()` calls this). Waits
   /// for a pause of that manager running on another thread, so after it returns the manager
   /// may be destroyed.
-  void release_pause_callback(uint64_t token) {
-    std::shared_ptr<PauseSlot> slot;
-    {
-      std::lock_guard<Mutex> lock(mutex_);
-      for (auto it = install_pauses_.begin(); it != install_pauses_.end(); ++it) {
-        if (it->first != token) continue;
-        slot = it->second;
-        install_pauses_.erase(it);
-        break;
-      }
-    }
-    if (!slot) return;
-    std::lock_guard<std::mutex> lock(slot->mutex);
-    slot->live = false;
-  }
+  void release_pause_callback(uint64_t token);
 
   using StepSink = std::function<void(const HealthStep&)>;
 
   /// Calls `sink` (without the lock) with every finished step, in step order; returns an id
   /// for `remove_step_sink`. Exporters (report.hpp) are fed this way.
-  uint64_t add_step_sink(StepSink sink) {
-    std::lock_guard<Mutex> lock(mutex_);
-    sinks_.emplace_back(++sink_seq_, std::move(sink));
-    return sink_seq_;
-  }
-  void remove_step_sink(uint64_t id) {
-    std::lock_guard<Mutex> lock(mutex_);
-    sinks_.erase(
-        std::remove_if(sinks_.begin(), sinks_.end(), [&](const auto& s) { return s.first == id; }),
-        sinks_.end());
-  }
+  uint64_t add_step_sink(StepSink sink);
+  void remove_step_sink(uint64_t id);
 
   /// Finishes the current step now (judges pending gradients, hands it to the step sinks);
   /// call at the end of training. Observations of the same step afterwards start it again.
-  void flush() {
-    Pauses pauses;
-    std::vector<HealthStep> done;
-    int64_t step = 0;
-    {
-      std::lock_guard<Mutex> lock(mutex_);
-      step = cur_step_;
-      if (!have_step_) return;
-      evaluate_gradients(pauses);
-      finish_step(done);
-      have_step_ = false;
-    }
-    run_pauses(step, pauses);
-    deliver(done);
-  }
+  void flush();
 
   // ---- observations ---------------------------------------------------------------------
 
   /// A forward output of `layer` at `step`; `stats`: its statistics if already computed.
   void observe_activation(std::string_view layer, const at::Tensor& output, int64_t step,
-                          const ActivationInfo& info = {}, const TensorStats* stats = nullptr) {
-    if (!output.defined())
-      throw Error("torchdbg: observe_activation got an undefined tensor for '" +
-                  std::string(layer) + "'");
-    std::optional<TensorStats> own;
-    if (stats == nullptr) {
-      own = compute_stats(output, StatsOptions().sign_counts(false));  // not read here
-      stats = &*own;
-    }
-    Pauses pauses;
-    std::vector<HealthStep> done;
-    {
-      std::lock_guard<Mutex> lock(mutex_);
-      if (!watched(layer)) return;
-      advance_to(step, pauses, done);
-      Layer* L = layer_rec(layer);
-      if (L != nullptr) on_activation(*L, output, *stats, step, info, pauses);
-    }
-    run_pauses(step, pauses);
-    deliver(done);
-  }
+                          const ActivationInfo& info = {}, const TensorStats* stats = nullptr);
 
   /// A gradient of parameter `parameter` of module `layer` at `step`.
   void observe_gradient(std::string_view layer, std::string_view parameter, const at::Tensor& grad,
-                        int64_t step, const TensorStats* stats = nullptr) {
-    if (!grad.defined())
-      throw Error("torchdbg: observe_gradient got an undefined tensor for '" + std::string(layer) +
-                  "'");
-    std::optional<TensorStats> own;
-    if (stats == nullptr) {
-      own = compute_stats(grad, StatsOptions().sign_counts(false));  // not read here
-      stats = &*own;
-    }
-    (void)parameter;
-    Pauses pauses;
-    std::vector<HealthStep> done;
-    {
-      std::lock_guard<Mutex> lock(mutex_);
-      if (!watched(layer)) return;
-      advance_to(step, pauses, done);
-      Layer* L = layer_rec(layer);
-      if (L != nullptr) {
-        if (!L->g_touched) {
-          L->g_touched = true;
-          L->g_sq = 0.0;
-          L->g_nonfinite = 0;
-          L->g_count = 0;
-          L->bwd_arrival = bwd_arrivals_++;
-          touched_.push_back(index_of(*L));
-        }
-        L->g_sq += stats->l2_norm * stats->l2_norm;
-        L->g_nonfinite += stats->nan_count + stats->inf_count;
-        L->g_count += stats->numel;
-        grads_pending_ = true;
-      }
-    }
-    run_pauses(step, pauses);
-    deliver(done);
-  }
+                        int64_t step, const TensorStats* stats = nullptr);
 
   /// The end of a backward pass: judges the gradients received since the last one.
-  void end_backward() {
-    Pauses pauses;
-    int64_t step = 0;
-    {
-      std::lock_guard<Mutex> lock(mutex_);
-      step = cur_step_;
-      evaluate_gradients(pauses);
-    }
-    run_pauses(step, pauses);
-  }
+  void end_backward();
 
   /// The loss of `step`.
-  void observe_loss(int64_t step, double loss) {
-    Pauses pauses;
-    std::vector<HealthStep> done;
-    {
-      std::lock_guard<Mutex> lock(mutex_);
-      advance_to(step, pauses, done);
-      on_loss(step, loss, pauses);
-    }
-    run_pauses(step, pauses);
-    deliver(done);
-  }
+  void observe_loss(int64_t step, double loss);
 
   /// Moves to `step`: what was pending for the previous step (gradients not yet judged) is
   /// judged first and the previous step goes to the step sinks.
-  void set_step(int64_t step) {
-    Pauses pauses;
-    std::vector<HealthStep> done;
-    {
-      std::lock_guard<Mutex> lock(mutex_);
-      advance_to(step, pauses, done);
-    }
-    run_pauses(step, pauses);
-    deliver(done);
-  }
+  void set_step(int64_t step);
 
   // ---- queries --------------------------------------------------------------------------
 
   /// Every observed layer's latest health, in forward execution order.
-  [[nodiscard]] std::vector<LayerHealth> layers() const {
-    std::lock_guard<Mutex> lock(mutex_);
-    return layers_locked();
-  }
-  [[nodiscard]] std::optional<LayerHealth> layer(std::string_view name) const {
-    std::lock_guard<Mutex> lock(mutex_);
-    auto it = index_.find(std::string(name));
-    if (it == index_.end()) return std::nullopt;
-    return health_of(layers_[it->second]);
-  }
-  [[nodiscard]] LossHealth loss_health() const {
-    std::lock_guard<Mutex> lock(mutex_);
-    return loss_state_;
-  }
+  [[nodiscard]] std::vector<LayerHealth> layers() const;
+  [[nodiscard]] std::optional<LayerHealth> layer(std::string_view name) const;
+  [[nodiscard]] LossHealth loss_health() const;
   /// The event ring, oldest first.
-  [[nodiscard]] std::vector<SemanticEvent> events() const {
-    std::lock_guard<Mutex> lock(mutex_);
-    return events_.to_vector();
-  }
+  [[nodiscard]] std::vector<SemanticEvent> events() const;
   /// Events emitted so far (including those the ring dropped).
-  [[nodiscard]] uint64_t event_count() const {
-    std::lock_guard<Mutex> lock(mutex_);
-    return event_seq_;
-  }
+  [[nodiscard]] uint64_t event_count() const;
   /// Events that are alarms (SemanticEvent::is_alarm) emitted so far.
-  [[nodiscard]] uint64_t alarm_count() const {
-    std::lock_guard<Mutex> lock(mutex_);
-    return alarms_;
-  }
-  [[nodiscard]] std::vector<Incident> incidents() const {
-    std::lock_guard<Mutex> lock(mutex_);
-    return incidents_;
-  }
+  [[nodiscard]] uint64_t alarm_count() const;
+  [[nodiscard]] std::vector<Incident> incidents() const;
   /// Layer names beyond `max_layers` that were ignored.
-  [[nodiscard]] uint64_t ignored_layers() const {
-    std::lock_guard<Mutex> lock(mutex_);
-    return ignored_;
-  }
+  [[nodiscard]] uint64_t ignored_layers() const;
   /// A copy of everything diagnose() needs, taken now.
-  [[nodiscard]] HealthReport report() const {
-    std::lock_guard<Mutex> lock(mutex_);
-    return report_locked();
-  }
+  [[nodiscard]] HealthReport report() const;
   /// The report taken at the moment the first failure in `pause_on` was detected.
-  [[nodiscard]] std::optional<HealthReport> failure_report() const {
-    std::lock_guard<Mutex> lock(mutex_);
-    return failure_report_;
-  }
+  [[nodiscard]] std::optional<HealthReport> failure_report() const;
   /// The backward pass under way threw: forgets the gradients received since the last
   /// end_backward, so the next pass's are judged alone (install calls this on
   /// HookManager::backward_failed).
-  void abandon_backward() {
-    std::lock_guard<Mutex> lock(mutex_);
-    for (const auto i : touched_) {
-      Layer& L = layers_[i];
-      L.g_touched = false;
-      L.g_sq = 0.0;
-      L.g_nonfinite = 0;
-      L.g_count = 0;
-    }
-    touched_.clear();
-    grads_pending_ = false;
-  }
+  void abandon_backward();
 
   /// Forgets all state, events and incidents (options stay).
-  void reset() {
-    std::lock_guard<Mutex> lock(mutex_);
-    layers_.clear();
-    index_.clear();
-    incidents_.clear();
-    events_.clear();
-    event_seq_ = alarms_ = ignored_ = rule_errors_ = 0;
-    touched_.clear();
-    fwd_seq_ = 0;
-    grads_pending_ = false;
-    prev_rms_.reset();
-    fwd_nonfinite_ = false;
-    input_bad_ = false;
-    input_persist_ = 0;
-    input_incident_.reset();
-    losses_.clear();
-    loss_state_ = LossHealth::Healthy;
-    loss_persist_ = 0;
-    loss_incident_.reset();
-    last_loss_.reset();
-    first_loss_.reset();
-    failure_report_.reset();
-    have_step_ = false;
-  }
+  void reset();
 
  private:
   struct Layer {
@@ -998,47 +725,7 @@ class BasicHealthMonitor {
 
   using Pauses = std::vector<std::pair<std::string, std::string>>;
 
-  static void validate(const HealthOptions& o) {
-    auto positive = [](double v, const char* name) {
-      if (!(v > 0.0))
-        throw Error(std::string("torchdbg: HealthOptions::") + name + " must be > 0, got " +
-                    std::to_string(v));
-    };
-    auto fraction = [](double v, const char* name) {
-      if (!(v >= 0.0 && v <= 1.0))
-        throw Error(std::string("torchdbg: HealthOptions::") + name + " must be in [0, 1], got " +
-                    std::to_string(v));
-    };
-    detail::require_at_least<int64_t>(o.interval(), 1, "HealthOptions::interval");
-    detail::require_at_least<int64_t>(o.dead_window_samples(), 1,
-                                      "HealthOptions::dead_window_samples");
-    detail::require_at_least<int64_t>(o.dead_window(), 1, "HealthOptions::dead_window");
-    detail::require_at_least<int64_t>(o.loss_window(), 2, "HealthOptions::loss_window");
-    detail::require_at_least<int64_t>(o.plateau_window(), 4, "HealthOptions::plateau_window");
-    detail::require_at_least<int64_t>(o.persistence_steps(), 1, "HealthOptions::persistence_steps");
-    if (o.event_capacity() == 0)
-      throw Error("torchdbg: HealthOptions::event_capacity must be >= 1, got 0");
-    if (o.max_layers() == 0) throw Error("torchdbg: HealthOptions::max_layers must be >= 1, got 0");
-    fraction(o.tanh_saturation(), "tanh_saturation");
-    fraction(o.sigmoid_low(), "sigmoid_low");
-    fraction(o.sigmoid_high(), "sigmoid_high");
-    fraction(o.saturated_fraction(), "saturated_fraction");
-    fraction(o.dead_activity(), "dead_activity");
-    fraction(o.dead_fraction(), "dead_fraction");
-    fraction(o.baseline_momentum(), "baseline_momentum");
-    positive(o.activation_gain(), "activation_gain");
-    positive(o.vanishing_ratio(), "vanishing_ratio");
-    positive(o.exploding_norm(), "exploding_norm");
-    positive(o.gradient_jump(), "gradient_jump");
-    positive(o.gradient_collapse(), "gradient_collapse");
-    positive(o.loss_spike_factor(), "loss_spike_factor");
-    if (!(o.loss_spike_floor() >= 0.0))
-      throw Error("torchdbg: HealthOptions::loss_spike_floor must be >= 0, got " +
-                  std::to_string(o.loss_spike_floor()));
-    positive(o.plateau_tolerance(), "plateau_tolerance");
-    if (o.sigmoid_low() >= o.sigmoid_high())
-      throw Error("torchdbg: HealthOptions::sigmoid_low must be below sigmoid_high");
-  }
+  static void validate(const HealthOptions& o);
 
   /// A manager's pause added by install; the slot's lock makes removal wait for a running call.
   struct PauseSlot {
@@ -1046,382 +733,40 @@ class BasicHealthMonitor {
     PauseFn fn;
     bool live = true;
   };
-  uint64_t add_install_pause(PauseFn fn) {
-    auto slot = std::make_shared<PauseSlot>();
-    slot->fn = std::move(fn);
-    std::lock_guard<Mutex> lock(mutex_);
-    const uint64_t token = ++pause_seq_;
-    install_pauses_.emplace_back(token, std::move(slot));
-    return token;
-  }
+  uint64_t add_install_pause(PauseFn fn);
 
-  std::string callback_name() const {
-    return "torchdbg.health." + std::to_string(reinterpret_cast<std::uintptr_t>(this));
-  }
+  std::string callback_name() const;
 
   /// What attach's metadata tells about a forward output.
-  static ActivationInfo activation_info(const Metadata& metadata) {
-    auto md = [&](std::string_view k) {
-      auto it = metadata.find(k);
-      return it == metadata.end() ? std::string_view{} : std::string_view(it->second);
-    };
-    ActivationInfo info{md("activation"), md("op"), md("module_type"), md("pre_activation"),
-                        std::nullopt};
-    info.input_from = md("input_from");
-    const auto integer = [&](std::string_view k) -> std::optional<int64_t> {
-      auto it = metadata.find(k);
-      if (it == metadata.end()) return std::nullopt;
-      try {
-        return std::stoll(it->second);
-      } catch (...) {
-        return std::nullopt;
-      }
-    };
-    info.call = integer("call");
-    info.input_call = integer("input_call").value_or(-1);
-    if (auto it = metadata.find("input_rms"); it != metadata.end()) {
-      try {
-        info.input_rms = std::stod(it->second);
-      } catch (...) {
-      }
-    }
-    for (auto [key, count] : {std::pair<const char*, int64_t*>{"input_nan", &info.input_nan},
-                              std::pair<const char*, int64_t*>{"input_inf", &info.input_inf}}) {
-      if (auto it = metadata.find(key); it != metadata.end()) {
-        try {
-          *count = std::max<int64_t>(0, std::stoll(it->second));
-          info.input_observed = true;
-        } catch (...) {
-        }
-      }
-    }
-    return info;
-  }
+  static ActivationInfo activation_info(const Metadata& metadata);
 
-  void on_hook(const HookContext& ctx) {
-    if (ctx.is_forward()) {
-      ActivationInfo info = activation_info(ctx.metadata());
-      info.unit_counts = ctx.prefetched(units_key_);
-      info.saturated_count = ctx.prefetched(saturation_key_);
-      observe_activation(ctx.layer_name(), ctx.tensor(), ctx.step(), info, &ctx.moment_stats());
-    } else {
-      observe_gradient(ctx.layer_name(),
-                       ctx.metadata_value("parameter").value_or(std::string_view{}), ctx.tensor(),
-                       ctx.step(), &ctx.moment_stats());
-    }
-  }
+  void on_hook(const HookContext& ctx);
 
-  bool watched(std::string_view layer) const {
-    if (layer_patterns_.empty()) return true;
-    const std::string s(layer);
-    for (const auto& re : layer_patterns_)
-      if (re.search(s)) return true;
-    return false;
-  }
+  bool watched(std::string_view layer) const;
 
-  std::size_t index_of(const Layer& L) const {
-    return static_cast<std::size_t>(&L - layers_.data());
-  }
+  std::size_t index_of(const Layer& L) const;
 
   /// The RMS of output `name`'s call `call` in `step`, when observed and finite.
-  std::optional<double> output_rms(std::string_view name, int64_t call, int64_t step) const {
-    auto it = index_.find(std::string(name));
-    if (it == index_.end()) return std::nullopt;
-    const Layer& P = layers_[it->second];
-    if (!P.seen_fwd || P.act_step != step || P.rms_call != call || P.nonfinite_frac > 0.0 || !(P.rms > 0.0))
-      return std::nullopt;
-    return P.rms;
-  }
+  std::optional<double> output_rms(std::string_view name, int64_t call, int64_t step) const;
 
-  Layer* layer_rec(std::string_view name) {
-    // Deliveries come in the same order every step: the last layer (a module's next
-    // parameter) or the one after it is almost always the one asked for.
-    for (const std::size_t i : {last_rec_, last_rec_ + 1}) {
-      if (i < layers_.size() && layers_[i].name == name) {
-        last_rec_ = i;
-        return &layers_[i];
-      }
-    }
-    const std::string key(name);
-    auto it = index_.find(key);
-    if (it != index_.end()) {
-      last_rec_ = it->second;
-      return &layers_[it->second];
-    }
-    if (layers_.size() >= options_.max_layers()) {
-      ++ignored_;
-      return nullptr;
-    }
-    Layer L;
-    L.name = key;
-    L.module = key.substr(0, key.find('/'));
-    L.order = kUnordered + static_cast<int64_t>(layers_.size());
-    index_.emplace(key, layers_.size());
-    last_rec_ = layers_.size();
-    layers_.push_back(std::move(L));
-    return &layers_.back();
-  }
+  Layer* layer_rec(std::string_view name);
 
   /// Finishes the previous step when `step` differs from it.
-  void advance_to(int64_t step, Pauses& pauses, std::vector<HealthStep>& done) {
-    if (have_step_ && step == cur_step_) return;
-    if (have_step_) {
-      evaluate_gradients(pauses);
-      finish_step(done);
-    }
-    have_step_ = true;
-    step_events_from_ = event_seq_;
-    step_loss_.reset();
-    cur_step_ = step;
-    fwd_seq_ = 0;
-    prev_rms_.reset();
-    fwd_nonfinite_ = false;
-    bwd_arrivals_ = 0;
-    bwd_nonfinite_ = false;
-  }
+  void advance_to(int64_t step, Pauses& pauses, std::vector<HealthStep>& done);
 
   /// Packs the step that just ended for the sinks (only when someone listens).
-  void finish_step(std::vector<HealthStep>& done) {
-    if (sinks_.empty()) return;
-    HealthStep h;
-    h.step = cur_step_;
-    h.loss = step_loss_;
-    h.loss_health = loss_state_;
-    for (const auto& L : layers_)
-      if (L.last_step == cur_step_ && (L.seen_fwd || L.seen_bwd)) h.layers.push_back(health_of(L));
-    std::stable_sort(h.layers.begin(), h.layers.end(),
-                     [](const LayerHealth& a, const LayerHealth& b) { return a.order < b.order; });
-    const uint64_t fresh = event_seq_ - step_events_from_;
-    const std::size_t held = events_.size();
-    const std::size_t n = static_cast<std::size_t>(std::min<uint64_t>(fresh, held));
-    for (std::size_t i = held - n; i < held; ++i) h.events.push_back(events_.at(i));
-    step_events_from_ = event_seq_;
-    done.push_back(std::move(h));
-  }
+  void finish_step(std::vector<HealthStep>& done);
 
-  void deliver(const std::vector<HealthStep>& done) {
-    if (done.empty()) return;
-    std::vector<std::pair<uint64_t, StepSink>> sinks;
-    {
-      std::lock_guard<Mutex> lock(mutex_);
-      sinks = sinks_;
-    }
-    for (const auto& h : done)
-      for (const auto& [id, fn] : sinks) {
-        try {
-          fn(h);
-        } catch (...) {
-          // a sink's failure (a full disk) must not reach the training loop
-        }
-      }
-  }
+  void deliver(const std::vector<HealthStep>& done);
 
   // ---- activations ----------------------------------------------------------------------
 
   void on_activation(Layer& L, const at::Tensor& y, const TensorStats& s, int64_t step,
-                     const ActivationInfo& info, Pauses& pauses) {
-    const std::string_view activation = info.activation, op = info.op,
-                           module_type = info.module_type;
-    L.last_step = step;
-    // Persistence counts steps: a module called several times in a step judges each call,
-    // and its second call in the same state is no further evidence of persistence.
-    const bool new_step = !L.seen_fwd || L.act_step != step;
-    L.act_step = step;
-    // Forward order: the position of the layer's output within the step (the module of an
-    // activation takes the position of its first output).
-    const int64_t pos = fwd_seq_++;
-    if (!L.order_from_forward || L.order != pos) {
-      L.order = pos;
-      L.order_from_forward = true;
-    }
-    const Kind k = kind_of(L.name, info);
-    if (k.known) {
-      L.act_kind = k.name;
-      L.pre_activation = k.pre;
-    }
-    // The gain is judged on module outputs that are not normalisations.
-    L.gain_checked = activation.empty() && op.empty() &&
-                     module_type.find("Norm") == std::string_view::npos;
-    // Counts prefetched for this output hold when they were made for the kind judged here.
-    const bool prefetch_valid = k.known && k.name == L.act_kind && k.pre == L.pre_activation;
-
-    // ---- the measurements
-    // The input's scale: measured by attach, the output it came from (observed in this
-    // step, same call), or without attach's metadata the previous output.
-    std::optional<double> in_rms;
-    if (info.input_rms && *info.input_rms > 0.0) {
-      in_rms = info.input_rms;
-    } else if (!info.input_from.empty()) {
-      in_rms = output_rms(info.input_from, info.input_call, step);
-    } else if (!info.call) {
-      in_rms = prev_rms_;
-    }
-    const double numel = static_cast<double>(s.numel);
-    L.nonfinite_frac = numel > 0 ? static_cast<double>(s.nan_count + s.inf_count) / numel : 0.0;
-    L.rms = s.finite_count > 0 ? std::sqrt(s.mean * s.mean + s.std * s.std) : detail::kNaN;
-    L.rms_call = info.call.value_or(-1);
-    prev_rms_ = (s.has_non_finite() || !(L.rms > 0.0)) ? std::optional<double>()
-                                                       : std::optional<double>(L.rms);
-    // The gain compares the output's spread with the input's scale: a shifted bias moves the
-    // mean, not the spread, and is no explosion.
-    L.gain = (L.gain_checked && in_rms && std::isfinite(s.std)) ? s.std / *in_rms : detail::kNaN;
-    if (info.input_observed) on_input(L, step, info, pauses);
-    // A NaN/Inf output is the step's origin only when nothing before it in the step (the
-    // model's input included) was non-finite.
-    const bool origin = s.has_non_finite() && !fwd_nonfinite_;
-    if (s.has_non_finite()) fwd_nonfinite_ = true;
-
-    // Dead units (ReLU family) are tracked on every delivery to fill the window.
-    if (detail::is_dead_capable(L.act_kind) && y.dim() > 0) {
-      const int64_t dim = y.dim() == 1 ? 0 : options_.unit_dim();
-      int64_t per_unit = 0;
-      try {
-        std::vector<int64_t> counts;
-        const int64_t units = y.size(detail::unit_dim_of(y, dim));
-        if (prefetch_valid && info.unit_counts != nullptr &&
-            static_cast<int64_t>(info.unit_counts->size()) == units) {
-          for (double c : *info.unit_counts) counts.push_back(static_cast<int64_t>(c));
-          per_unit = units == 0 ? 0 : y.numel() / units;
-        } else {
-          counts = detail::count_above_per_unit(y, dim, 0.0, per_unit);
-        }
-        push_units(L, std::move(counts), per_unit, step);
-      } catch (const Error&) {
-        // the unit dimension does not exist for this output: no dead-unit judgement
-      }
-      L.dead_frac = dead_fraction(L, &L.dead_since);
-    }
-    if (!s.has_non_finite() && saturating_kind(L.act_kind, L.pre_activation)) {
-      L.sat_frac = saturated_fraction(L, y, s,
-                                      prefetch_valid && info.saturated_count != nullptr &&
-                                              info.saturated_count->size() == 1
-                                          ? std::optional<double>((*info.saturated_count)[0])
-                                          : std::nullopt);
-    }
-    const bool base_ready = L.gain_n >= options_.baseline_warmup() && std::isfinite(L.gain_base);
-
-    // ---- the rules
-    ActivationSignals sig(y, s);
-    sig.layer = L.name;
-    sig.module = L.module;
-    sig.step = step;
-    sig.kind = L.act_kind;
-    sig.pre_activation = L.pre_activation;
-    sig.module_output = L.gain_checked;
-    sig.rms = L.rms;
-    sig.gain = L.gain;
-    sig.gain_baseline = base_ready ? L.gain_base : detail::kNaN;
-    sig.dead_fraction = detail::is_dead_capable(L.act_kind) ? L.dead_frac : detail::kNaN;
-    sig.dead_since = std::min(step, L.dead_since);
-    sig.dead_activity = options_.dead_activity();
-    sig.saturated_fraction = saturating_kind(L.act_kind, L.pre_activation) && !s.has_non_finite()
-                                 ? L.sat_frac
-                                 : detail::kNaN;
-    sig.origin = origin;
-    const HealthRule* by = nullptr;
-    const std::optional<Finding> found =
-        judge(sig, [](HealthRule& r, const auto& x) { return r.check_activation(x); }, by);
-    ActivationHealth state = ActivationHealth::Normal;
-    if (found) {
-      switch (found->kind) {
-        case FailureKind::NonFiniteOutput:
-          state = ActivationHealth::NonFinite;
-          break;
-        case FailureKind::DeadUnits:
-          state = ActivationHealth::Dead;
-          break;
-        case FailureKind::Saturation:
-          state = ActivationHealth::Saturated;
-          break;
-        default:
-          state = ActivationHealth::Anomalous;
-          break;
-      }
-    }
-    if (state == ActivationHealth::Normal && std::isfinite(L.gain)) {
-      const double m = options_.baseline_momentum();
-      L.gain_base = std::isfinite(L.gain_base) ? m * L.gain_base + (1.0 - m) * L.gain : L.gain;
-      ++L.gain_n;
-    }
-
-    const ActivationHealth before = L.act;
-    const bool first = !L.seen_fwd;
-    L.seen_fwd = true;
-    if (state == before && !first) {
-      if (found) {
-        if (new_step) ++L.act_persist;
-        if (L.act_incident)
-          update_incident(*L.act_incident, step, found->margin, L.act_persist, found->value);
-      }
-      return;
-    }
-    L.act = state;
-    L.act_since = step;
-    L.act_persist = 1;
-    L.act_incident.reset();
-    if (state == ActivationHealth::Normal && first) return;  // a healthy start is no event
-    SemanticEvent e;
-    e.type = state == ActivationHealth::Normal      ? EventType::ActivationRecovered
-             : state == ActivationHealth::NonFinite ? EventType::NonFiniteActivation
-             : state == ActivationHealth::Dead      ? EventType::DeadUnits
-             : state == ActivationHealth::Saturated ? EventType::Saturation
-                                                    : EventType::ActivationAnomaly;
-    e.layer = L.name;
-    e.step = step;
-    e.from = first ? "unobserved" : to_string(before);
-    e.to = to_string(state);
-    e.confidence = found ? detail::evidence_confidence(found->margin, 1, options_.persistence_steps()) : 1.0;
-    e.metadata = {{"rms", detail::json_num(L.rms)}};
-    if (std::isfinite(L.gain)) e.metadata["gain"] = L.gain;
-    if (found) {
-      for (const auto& [key, v] : found->details.items()) e.metadata[key] = v;
-      if (!found->reason.empty()) e.metadata["reason"] = found->reason;
-      if (is_expected(found->kind, L.name)) e.metadata["expected"] = true;
-    }
-    if (!L.act_kind.empty()) e.metadata["activation"] = L.act_kind;
-    const uint64_t id = emit(std::move(e));
-    if (found && found->incident) record_finding(*found, *by, L, step, Phase::Forward, id, pauses, L.act_incident);
-  }
+                     const ActivationInfo& info, Pauses& pauses);
 
   /// The model's input as attach saw it on the step's first module output: NaN/Inf there is
   /// the data's failure (FailureKind::BadInput, layer "input"), and no layer is its origin.
-  void on_input(const Layer& first, int64_t step, const ActivationInfo& info, Pauses& pauses) {
-    const int64_t bad = info.input_nan + info.input_inf;
-    if (bad == 0) {
-      input_bad_ = false;
-      input_incident_.reset();
-      return;
-    }
-    fwd_nonfinite_ = true;
-    if (input_bad_) {  // still bad: the same incident goes on
-      ++input_persist_;
-      if (input_incident_) update_incident(*input_incident_, step, 1.0, input_persist_, static_cast<double>(bad));
-      return;
-    }
-    input_bad_ = true;
-    input_persist_ = 1;
-    SemanticEvent e;
-    e.type = EventType::NonFiniteInput;
-    e.layer = "input";
-    e.step = step;
-    e.from = "finite";
-    e.to = "non_finite";
-    e.confidence = detail::evidence_confidence(1.0, 1, options_.persistence_steps());
-    e.metadata = {{"nan", info.input_nan}, {"inf", info.input_inf}, {"first_layer", first.name}};
-    const uint64_t id = emit(std::move(e));
-    Layer pseudo;
-    pseudo.name = pseudo.module = "input";
-    pseudo.order = -1;  // before every layer
-    input_incident_ = add_incident(FailureKind::BadInput, pseudo, step, Phase::Forward, 1.0,
-                                   static_cast<double>(bad), 0.0, id);
-    if (input_incident_) {  // not dropped at capacity
-      Incident& inc = incidents_[*input_incident_];
-      inc.details["nan"] = info.input_nan;
-      inc.details["inf"] = info.input_inf;
-      inc.details["first_layer"] = first.name;
-      pause_for(*input_incident_, step, pauses);
-    }
-  }
+  void on_input(const Layer& first, int64_t step, const ActivationInfo& info, Pauses& pauses);
 
   /// An output's activation kind as the judgement sees it: from attach's metadata, or from
   /// `pre_activations` for a module output. `known == false`: the layer keeps its kind.
@@ -1430,383 +775,47 @@ class BasicHealthMonitor {
     bool pre = false;
     bool known = false;
   };
-  Kind kind_of(std::string_view layer, const ActivationInfo& info) const {
-    if (!info.activation.empty()) return {std::string(info.activation), false, true};
-    if (!info.op.empty()) return {std::string(info.op), false, true};
-    std::string pre(info.pre_activation);
-    if (pre.empty()) {
-      const std::string name(layer);
-      for (const auto& [re, act] : pre_acts_)
-        if (re.full_match(name)) pre = act;
-    }
-    if (!pre.empty()) return {pre, true, true};
-    return {};
-  }
+  Kind kind_of(std::string_view layer, const ActivationInfo& info) const;
 
-  static bool saturating_kind(const std::string& kind, bool pre) {
-    if (pre) return kind == "tanh" || kind == "sigmoid";
-    return detail::is_saturating(kind);
-  }
+  static bool saturating_kind(const std::string& kind, bool pre);
 
   /// The values outside which an output of `kind` counts as saturated.
-  std::pair<double, double> saturation_bounds(const std::string& k, bool pre) const {
-    double lo = 0.0, hi = 0.0;
-    if (pre) {
-      const double t = k == "tanh"
-                           ? std::atanh(options_.tanh_saturation())
-                           : std::log(options_.sigmoid_high() / (1.0 - options_.sigmoid_high()));
-      const double tl =
-          k == "tanh" ? -t : std::log(options_.sigmoid_low() / (1.0 - options_.sigmoid_low()));
-      lo = tl;
-      hi = t;
-    } else if (k == "tanh" || k == "softsign") {
-      lo = -options_.tanh_saturation();
-      hi = options_.tanh_saturation();
-    } else if (k == "sigmoid") {
-      lo = options_.sigmoid_low();
-      hi = options_.sigmoid_high();
-    } else if (k == "hardtanh") {
-      lo = -1.0 + 1e-6;
-      hi = 1.0 - 1e-6;
-    } else {  // hardsigmoid
-      lo = 1e-6;
-      hi = 1.0 - 1e-6;
-    }
-    return {lo, hi};
-  }
+  std::pair<double, double> saturation_bounds(const std::string& k, bool pre) const;
 
   /// `prefetched`: the count of outside values when attach brought it with the step's batch.
   double saturated_fraction(const Layer& L, const at::Tensor& y, const TensorStats& s,
-                            std::optional<double> prefetched) const {
-    if (s.numel == 0) return 0.0;
-    double outside = 0.0;
-    if (prefetched) {
-      outside = *prefetched;
-    } else {
-      const auto [lo, hi] = saturation_bounds(L.act_kind, L.pre_activation);
-      outside = static_cast<double>(detail::count_outside(y, lo, hi));
-    }
-    return outside / static_cast<double>(s.numel);
-  }
+                            std::optional<double> prefetched) const;
 
-  void push_units(Layer& L, std::vector<int64_t> counts, int64_t per_unit, int64_t step) {
-    const std::size_t w = static_cast<std::size_t>(options_.dead_window());
-    if (!L.unit_ring.empty() && L.unit_ring.front().size() != counts.size()) {
-      L.unit_ring.clear();  // the layer's width changed: start over
-      L.sample_ring.clear();
-      L.step_ring.clear();
-      L.unit_head = 0;
-    }
-    if (L.unit_ring.size() < w) {
-      L.unit_ring.push_back(std::move(counts));
-      L.sample_ring.push_back(per_unit);
-      L.step_ring.push_back(step);
-    } else {
-      L.unit_ring[L.unit_head] = std::move(counts);
-      L.sample_ring[L.unit_head] = per_unit;
-      L.step_ring[L.unit_head] = step;
-      L.unit_head = (L.unit_head + 1) % w;
-    }
-  }
+  void push_units(Layer& L, std::vector<int64_t> counts, int64_t per_unit, int64_t step);
 
   /// The fraction of dead units over the window; `since`: the step of the oldest held output
   /// in which every one of them was inactive, in the unbroken run up to the newest (a
   /// failure that the window confirms only after a few outputs began there).
-  double dead_fraction(const Layer& L, int64_t* since) const {
-    const std::size_t held = L.unit_ring.size();
-    if (held == 0) return detail::kNaN;
-    const std::size_t units = L.unit_ring.front().size();
-    if (units == 0) return detail::kNaN;
-    // Newest first until the window has enough samples.
-    const std::size_t newest = (L.unit_head + held - 1) % held;
-    std::vector<int64_t> active(units, 0);
-    int64_t samples = 0;
-    for (std::size_t k = 0; k < held && samples < options_.dead_window_samples(); ++k) {
-      const std::size_t i = (newest + held - k) % held;
-      samples += L.sample_ring[i];
-      for (std::size_t u = 0; u < units; ++u) active[u] += L.unit_ring[i][u];
-    }
-    if (samples < options_.dead_window_samples()) return detail::kNaN;
-    std::vector<std::size_t> dead;
-    for (std::size_t u = 0; u < units; ++u)
-      if (static_cast<double>(active[u]) < options_.dead_activity() * static_cast<double>(samples))
-        dead.push_back(u);
-    if (since != nullptr) {
-      *since = L.step_ring[newest];
-      for (std::size_t k = 0; k < held && !dead.empty(); ++k) {
-        const std::size_t i = (newest + held - k) % held;
-        const double limit = options_.dead_activity() * static_cast<double>(L.sample_ring[i]);
-        bool inactive = true;
-        for (const std::size_t u : dead) inactive = inactive && static_cast<double>(L.unit_ring[i][u]) <= limit;
-        if (!inactive) break;
-        *since = L.step_ring[i];
-      }
-    }
-    return static_cast<double>(dead.size()) / static_cast<double>(units);
-  }
+  double dead_fraction(const Layer& L, int64_t* since) const;
 
   // ---- gradients ------------------------------------------------------------------------
 
-  void evaluate_gradients(Pauses& pauses) {
-    if (!grads_pending_) return;
-    grads_pending_ = false;
-    const int64_t step = cur_step_;
-    std::vector<std::size_t> mods = std::move(touched_);
-    touched_.clear();
-    double max_norm = 0.0;
-    for (auto i : mods) {
-      Layer& L = layers_[i];
-      L.g_norm = std::sqrt(L.g_sq);
-      if (!L.order_from_forward)
-        L.order = kUnordered - L.bwd_arrival;  // backward runs output -> input
-      if (L.g_nonfinite == 0 && std::isfinite(L.g_norm)) max_norm = std::max(max_norm, L.g_norm);
-    }
-    std::sort(mods.begin(), mods.end(),
-              [&](std::size_t a, std::size_t b) { return layers_[a].order < layers_[b].order; });
-    // The first non-finite gradient in backward order (arrival order) is the backward origin.
-    std::optional<std::size_t> nf_origin;
-    for (auto i : mods) {
-      const Layer& L = layers_[i];
-      if (L.g_nonfinite > 0 && (!nf_origin || L.bwd_arrival < layers_[*nf_origin].bwd_arrival))
-        nf_origin = i;
-    }
-    for (std::size_t k = 0; k < mods.size(); ++k) {
-      Layer& L = layers_[mods[k]];
-      L.g_touched = false;
-      L.last_step = std::max(L.last_step, step);
-      // Adjacent ratio: upstream neighbour's norm over this layer's. Large where this layer
-      // amplifies the backward signal (an explosion starts here).
-      double amplification = detail::kNaN, usual_amplification = detail::kNaN;
-      const bool base_ready =
-          L.g_base_n >= options_.baseline_warmup() && std::isfinite(L.g_log_base);
-      const double base = base_ready ? std::pow(10.0, L.g_log_base) : detail::kNaN;
-      if (k > 0 && L.g_norm > 0.0 && std::isfinite(layers_[mods[k - 1]].g_norm)) {
-        const Layer& up = layers_[mods[k - 1]];
-        amplification = up.g_norm / L.g_norm;
-        // The same ratio over its usual value (from both baselines): a uniformly scaled
-        // backward pass amplifies nothing more than usual anywhere.
-        if (base_ready && up.g_base_n >= options_.baseline_warmup() && std::isfinite(up.g_log_base))
-          usual_amplification = amplification / std::pow(10.0, up.g_log_base - L.g_log_base);
-      }
-      GradientSignals sig;
-      sig.layer = L.name;
-      sig.step = step;
-      sig.norm = L.g_norm;
-      sig.non_finite = L.g_nonfinite;
-      sig.count = L.g_count;
-      sig.max_norm = max_norm;
-      sig.baseline = base;
-      sig.origin = nf_origin && *nf_origin == mods[k];
-      const HealthRule* by = nullptr;
-      const std::optional<Finding> found =
-          judge(sig, [](HealthRule& r, const auto& x) { return r.check_gradient(x); }, by);
-      GradientHealth state = GradientHealth::Healthy;
-      if (found) {
-        switch (found->kind) {
-          case FailureKind::NonFiniteGradient:
-            state = GradientHealth::NonFinite;
-            break;
-          case FailureKind::ExplodingGradient:
-            state = GradientHealth::Exploding;
-            break;
-          case FailureKind::VanishingGradient:
-            state = GradientHealth::Vanishing;
-            break;
-          default:
-            state = GradientHealth::Anomalous;
-            break;
-        }
-      }
-      if (state == GradientHealth::Healthy && std::isfinite(L.g_norm) && L.g_norm > 0.0) {
-        const double lg = std::log10(L.g_norm);
-        const double m = options_.baseline_momentum();
-        L.g_log_base = std::isfinite(L.g_log_base) ? m * L.g_log_base + (1.0 - m) * lg : lg;
-        ++L.g_base_n;
-      }
-      const GradientHealth before = L.grad;
-      const bool first = !L.seen_bwd;
-      L.seen_bwd = true;
-      if (state == before && !first) {
-        if (found) {
-          ++L.grad_persist;
-          if (L.grad_incident)
-            update_incident(*L.grad_incident, step, found->margin, L.grad_persist, found->value);
-        }
-        continue;
-      }
-      L.grad = state;
-      L.grad_since = step;
-      L.grad_persist = 1;
-      L.grad_incident.reset();
-      if (state == GradientHealth::Healthy && first) continue;
-      SemanticEvent e;
-      e.type = state == GradientHealth::Healthy     ? EventType::GradientRecovered
-               : state == GradientHealth::NonFinite ? EventType::NonFiniteGradient
-               : state == GradientHealth::Exploding ? EventType::ExplodingGradient
-               : state == GradientHealth::Vanishing ? EventType::VanishingGradient
-                                                    : EventType::GradientAnomaly;
-      e.layer = L.name;
-      e.step = step;
-      e.from = first ? "unobserved" : to_string(before);
-      e.to = to_string(state);
-      e.confidence = found ? detail::evidence_confidence(found->margin, 1, options_.persistence_steps()) : 1.0;
-      e.metadata = {{"norm", detail::json_num(L.g_norm)}};
-      if (std::isfinite(amplification)) e.metadata["amplification"] = amplification;
-      if (base_ready) e.metadata["baseline"] = base;
-      if (max_norm > 0.0) e.metadata["relative_to_max"] = L.g_norm / max_norm;
-      if (found) {
-        for (const auto& [key, v] : found->details.items()) e.metadata[key] = v;
-        if (!found->reason.empty()) e.metadata["reason"] = found->reason;
-        if (is_expected(found->kind, L.name)) e.metadata["expected"] = true;
-      }
-      const uint64_t id = emit(std::move(e));
-      if (found && found->incident) {
-        nlohmann::json extra = nlohmann::json::object();
-        if (std::isfinite(amplification)) extra["amplification"] = amplification;
-        if (std::isfinite(usual_amplification)) extra["amplification_vs_usual"] = usual_amplification;
-        record_finding(*found, *by, L, step, Phase::Backward, id, pauses, L.grad_incident, &extra);
-      }
-    }
-  }
+  void evaluate_gradients(Pauses& pauses);
 
   // ---- loss -----------------------------------------------------------------------------
 
-  void on_loss(int64_t step, double loss, Pauses& pauses) {
-    last_loss_ = loss;
-    step_loss_ = loss;
-    if (std::isfinite(loss) && !first_loss_) first_loss_ = std::fabs(loss);
-    LossSignals sig(loss, losses_);
-    sig.step = step;
-    sig.first_loss = first_loss_.value_or(detail::kNaN);
-    const HealthRule* by = nullptr;
-    const std::optional<Finding> found =
-        judge(sig, [](HealthRule& r, const auto& x) { return r.check_loss(x); }, by);
-    if (std::isfinite(loss)) {
-      losses_.push_back(loss);
-      const std::size_t keep = static_cast<std::size_t>(std::max(options_.loss_window(), options_.plateau_window()));
-      if (losses_.size() > 2 * keep)
-        losses_.erase(losses_.begin(), losses_.end() - static_cast<std::ptrdiff_t>(keep));
-    }
-    LossHealth state = LossHealth::Healthy;
-    if (found) {
-      switch (found->kind) {
-        case FailureKind::LossDivergence:
-          state = LossHealth::Diverging;
-          break;
-        case FailureKind::LossSpike:
-          state = LossHealth::Spike;
-          break;
-        case FailureKind::LossPlateau:
-          state = LossHealth::Plateau;
-          break;
-        default:
-          state = LossHealth::Anomalous;
-          break;
-      }
-    }
-    const LossHealth before = loss_state_;
-    if (state == before) {
-      if (found) {
-        ++loss_persist_;
-        if (loss_incident_) update_incident(*loss_incident_, step, found->margin, loss_persist_, found->value);
-      }
-      return;
-    }
-    loss_state_ = state;
-    loss_persist_ = 1;
-    loss_incident_.reset();
-    SemanticEvent e;
-    e.type = state == LossHealth::Healthy     ? EventType::LossRecovered
-             : state == LossHealth::Diverging ? EventType::LossDiverged
-             : state == LossHealth::Spike     ? EventType::LossSpike
-             : state == LossHealth::Plateau   ? EventType::LossPlateau
-                                              : EventType::LossAnomaly;
-    e.layer = "loss";
-    e.step = step;
-    e.from = to_string(before);
-    e.to = to_string(state);
-    e.confidence = found ? detail::evidence_confidence(found->margin, 1, options_.persistence_steps()) : 1.0;
-    e.metadata = {{"loss", std::isfinite(loss) ? nlohmann::json(loss) : nlohmann::json(std::to_string(loss))}};
-    if (found) {
-      for (const auto& [key, v] : found->details.items()) e.metadata[key] = v;
-      if (!found->reason.empty()) e.metadata["reason"] = found->reason;
-      if (is_expected(found->kind, "loss")) e.metadata["expected"] = true;
-    }
-    const uint64_t id = emit(std::move(e));
-    if (found && found->incident) {
-      Layer pseudo;
-      pseudo.name = pseudo.module = "loss";
-      pseudo.order = kUnordered * 2;
-      record_finding(*found, *by, pseudo, step, Phase::Loss, id, pauses, loss_incident_);
-    }
-  }
+  void on_loss(int64_t step, double loss, Pauses& pauses);
 
   // ---- events and incidents -------------------------------------------------------------
 
-  uint64_t emit(SemanticEvent e) {
-    e.id = ++event_seq_;
-    if (e.is_alarm()) ++alarms_;
-    const uint64_t id = e.id;
-    events_.push(std::move(e));
-    return id;
-  }
+  uint64_t emit(SemanticEvent e);
 
   /// The new incident's index; none when the capacity is reached (the capacity keeps the
   /// earliest onsets, which matter most).
-  std::optional<std::size_t> add_incident(FailureKind kind, const Layer& L, int64_t step, Phase phase,
-                                            double margin, double value, double threshold,
-                                            uint64_t event) {
-    if (incidents_.size() >= options_.incident_capacity()) {
-      ++dropped_incidents_;
-      return std::nullopt;
-    }
-    Incident inc;
-    inc.kind = kind;
-    inc.layer = L.name;
-    inc.module = L.module;
-    inc.step = inc.last_step = step;
-    inc.phase = phase;
-    inc.order = L.order;
-    inc.confidence = detail::evidence_confidence(margin, 1, options_.persistence_steps());
-    inc.margin = margin;
-    inc.value = value;
-    inc.threshold = threshold;
-    inc.events.push_back(event);
-    if (!L.act_kind.empty()) inc.details["activation"] = L.act_kind;
-    incidents_.push_back(std::move(inc));
-    return incidents_.size() - 1;
-  }
+  std::optional<std::size_t> add_incident(FailureKind kind, const Layer& L, int64_t step,
+                                          Phase phase, double margin, double value,
+                                          double threshold, uint64_t event);
 
   /// Pauses on incident `idx` when its kind is in `pause_on` (call once its details are in).
-  void pause_for(std::size_t idx, int64_t step, Pauses& pauses) {
-    const Incident& inc = incidents_[idx];
-    if (options_.on_failure() != OnFailure::Pause ||
-        std::find(options_.pause_on().begin(), options_.pause_on().end(), inc.kind) == options_.pause_on().end())
-      return;
-    std::string what = to_string(inc.kind);
-    if (inc.kind == FailureKind::Custom && inc.details.contains("label") && inc.details["label"].is_string())
-      what = inc.details["label"].get<std::string>();
-    const std::string reason =
-        "torchdbg health: " + what + " at '" + inc.layer + "' (step " + std::to_string(inc.step) + ")";
-    if (!failure_report_) failure_report_ = report_locked();
-    SemanticEvent e;
-    e.type = EventType::TrainingPaused;
-    e.layer = inc.layer;
-    e.step = step;
-    e.from = "running";
-    e.to = "paused";
-    e.confidence = inc.confidence;
-    e.metadata = {{"reason", reason}, {"kind", to_string(inc.kind)}};
-    pauses.emplace_back(inc.layer, reason);
-    emit(std::move(e));
-  }
+  void pause_for(std::size_t idx, int64_t step, Pauses& pauses);
 
   /// Whether `layer` shows failures of `kind` by design (HealthOptions::expected).
-  bool is_expected(FailureKind kind, std::string_view layer) const {
-    for (const auto& [re, k] : expected_)
-      if (k == kind && re.full_match(layer)) return true;
-    return false;
-  }
+  bool is_expected(FailureKind kind, std::string_view layer) const;
 
   /// The first finding of the rules for `sig` (`check` calls the rule's method for it). A rule
   /// that throws judges nothing and is counted in rule_errors().
@@ -1828,118 +837,21 @@ class BasicHealthMonitor {
 
   /// A rule's finding becomes an incident (its onset backdated to `Finding::since`), with
   /// the rule's name and details.
-  void record_finding(const Finding& f, const HealthRule& rule, const Layer& L, int64_t step, Phase phase,
-                      uint64_t event, Pauses& pauses, std::optional<std::size_t>& slot,
-                      const nlohmann::json* extra = nullptr) {
-    if (is_expected(f.kind, L.name)) return;  // by design: no incident, no pause
-    const int64_t onset = f.since ? std::min(*f.since, step) : step;
-    slot = add_incident(f.kind, L, onset, phase, f.margin, f.value, f.threshold, event);
-    if (!slot) return;
-    Incident& inc = incidents_[*slot];
-    if (onset != step) {
-      inc.last_step = step;
-      inc.details["detected_step"] = step;
-    }
-    for (const auto& [key, v] : f.details.items()) inc.details[key] = v;
-    if (!f.reason.empty()) inc.details["reason"] = f.reason;
-    inc.details["rule"] = rule.name();
-    if (extra) {
-      for (const auto& [key, v] : extra->items()) inc.details[key] = v;
-    }
-    pause_for(*slot, step, pauses);
-  }
+  void record_finding(const Finding& f, const HealthRule& rule, const Layer& L, int64_t step,
+                      Phase phase, uint64_t event, Pauses& pauses, std::optional<std::size_t>& slot,
+                      const nlohmann::json* extra = nullptr);
 
-  void update_incident(std::size_t i, int64_t step, double margin, int64_t persisted,
-                       double value) {
-    if (i >= incidents_.size()) return;
-    Incident& inc = incidents_[i];
-    inc.last_step = step;
-    inc.persisted = persisted;
-    inc.margin = std::max(inc.margin, margin);
-    inc.value = value;
-    inc.confidence =
-        detail::evidence_confidence(inc.margin, persisted, options_.persistence_steps());
-  }
+  void update_incident(std::size_t i, int64_t step, double margin, int64_t persisted, double value);
 
-  void run_pauses(int64_t step, const Pauses& pauses) {
-    if (pauses.empty()) return;
-    PauseFn fn;
-    std::vector<std::shared_ptr<PauseSlot>> slots;
-    {
-      std::lock_guard<Mutex> lock(mutex_);
-      fn = pause_fn_;
-      for (const auto& p : install_pauses_) slots.push_back(p.second);
-    }
-    for (const auto& [layer, reason] : pauses) {
-      try {
-        if (fn) fn(step, layer, reason);
-      } catch (...) {
-      }
-      for (const auto& s : slots) {
-        try {
-          std::lock_guard<std::mutex> lock(s->mutex);  // removal waits for this call
-          if (s->live) s->fn(step, layer, reason);
-        } catch (...) {
-        }
-      }
-    }
-  }
+  void run_pauses(int64_t step, const Pauses& pauses);
 
   // ---- snapshots ------------------------------------------------------------------------
 
-  LayerHealth health_of(const Layer& L) const {
-    LayerHealth h;
-    h.name = L.name;
-    h.module = L.module;
-    h.order = L.order;
-    h.has_activation = L.seen_fwd;
-    h.has_gradient = L.seen_bwd;
-    h.activation = L.act;
-    h.gradient = L.grad;
-    h.activation_since = L.act_since;
-    h.gradient_since = L.grad_since;
-    h.last_step = L.last_step;
-    h.activation_kind = L.act_kind;
-    h.rms = L.rms;
-    h.gain = L.gain;
-    h.saturated_fraction = L.sat_frac;
-    h.dead_fraction = L.dead_frac;
-    h.non_finite_fraction = L.nonfinite_frac;
-    h.gradient_norm = L.g_norm;
-    h.gradient_baseline = L.g_base_n > 0 ? std::pow(10.0, L.g_log_base) : detail::kNaN;
-    return h;
-  }
+  LayerHealth health_of(const Layer& L) const;
 
-  std::vector<LayerHealth> layers_locked() const {
-    std::vector<LayerHealth> out;
-    out.reserve(layers_.size());
-    for (const auto& L : layers_) out.push_back(health_of(L));
-    std::stable_sort(out.begin(), out.end(),
-                     [](const LayerHealth& a, const LayerHealth& b) { return a.order < b.order; });
-    return out;
-  }
+  std::vector<LayerHealth> layers_locked() const;
 
-  HealthReport report_locked() const {
-    HealthReport r;
-    r.step = cur_step_;
-    r.layers = layers_locked();
-    r.incidents = incidents_;
-    // A module's order is the forward position of its first output (activations follow it).
-    std::unordered_map<std::string, int64_t> module_order;
-    for (const auto& L : layers_) {
-      auto it = module_order.find(L.module);
-      if (it == module_order.end() || L.order < it->second) module_order[L.module] = L.order;
-    }
-    for (auto& inc : r.incidents) {
-      auto it = module_order.find(inc.module);
-      if (it != module_order.end() && inc.module != "loss") inc.order = it->second;
-    }
-    r.events = events_.to_vector();
-    r.events_total = event_seq_;
-    r.loss = loss_state_;
-    r.last_loss = last_loss_;
-    return r;
-  }
+  HealthReport report_locked() const;
 
   static constexpr int64_t kUnordered = int64_t{1} << 40;
 
@@ -1991,9 +903,1349 @@ class BasicHealthMonitor {
   std::optional<double> step_loss_;
 };
 
+#if TORCHDBG_DEFINITIONS
+
+template <typename Mutex>
+BasicHealthMonitor<Mutex>::~BasicHealthMonitor() = default;
+
+template <typename Mutex>
+template <typename M>
+auto BasicHealthMonitor<Mutex>::install(BasicHookManager<M>& hooks)
+    -> HealthInstallation<Mutex, M> {
+  const std::string cb = callback_name();
+  if (hooks.has_callback(cb))
+    throw Error(
+        "torchdbg: this HealthMonitor is already installed on this HookManager (callback '" + cb +
+        "'); remove that installation first");
+  hooks.register_callback(
+      cb, [this](const HookContext& ctx) { on_hook(ctx); }, CallbackStats::Moments);
+  // Queued device deliveries (attach's StatsBatching) bring the counts the judgement needs
+  // in the step's one copy instead of a sync per layer.
+  BasicHookManager<M>* owner = &hooks;
+  auto due = [this, owner](std::string_view layer, bool is_forward) {
+    return is_forward && watched(layer) && owner->step() % options_.interval() == 0;
+  };
+  hooks.add_prefetch(units_key_,
+                     [this, due](std::string_view layer, const at::Tensor& t, bool fwd,
+                                 const Metadata& md) -> at::Tensor {
+                       if (!due(layer, fwd) || t.dim() == 0) return {};
+                       const Kind k = kind_of(layer, activation_info(md));
+                       if (!k.known || !detail::is_dead_capable(k.name)) return {};
+                       return detail::count_above_per_unit_on_device(
+                           t, t.dim() == 1 ? 0 : options_.unit_dim(), 0.0);
+                     });
+  hooks.add_prefetch(saturation_key_,
+                     [this, due](std::string_view layer, const at::Tensor& t, bool fwd,
+                                 const Metadata& md) -> at::Tensor {
+                       if (!due(layer, fwd)) return {};
+                       const Kind k = kind_of(layer, activation_info(md));
+                       if (!k.known || !saturating_kind(k.name, k.pre)) return {};
+                       const auto [lo, hi] = saturation_bounds(k.name, k.pre);
+                       return detail::count_outside_on_device(t, lo, hi);
+                     });
+  HookConfig config = HookConfig()
+                          .name("torchdbg.health")
+                          .trigger(HookTrigger::every_n_steps(options_.interval()))
+                          .actions({HookAction::custom_callback(cb)})
+                          .layer_patterns(options_.layers());
+  BasicHookManager<M>* mgr = &hooks;
+  const uint64_t pause_token =
+      add_install_pause([mgr](int64_t step, const std::string& layer, const std::string& reason) {
+        mgr->pause_training(reason, layer, step, "torchdbg.health");
+      });
+  const uint64_t listener =
+      hooks.add_listener([this, mgr](typename BasicHookManager<M>::Change change) {
+        using Change = typename BasicHookManager<M>::Change;
+        try {
+          if (change == Change::After) {
+            set_step(mgr->step());
+          } else if (change == Change::Loss) {
+            const TrainingState st = mgr->state();
+            if (st.loss) observe_loss(st.loss_step.value_or(st.step), *st.loss);
+          } else if (change == Change::GradientNorm || change == Change::BackwardEnd) {
+            end_backward();  // once: the second finds nothing pending
+          } else if (change == Change::BackwardFailed) {
+            abandon_backward();
+          }
+        } catch (...) {
+          // a listener must not throw into set_step/set_loss
+        }
+      });
+  set_step(hooks.step());
+  HookId id;
+  try {
+    id = hooks.register_hook(std::move(config));
+  } catch (...) {
+    hooks.remove_listener(listener);
+    (void)hooks.remove_callback(cb);
+    (void)hooks.remove_prefetch(units_key_);
+    (void)hooks.remove_prefetch(saturation_key_);
+    release_pause_callback(pause_token);
+    throw;
+  }
+  return HealthInstallation<Mutex, M>(mgr, this, id, cb, listener, pause_token);
+}
+
+template <typename Mutex>
+BasicHealthMonitor<Mutex>::BasicHealthMonitor(HealthOptions options)
+    : options_(std::move(options)),
+      events_(options_.event_capacity() == 0 ? 1 : options_.event_capacity()) {
+  validate(options_);
+  for (const auto& p : options_.layers())
+    layer_patterns_.push_back(detail::compile_pattern(p, "health layer pattern"));
+  for (const auto& [pattern, act] : options_.pre_activations()) {
+    if (act != "tanh" && act != "sigmoid" && act != "relu")
+      throw Error("torchdbg: pre_activations supports tanh, sigmoid and relu, got '" + act +
+                  "' for '" + pattern + "'");
+    pre_acts_.emplace_back(detail::compile_pattern(pattern, "pre_activations pattern"), act);
+  }
+  for (const auto& [pattern, kind] : options_.expected())
+    expected_.emplace_back(detail::compile_pattern(pattern, "expected failure pattern"), kind);
+  rules_ = builtin_health_rules(options_);
+  for (std::size_t i = 0; i < options_.rules().size(); ++i) {
+    if (!options_.rules()[i])
+      throw Error("torchdbg: HealthOptions::rules[" + std::to_string(i) + "] is null");
+    rules_.push_back(options_.rules()[i]);
+  }
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::add_rule(HealthRulePtr rule) {
+  if (!rule) throw Error("torchdbg: add_rule got a null rule");
+  std::lock_guard<Mutex> lock(mutex_);
+  rules_.push_back(std::move(rule));
+}
+
+template <typename Mutex>
+uint64_t BasicHealthMonitor<Mutex>::rule_errors() const {
+  std::lock_guard<Mutex> lock(mutex_);
+  return rule_errors_;
+}
+
+template <typename Mutex>
+auto BasicHealthMonitor<Mutex>::rule_names() const -> std::vector<std::string> {
+  std::lock_guard<Mutex> lock(mutex_);
+  std::vector<std::string> out;
+  for (const auto& r : rules_) out.push_back(r->name());
+  return out;
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::set_pause_callback(PauseFn fn) {
+  std::lock_guard<Mutex> lock(mutex_);
+  pause_fn_ = std::move(fn);
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::release_pause_callback(uint64_t token) {
+  std::shared_ptr<PauseSlot> slot;
+  {
+    std::lock_guard<Mutex> lock(mutex_);
+    for (auto it = install_pauses_.begin(); it != install_pauses_.end(); ++it) {
+      if (it->first != token) continue;
+      slot = it->second;
+      install_pauses_.erase(it);
+      break;
+    }
+  }
+  if (!slot) return;
+  std::lock_guard<std::mutex> lock(slot->mutex);
+  slot->live = false;
+}
+
+template <typename Mutex>
+uint64_t BasicHealthMonitor<Mutex>::add_step_sink(StepSink sink) {
+  std::lock_guard<Mutex> lock(mutex_);
+  sinks_.emplace_back(++sink_seq_, std::move(sink));
+  return sink_seq_;
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::remove_step_sink(uint64_t id) {
+  std::lock_guard<Mutex> lock(mutex_);
+  sinks_.erase(
+      std::remove_if(sinks_.begin(), sinks_.end(), [&](const auto& s) { return s.first == id; }),
+      sinks_.end());
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::flush() {
+  Pauses pauses;
+  std::vector<HealthStep> done;
+  int64_t step = 0;
+  {
+    std::lock_guard<Mutex> lock(mutex_);
+    step = cur_step_;
+    if (!have_step_) return;
+    evaluate_gradients(pauses);
+    finish_step(done);
+    have_step_ = false;
+  }
+  run_pauses(step, pauses);
+  deliver(done);
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::observe_activation(std::string_view layer, const at::Tensor& output,
+                                                   int64_t step, const ActivationInfo& info,
+                                                   const TensorStats* stats) {
+  if (!output.defined())
+    throw Error("torchdbg: observe_activation got an undefined tensor for '" + std::string(layer) +
+                "'");
+  std::optional<TensorStats> own;
+  if (stats == nullptr) {
+    own = compute_stats(output, StatsOptions().sign_counts(false));  // not read here
+    stats = &*own;
+  }
+  Pauses pauses;
+  std::vector<HealthStep> done;
+  {
+    std::lock_guard<Mutex> lock(mutex_);
+    if (!watched(layer)) return;
+    advance_to(step, pauses, done);
+    Layer* L = layer_rec(layer);
+    if (L != nullptr) on_activation(*L, output, *stats, step, info, pauses);
+  }
+  run_pauses(step, pauses);
+  deliver(done);
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::observe_gradient(std::string_view layer, std::string_view parameter,
+                                                 const at::Tensor& grad, int64_t step,
+                                                 const TensorStats* stats) {
+  if (!grad.defined())
+    throw Error("torchdbg: observe_gradient got an undefined tensor for '" + std::string(layer) +
+                "'");
+  std::optional<TensorStats> own;
+  if (stats == nullptr) {
+    own = compute_stats(grad, StatsOptions().sign_counts(false));  // not read here
+    stats = &*own;
+  }
+  (void)parameter;
+  Pauses pauses;
+  std::vector<HealthStep> done;
+  {
+    std::lock_guard<Mutex> lock(mutex_);
+    if (!watched(layer)) return;
+    advance_to(step, pauses, done);
+    Layer* L = layer_rec(layer);
+    if (L != nullptr) {
+      if (!L->g_touched) {
+        L->g_touched = true;
+        L->g_sq = 0.0;
+        L->g_nonfinite = 0;
+        L->g_count = 0;
+        L->bwd_arrival = bwd_arrivals_++;
+        touched_.push_back(index_of(*L));
+      }
+      L->g_sq += stats->l2_norm * stats->l2_norm;
+      L->g_nonfinite += stats->nan_count + stats->inf_count;
+      L->g_count += stats->numel;
+      grads_pending_ = true;
+    }
+  }
+  run_pauses(step, pauses);
+  deliver(done);
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::end_backward() {
+  Pauses pauses;
+  int64_t step = 0;
+  {
+    std::lock_guard<Mutex> lock(mutex_);
+    step = cur_step_;
+    evaluate_gradients(pauses);
+  }
+  run_pauses(step, pauses);
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::observe_loss(int64_t step, double loss) {
+  Pauses pauses;
+  std::vector<HealthStep> done;
+  {
+    std::lock_guard<Mutex> lock(mutex_);
+    advance_to(step, pauses, done);
+    on_loss(step, loss, pauses);
+  }
+  run_pauses(step, pauses);
+  deliver(done);
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::set_step(int64_t step) {
+  Pauses pauses;
+  std::vector<HealthStep> done;
+  {
+    std::lock_guard<Mutex> lock(mutex_);
+    advance_to(step, pauses, done);
+  }
+  run_pauses(step, pauses);
+  deliver(done);
+}
+
+template <typename Mutex>
+auto BasicHealthMonitor<Mutex>::layers() const -> std::vector<LayerHealth> {
+  std::lock_guard<Mutex> lock(mutex_);
+  return layers_locked();
+}
+
+template <typename Mutex>
+auto BasicHealthMonitor<Mutex>::layer(std::string_view name) const -> std::optional<LayerHealth> {
+  std::lock_guard<Mutex> lock(mutex_);
+  auto it = index_.find(std::string(name));
+  if (it == index_.end()) return std::nullopt;
+  return health_of(layers_[it->second]);
+}
+
+template <typename Mutex>
+auto BasicHealthMonitor<Mutex>::loss_health() const -> LossHealth {
+  std::lock_guard<Mutex> lock(mutex_);
+  return loss_state_;
+}
+
+template <typename Mutex>
+auto BasicHealthMonitor<Mutex>::events() const -> std::vector<SemanticEvent> {
+  std::lock_guard<Mutex> lock(mutex_);
+  return events_.to_vector();
+}
+
+template <typename Mutex>
+uint64_t BasicHealthMonitor<Mutex>::event_count() const {
+  std::lock_guard<Mutex> lock(mutex_);
+  return event_seq_;
+}
+
+template <typename Mutex>
+uint64_t BasicHealthMonitor<Mutex>::alarm_count() const {
+  std::lock_guard<Mutex> lock(mutex_);
+  return alarms_;
+}
+
+template <typename Mutex>
+auto BasicHealthMonitor<Mutex>::incidents() const -> std::vector<Incident> {
+  std::lock_guard<Mutex> lock(mutex_);
+  return incidents_;
+}
+
+template <typename Mutex>
+uint64_t BasicHealthMonitor<Mutex>::ignored_layers() const {
+  std::lock_guard<Mutex> lock(mutex_);
+  return ignored_;
+}
+
+template <typename Mutex>
+auto BasicHealthMonitor<Mutex>::report() const -> HealthReport {
+  std::lock_guard<Mutex> lock(mutex_);
+  return report_locked();
+}
+
+template <typename Mutex>
+auto BasicHealthMonitor<Mutex>::failure_report() const -> std::optional<HealthReport> {
+  std::lock_guard<Mutex> lock(mutex_);
+  return failure_report_;
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::abandon_backward() {
+  std::lock_guard<Mutex> lock(mutex_);
+  for (const auto i : touched_) {
+    Layer& L = layers_[i];
+    L.g_touched = false;
+    L.g_sq = 0.0;
+    L.g_nonfinite = 0;
+    L.g_count = 0;
+  }
+  touched_.clear();
+  grads_pending_ = false;
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::reset() {
+  std::lock_guard<Mutex> lock(mutex_);
+  layers_.clear();
+  index_.clear();
+  incidents_.clear();
+  events_.clear();
+  event_seq_ = alarms_ = ignored_ = rule_errors_ = 0;
+  touched_.clear();
+  fwd_seq_ = 0;
+  grads_pending_ = false;
+  prev_rms_.reset();
+  fwd_nonfinite_ = false;
+  input_bad_ = false;
+  input_persist_ = 0;
+  input_incident_.reset();
+  losses_.clear();
+  loss_state_ = LossHealth::Healthy;
+  loss_persist_ = 0;
+  loss_incident_.reset();
+  last_loss_.reset();
+  first_loss_.reset();
+  failure_report_.reset();
+  have_step_ = false;
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::validate(const HealthOptions& o) {
+  auto positive = [](double v, const char* name) {
+    if (!(v > 0.0))
+      throw Error(std::string("torchdbg: HealthOptions::") + name + " must be > 0, got " +
+                  std::to_string(v));
+  };
+  auto fraction = [](double v, const char* name) {
+    if (!(v >= 0.0 && v <= 1.0))
+      throw Error(std::string("torchdbg: HealthOptions::") + name + " must be in [0, 1], got " +
+                  std::to_string(v));
+  };
+  detail::require_at_least<int64_t>(o.interval(), 1, "HealthOptions::interval");
+  detail::require_at_least<int64_t>(o.dead_window_samples(), 1,
+                                    "HealthOptions::dead_window_samples");
+  detail::require_at_least<int64_t>(o.dead_window(), 1, "HealthOptions::dead_window");
+  detail::require_at_least<int64_t>(o.loss_window(), 2, "HealthOptions::loss_window");
+  detail::require_at_least<int64_t>(o.plateau_window(), 4, "HealthOptions::plateau_window");
+  detail::require_at_least<int64_t>(o.persistence_steps(), 1, "HealthOptions::persistence_steps");
+  if (o.event_capacity() == 0)
+    throw Error("torchdbg: HealthOptions::event_capacity must be >= 1, got 0");
+  if (o.max_layers() == 0) throw Error("torchdbg: HealthOptions::max_layers must be >= 1, got 0");
+  fraction(o.tanh_saturation(), "tanh_saturation");
+  fraction(o.sigmoid_low(), "sigmoid_low");
+  fraction(o.sigmoid_high(), "sigmoid_high");
+  fraction(o.saturated_fraction(), "saturated_fraction");
+  fraction(o.dead_activity(), "dead_activity");
+  fraction(o.dead_fraction(), "dead_fraction");
+  fraction(o.baseline_momentum(), "baseline_momentum");
+  positive(o.activation_gain(), "activation_gain");
+  positive(o.vanishing_ratio(), "vanishing_ratio");
+  positive(o.exploding_norm(), "exploding_norm");
+  positive(o.gradient_jump(), "gradient_jump");
+  positive(o.gradient_collapse(), "gradient_collapse");
+  positive(o.loss_spike_factor(), "loss_spike_factor");
+  if (!(o.loss_spike_floor() >= 0.0))
+    throw Error("torchdbg: HealthOptions::loss_spike_floor must be >= 0, got " +
+                std::to_string(o.loss_spike_floor()));
+  positive(o.plateau_tolerance(), "plateau_tolerance");
+  if (o.sigmoid_low() >= o.sigmoid_high())
+    throw Error("torchdbg: HealthOptions::sigmoid_low must be below sigmoid_high");
+}
+
+template <typename Mutex>
+uint64_t BasicHealthMonitor<Mutex>::add_install_pause(PauseFn fn) {
+  auto slot = std::make_shared<PauseSlot>();
+  slot->fn = std::move(fn);
+  std::lock_guard<Mutex> lock(mutex_);
+  const uint64_t token = ++pause_seq_;
+  install_pauses_.emplace_back(token, std::move(slot));
+  return token;
+}
+
+template <typename Mutex>
+std::string BasicHealthMonitor<Mutex>::callback_name() const {
+  return "torchdbg.health." + std::to_string(reinterpret_cast<std::uintptr_t>(this));
+}
+
+template <typename Mutex>
+auto BasicHealthMonitor<Mutex>::activation_info(const Metadata& metadata) -> ActivationInfo {
+  auto md = [&](std::string_view k) {
+    auto it = metadata.find(k);
+    return it == metadata.end() ? std::string_view{} : std::string_view(it->second);
+  };
+  ActivationInfo info{md("activation"), md("op"), md("module_type"), md("pre_activation"),
+                      std::nullopt};
+  info.input_from = md("input_from");
+  const auto integer = [&](std::string_view k) -> std::optional<int64_t> {
+    auto it = metadata.find(k);
+    if (it == metadata.end()) return std::nullopt;
+    try {
+      return std::stoll(it->second);
+    } catch (...) {
+      return std::nullopt;
+    }
+  };
+  info.call = integer("call");
+  info.input_call = integer("input_call").value_or(-1);
+  if (auto it = metadata.find("input_rms"); it != metadata.end()) {
+    try {
+      info.input_rms = std::stod(it->second);
+    } catch (...) {
+    }
+  }
+  for (auto [key, count] : {std::pair<const char*, int64_t*>{"input_nan", &info.input_nan},
+                            std::pair<const char*, int64_t*>{"input_inf", &info.input_inf}}) {
+    if (auto it = metadata.find(key); it != metadata.end()) {
+      try {
+        *count = std::max<int64_t>(0, std::stoll(it->second));
+        info.input_observed = true;
+      } catch (...) {
+      }
+    }
+  }
+  return info;
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::on_hook(const HookContext& ctx) {
+  if (ctx.is_forward()) {
+    ActivationInfo info = activation_info(ctx.metadata());
+    info.unit_counts = ctx.prefetched(units_key_);
+    info.saturated_count = ctx.prefetched(saturation_key_);
+    observe_activation(ctx.layer_name(), ctx.tensor(), ctx.step(), info, &ctx.moment_stats());
+  } else {
+    observe_gradient(ctx.layer_name(), ctx.metadata_value("parameter").value_or(std::string_view{}),
+                     ctx.tensor(), ctx.step(), &ctx.moment_stats());
+  }
+}
+
+template <typename Mutex>
+bool BasicHealthMonitor<Mutex>::watched(std::string_view layer) const {
+  if (layer_patterns_.empty()) return true;
+  const std::string s(layer);
+  for (const auto& re : layer_patterns_)
+    if (re.search(s)) return true;
+  return false;
+}
+
+template <typename Mutex>
+std::size_t BasicHealthMonitor<Mutex>::index_of(const Layer& L) const {
+  return static_cast<std::size_t>(&L - layers_.data());
+}
+
+template <typename Mutex>
+auto BasicHealthMonitor<Mutex>::output_rms(std::string_view name, int64_t call, int64_t step) const
+    -> std::optional<double> {
+  auto it = index_.find(std::string(name));
+  if (it == index_.end()) return std::nullopt;
+  const Layer& P = layers_[it->second];
+  if (!P.seen_fwd || P.act_step != step || P.rms_call != call || P.nonfinite_frac > 0.0 ||
+      !(P.rms > 0.0))
+    return std::nullopt;
+  return P.rms;
+}
+
+template <typename Mutex>
+auto BasicHealthMonitor<Mutex>::layer_rec(std::string_view name) -> Layer* {
+  // Deliveries come in the same order every step: the last layer (a module's next
+  // parameter) or the one after it is almost always the one asked for.
+  for (const std::size_t i : {last_rec_, last_rec_ + 1}) {
+    if (i < layers_.size() && layers_[i].name == name) {
+      last_rec_ = i;
+      return &layers_[i];
+    }
+  }
+  const std::string key(name);
+  auto it = index_.find(key);
+  if (it != index_.end()) {
+    last_rec_ = it->second;
+    return &layers_[it->second];
+  }
+  if (layers_.size() >= options_.max_layers()) {
+    ++ignored_;
+    return nullptr;
+  }
+  Layer L;
+  L.name = key;
+  L.module = key.substr(0, key.find('/'));
+  L.order = kUnordered + static_cast<int64_t>(layers_.size());
+  index_.emplace(key, layers_.size());
+  last_rec_ = layers_.size();
+  layers_.push_back(std::move(L));
+  return &layers_.back();
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::advance_to(int64_t step, Pauses& pauses,
+                                           std::vector<HealthStep>& done) {
+  if (have_step_ && step == cur_step_) return;
+  if (have_step_) {
+    evaluate_gradients(pauses);
+    finish_step(done);
+  }
+  have_step_ = true;
+  step_events_from_ = event_seq_;
+  step_loss_.reset();
+  cur_step_ = step;
+  fwd_seq_ = 0;
+  prev_rms_.reset();
+  fwd_nonfinite_ = false;
+  bwd_arrivals_ = 0;
+  bwd_nonfinite_ = false;
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::finish_step(std::vector<HealthStep>& done) {
+  if (sinks_.empty()) return;
+  HealthStep h;
+  h.step = cur_step_;
+  h.loss = step_loss_;
+  h.loss_health = loss_state_;
+  for (const auto& L : layers_)
+    if (L.last_step == cur_step_ && (L.seen_fwd || L.seen_bwd)) h.layers.push_back(health_of(L));
+  std::stable_sort(h.layers.begin(), h.layers.end(),
+                   [](const LayerHealth& a, const LayerHealth& b) { return a.order < b.order; });
+  const uint64_t fresh = event_seq_ - step_events_from_;
+  const std::size_t held = events_.size();
+  const std::size_t n = static_cast<std::size_t>(std::min<uint64_t>(fresh, held));
+  for (std::size_t i = held - n; i < held; ++i) h.events.push_back(events_.at(i));
+  step_events_from_ = event_seq_;
+  done.push_back(std::move(h));
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::deliver(const std::vector<HealthStep>& done) {
+  if (done.empty()) return;
+  std::vector<std::pair<uint64_t, StepSink>> sinks;
+  {
+    std::lock_guard<Mutex> lock(mutex_);
+    sinks = sinks_;
+  }
+  for (const auto& h : done)
+    for (const auto& [id, fn] : sinks) {
+      try {
+        fn(h);
+      } catch (...) {
+        // a sink's failure (a full disk) must not reach the training loop
+      }
+    }
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::on_activation(Layer& L, const at::Tensor& y, const TensorStats& s,
+                                              int64_t step, const ActivationInfo& info,
+                                              Pauses& pauses) {
+  const std::string_view activation = info.activation, op = info.op, module_type = info.module_type;
+  L.last_step = step;
+  // Persistence counts steps: a module called several times in a step judges each call,
+  // and its second call in the same state is no further evidence of persistence.
+  const bool new_step = !L.seen_fwd || L.act_step != step;
+  L.act_step = step;
+  // Forward order: the position of the layer's output within the step (the module of an
+  // activation takes the position of its first output).
+  const int64_t pos = fwd_seq_++;
+  if (!L.order_from_forward || L.order != pos) {
+    L.order = pos;
+    L.order_from_forward = true;
+  }
+  const Kind k = kind_of(L.name, info);
+  if (k.known) {
+    L.act_kind = k.name;
+    L.pre_activation = k.pre;
+  }
+  // The gain is judged on module outputs that are not normalisations.
+  L.gain_checked =
+      activation.empty() && op.empty() && module_type.find("Norm") == std::string_view::npos;
+  // Counts prefetched for this output hold when they were made for the kind judged here.
+  const bool prefetch_valid = k.known && k.name == L.act_kind && k.pre == L.pre_activation;
+
+  // ---- the measurements
+  // The input's scale: measured by attach, the output it came from (observed in this
+  // step, same call), or without attach's metadata the previous output.
+  std::optional<double> in_rms;
+  if (info.input_rms && *info.input_rms > 0.0) {
+    in_rms = info.input_rms;
+  } else if (!info.input_from.empty()) {
+    in_rms = output_rms(info.input_from, info.input_call, step);
+  } else if (!info.call) {
+    in_rms = prev_rms_;
+  }
+  const double numel = static_cast<double>(s.numel);
+  L.nonfinite_frac = numel > 0 ? static_cast<double>(s.nan_count + s.inf_count) / numel : 0.0;
+  L.rms = s.finite_count > 0 ? std::sqrt(s.mean * s.mean + s.std * s.std) : detail::kNaN;
+  L.rms_call = info.call.value_or(-1);
+  prev_rms_ = (s.has_non_finite() || !(L.rms > 0.0)) ? std::optional<double>()
+                                                     : std::optional<double>(L.rms);
+  // The gain compares the output's spread with the input's scale: a shifted bias moves the
+  // mean, not the spread, and is no explosion.
+  L.gain = (L.gain_checked && in_rms && std::isfinite(s.std)) ? s.std / *in_rms : detail::kNaN;
+  if (info.input_observed) on_input(L, step, info, pauses);
+  // A NaN/Inf output is the step's origin only when nothing before it in the step (the
+  // model's input included) was non-finite.
+  const bool origin = s.has_non_finite() && !fwd_nonfinite_;
+  if (s.has_non_finite()) fwd_nonfinite_ = true;
+
+  // Dead units (ReLU family) are tracked on every delivery to fill the window.
+  if (detail::is_dead_capable(L.act_kind) && y.dim() > 0) {
+    const int64_t dim = y.dim() == 1 ? 0 : options_.unit_dim();
+    int64_t per_unit = 0;
+    try {
+      std::vector<int64_t> counts;
+      const int64_t units = y.size(detail::unit_dim_of(y, dim));
+      if (prefetch_valid && info.unit_counts != nullptr &&
+          static_cast<int64_t>(info.unit_counts->size()) == units) {
+        for (double c : *info.unit_counts) counts.push_back(static_cast<int64_t>(c));
+        per_unit = units == 0 ? 0 : y.numel() / units;
+      } else {
+        counts = detail::count_above_per_unit(y, dim, 0.0, per_unit);
+      }
+      push_units(L, std::move(counts), per_unit, step);
+    } catch (const Error&) {
+      // the unit dimension does not exist for this output: no dead-unit judgement
+    }
+    L.dead_frac = dead_fraction(L, &L.dead_since);
+  }
+  if (!s.has_non_finite() && saturating_kind(L.act_kind, L.pre_activation)) {
+    L.sat_frac = saturated_fraction(
+        L, y, s,
+        prefetch_valid && info.saturated_count != nullptr && info.saturated_count->size() == 1
+            ? std::optional<double>((*info.saturated_count)[0])
+            : std::nullopt);
+  }
+  const bool base_ready = L.gain_n >= options_.baseline_warmup() && std::isfinite(L.gain_base);
+
+  // ---- the rules
+  ActivationSignals sig(y, s);
+  sig.layer = L.name;
+  sig.module = L.module;
+  sig.step = step;
+  sig.kind = L.act_kind;
+  sig.pre_activation = L.pre_activation;
+  sig.module_output = L.gain_checked;
+  sig.rms = L.rms;
+  sig.gain = L.gain;
+  sig.gain_baseline = base_ready ? L.gain_base : detail::kNaN;
+  sig.dead_fraction = detail::is_dead_capable(L.act_kind) ? L.dead_frac : detail::kNaN;
+  sig.dead_since = std::min(step, L.dead_since);
+  sig.dead_activity = options_.dead_activity();
+  sig.saturated_fraction = saturating_kind(L.act_kind, L.pre_activation) && !s.has_non_finite()
+                               ? L.sat_frac
+                               : detail::kNaN;
+  sig.origin = origin;
+  const HealthRule* by = nullptr;
+  const std::optional<Finding> found = judge(
+      sig, [](HealthRule& r, const auto& x) { return r.check_activation(x); }, by);
+  ActivationHealth state = ActivationHealth::Normal;
+  if (found) {
+    switch (found->kind) {
+      case FailureKind::NonFiniteOutput:
+        state = ActivationHealth::NonFinite;
+        break;
+      case FailureKind::DeadUnits:
+        state = ActivationHealth::Dead;
+        break;
+      case FailureKind::Saturation:
+        state = ActivationHealth::Saturated;
+        break;
+      default:
+        state = ActivationHealth::Anomalous;
+        break;
+    }
+  }
+  if (state == ActivationHealth::Normal && std::isfinite(L.gain)) {
+    const double m = options_.baseline_momentum();
+    L.gain_base = std::isfinite(L.gain_base) ? m * L.gain_base + (1.0 - m) * L.gain : L.gain;
+    ++L.gain_n;
+  }
+
+  const ActivationHealth before = L.act;
+  const bool first = !L.seen_fwd;
+  L.seen_fwd = true;
+  if (state == before && !first) {
+    if (found) {
+      if (new_step) ++L.act_persist;
+      if (L.act_incident)
+        update_incident(*L.act_incident, step, found->margin, L.act_persist, found->value);
+    }
+    return;
+  }
+  L.act = state;
+  L.act_since = step;
+  L.act_persist = 1;
+  L.act_incident.reset();
+  if (state == ActivationHealth::Normal && first) return;  // a healthy start is no event
+  SemanticEvent e;
+  e.type = state == ActivationHealth::Normal      ? EventType::ActivationRecovered
+           : state == ActivationHealth::NonFinite ? EventType::NonFiniteActivation
+           : state == ActivationHealth::Dead      ? EventType::DeadUnits
+           : state == ActivationHealth::Saturated ? EventType::Saturation
+                                                  : EventType::ActivationAnomaly;
+  e.layer = L.name;
+  e.step = step;
+  e.from = first ? "unobserved" : to_string(before);
+  e.to = to_string(state);
+  e.confidence =
+      found ? detail::evidence_confidence(found->margin, 1, options_.persistence_steps()) : 1.0;
+  e.metadata = {{"rms", detail::json_num(L.rms)}};
+  if (std::isfinite(L.gain)) e.metadata["gain"] = L.gain;
+  if (found) {
+    for (const auto& [key, v] : found->details.items()) e.metadata[key] = v;
+    if (!found->reason.empty()) e.metadata["reason"] = found->reason;
+    if (is_expected(found->kind, L.name)) e.metadata["expected"] = true;
+  }
+  if (!L.act_kind.empty()) e.metadata["activation"] = L.act_kind;
+  const uint64_t id = emit(std::move(e));
+  if (found && found->incident)
+    record_finding(*found, *by, L, step, Phase::Forward, id, pauses, L.act_incident);
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::on_input(const Layer& first, int64_t step,
+                                         const ActivationInfo& info, Pauses& pauses) {
+  const int64_t bad = info.input_nan + info.input_inf;
+  if (bad == 0) {
+    input_bad_ = false;
+    input_incident_.reset();
+    return;
+  }
+  fwd_nonfinite_ = true;
+  if (input_bad_) {  // still bad: the same incident goes on
+    ++input_persist_;
+    if (input_incident_)
+      update_incident(*input_incident_, step, 1.0, input_persist_, static_cast<double>(bad));
+    return;
+  }
+  input_bad_ = true;
+  input_persist_ = 1;
+  SemanticEvent e;
+  e.type = EventType::NonFiniteInput;
+  e.layer = "input";
+  e.step = step;
+  e.from = "finite";
+  e.to = "non_finite";
+  e.confidence = detail::evidence_confidence(1.0, 1, options_.persistence_steps());
+  e.metadata = {{"nan", info.input_nan}, {"inf", info.input_inf}, {"first_layer", first.name}};
+  const uint64_t id = emit(std::move(e));
+  Layer pseudo;
+  pseudo.name = pseudo.module = "input";
+  pseudo.order = -1;  // before every layer
+  input_incident_ = add_incident(FailureKind::BadInput, pseudo, step, Phase::Forward, 1.0,
+                                 static_cast<double>(bad), 0.0, id);
+  if (input_incident_) {  // not dropped at capacity
+    Incident& inc = incidents_[*input_incident_];
+    inc.details["nan"] = info.input_nan;
+    inc.details["inf"] = info.input_inf;
+    inc.details["first_layer"] = first.name;
+    pause_for(*input_incident_, step, pauses);
+  }
+}
+
+template <typename Mutex>
+auto BasicHealthMonitor<Mutex>::kind_of(std::string_view layer, const ActivationInfo& info) const
+    -> Kind {
+  if (!info.activation.empty()) return {std::string(info.activation), false, true};
+  if (!info.op.empty()) return {std::string(info.op), false, true};
+  std::string pre(info.pre_activation);
+  if (pre.empty()) {
+    const std::string name(layer);
+    for (const auto& [re, act] : pre_acts_)
+      if (re.full_match(name)) pre = act;
+  }
+  if (!pre.empty()) return {pre, true, true};
+  return {};
+}
+
+template <typename Mutex>
+bool BasicHealthMonitor<Mutex>::saturating_kind(const std::string& kind, bool pre) {
+  if (pre) return kind == "tanh" || kind == "sigmoid";
+  return detail::is_saturating(kind);
+}
+
+template <typename Mutex>
+auto BasicHealthMonitor<Mutex>::saturation_bounds(const std::string& k, bool pre) const
+    -> std::pair<double, double> {
+  double lo = 0.0, hi = 0.0;
+  if (pre) {
+    const double t = k == "tanh"
+                         ? std::atanh(options_.tanh_saturation())
+                         : std::log(options_.sigmoid_high() / (1.0 - options_.sigmoid_high()));
+    const double tl =
+        k == "tanh" ? -t : std::log(options_.sigmoid_low() / (1.0 - options_.sigmoid_low()));
+    lo = tl;
+    hi = t;
+  } else if (k == "tanh" || k == "softsign") {
+    lo = -options_.tanh_saturation();
+    hi = options_.tanh_saturation();
+  } else if (k == "sigmoid") {
+    lo = options_.sigmoid_low();
+    hi = options_.sigmoid_high();
+  } else if (k == "hardtanh") {
+    lo = -1.0 + 1e-6;
+    hi = 1.0 - 1e-6;
+  } else {  // hardsigmoid
+    lo = 1e-6;
+    hi = 1.0 - 1e-6;
+  }
+  return {lo, hi};
+}
+
+template <typename Mutex>
+double BasicHealthMonitor<Mutex>::saturated_fraction(const Layer& L, const at::Tensor& y,
+                                                     const TensorStats& s,
+                                                     std::optional<double> prefetched) const {
+  if (s.numel == 0) return 0.0;
+  double outside = 0.0;
+  if (prefetched) {
+    outside = *prefetched;
+  } else {
+    const auto [lo, hi] = saturation_bounds(L.act_kind, L.pre_activation);
+    outside = static_cast<double>(detail::count_outside(y, lo, hi));
+  }
+  return outside / static_cast<double>(s.numel);
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::push_units(Layer& L, std::vector<int64_t> counts, int64_t per_unit,
+                                           int64_t step) {
+  const std::size_t w = static_cast<std::size_t>(options_.dead_window());
+  if (!L.unit_ring.empty() && L.unit_ring.front().size() != counts.size()) {
+    L.unit_ring.clear();  // the layer's width changed: start over
+    L.sample_ring.clear();
+    L.step_ring.clear();
+    L.unit_head = 0;
+  }
+  if (L.unit_ring.size() < w) {
+    L.unit_ring.push_back(std::move(counts));
+    L.sample_ring.push_back(per_unit);
+    L.step_ring.push_back(step);
+  } else {
+    L.unit_ring[L.unit_head] = std::move(counts);
+    L.sample_ring[L.unit_head] = per_unit;
+    L.step_ring[L.unit_head] = step;
+    L.unit_head = (L.unit_head + 1) % w;
+  }
+}
+
+template <typename Mutex>
+double BasicHealthMonitor<Mutex>::dead_fraction(const Layer& L, int64_t* since) const {
+  const std::size_t held = L.unit_ring.size();
+  if (held == 0) return detail::kNaN;
+  const std::size_t units = L.unit_ring.front().size();
+  if (units == 0) return detail::kNaN;
+  // Newest first until the window has enough samples.
+  const std::size_t newest = (L.unit_head + held - 1) % held;
+  std::vector<int64_t> active(units, 0);
+  int64_t samples = 0;
+  for (std::size_t k = 0; k < held && samples < options_.dead_window_samples(); ++k) {
+    const std::size_t i = (newest + held - k) % held;
+    samples += L.sample_ring[i];
+    for (std::size_t u = 0; u < units; ++u) active[u] += L.unit_ring[i][u];
+  }
+  if (samples < options_.dead_window_samples()) return detail::kNaN;
+  std::vector<std::size_t> dead;
+  for (std::size_t u = 0; u < units; ++u)
+    if (static_cast<double>(active[u]) < options_.dead_activity() * static_cast<double>(samples))
+      dead.push_back(u);
+  if (since != nullptr) {
+    *since = L.step_ring[newest];
+    for (std::size_t k = 0; k < held && !dead.empty(); ++k) {
+      const std::size_t i = (newest + held - k) % held;
+      const double limit = options_.dead_activity() * static_cast<double>(L.sample_ring[i]);
+      bool inactive = true;
+      for (const std::size_t u : dead)
+        inactive = inactive && static_cast<double>(L.unit_ring[i][u]) <= limit;
+      if (!inactive) break;
+      *since = L.step_ring[i];
+    }
+  }
+  return static_cast<double>(dead.size()) / static_cast<double>(units);
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::evaluate_gradients(Pauses& pauses) {
+  if (!grads_pending_) return;
+  grads_pending_ = false;
+  const int64_t step = cur_step_;
+  std::vector<std::size_t> mods = std::move(touched_);
+  touched_.clear();
+  double max_norm = 0.0;
+  for (auto i : mods) {
+    Layer& L = layers_[i];
+    L.g_norm = std::sqrt(L.g_sq);
+    if (!L.order_from_forward)
+      L.order = kUnordered - L.bwd_arrival;  // backward runs output -> input
+    if (L.g_nonfinite == 0 && std::isfinite(L.g_norm)) max_norm = std::max(max_norm, L.g_norm);
+  }
+  std::sort(mods.begin(), mods.end(),
+            [&](std::size_t a, std::size_t b) { return layers_[a].order < layers_[b].order; });
+  // The first non-finite gradient in backward order (arrival order) is the backward origin.
+  std::optional<std::size_t> nf_origin;
+  for (auto i : mods) {
+    const Layer& L = layers_[i];
+    if (L.g_nonfinite > 0 && (!nf_origin || L.bwd_arrival < layers_[*nf_origin].bwd_arrival))
+      nf_origin = i;
+  }
+  for (std::size_t k = 0; k < mods.size(); ++k) {
+    Layer& L = layers_[mods[k]];
+    L.g_touched = false;
+    L.last_step = std::max(L.last_step, step);
+    // Adjacent ratio: upstream neighbour's norm over this layer's. Large where this layer
+    // amplifies the backward signal (an explosion starts here).
+    double amplification = detail::kNaN, usual_amplification = detail::kNaN;
+    const bool base_ready = L.g_base_n >= options_.baseline_warmup() && std::isfinite(L.g_log_base);
+    const double base = base_ready ? std::pow(10.0, L.g_log_base) : detail::kNaN;
+    if (k > 0 && L.g_norm > 0.0 && std::isfinite(layers_[mods[k - 1]].g_norm)) {
+      const Layer& up = layers_[mods[k - 1]];
+      amplification = up.g_norm / L.g_norm;
+      // The same ratio over its usual value (from both baselines): a uniformly scaled
+      // backward pass amplifies nothing more than usual anywhere.
+      if (base_ready && up.g_base_n >= options_.baseline_warmup() && std::isfinite(up.g_log_base))
+        usual_amplification = amplification / std::pow(10.0, up.g_log_base - L.g_log_base);
+    }
+    GradientSignals sig;
+    sig.layer = L.name;
+    sig.step = step;
+    sig.norm = L.g_norm;
+    sig.non_finite = L.g_nonfinite;
+    sig.count = L.g_count;
+    sig.max_norm = max_norm;
+    sig.baseline = base;
+    sig.origin = nf_origin && *nf_origin == mods[k];
+    const HealthRule* by = nullptr;
+    const std::optional<Finding> found = judge(
+        sig, [](HealthRule& r, const auto& x) { return r.check_gradient(x); }, by);
+    GradientHealth state = GradientHealth::Healthy;
+    if (found) {
+      switch (found->kind) {
+        case FailureKind::NonFiniteGradient:
+          state = GradientHealth::NonFinite;
+          break;
+        case FailureKind::ExplodingGradient:
+          state = GradientHealth::Exploding;
+          break;
+        case FailureKind::VanishingGradient:
+          state = GradientHealth::Vanishing;
+          break;
+        default:
+          state = GradientHealth::Anomalous;
+          break;
+      }
+    }
+    if (state == GradientHealth::Healthy && std::isfinite(L.g_norm) && L.g_norm > 0.0) {
+      const double lg = std::log10(L.g_norm);
+      const double m = options_.baseline_momentum();
+      L.g_log_base = std::isfinite(L.g_log_base) ? m * L.g_log_base + (1.0 - m) * lg : lg;
+      ++L.g_base_n;
+    }
+    const GradientHealth before = L.grad;
+    const bool first = !L.seen_bwd;
+    L.seen_bwd = true;
+    if (state == before && !first) {
+      if (found) {
+        ++L.grad_persist;
+        if (L.grad_incident)
+          update_incident(*L.grad_incident, step, found->margin, L.grad_persist, found->value);
+      }
+      continue;
+    }
+    L.grad = state;
+    L.grad_since = step;
+    L.grad_persist = 1;
+    L.grad_incident.reset();
+    if (state == GradientHealth::Healthy && first) continue;
+    SemanticEvent e;
+    e.type = state == GradientHealth::Healthy     ? EventType::GradientRecovered
+             : state == GradientHealth::NonFinite ? EventType::NonFiniteGradient
+             : state == GradientHealth::Exploding ? EventType::ExplodingGradient
+             : state == GradientHealth::Vanishing ? EventType::VanishingGradient
+                                                  : EventType::GradientAnomaly;
+    e.layer = L.name;
+    e.step = step;
+    e.from = first ? "unobserved" : to_string(before);
+    e.to = to_string(state);
+    e.confidence =
+        found ? detail::evidence_confidence(found->margin, 1, options_.persistence_steps()) : 1.0;
+    e.metadata = {{"norm", detail::json_num(L.g_norm)}};
+    if (std::isfinite(amplification)) e.metadata["amplification"] = amplification;
+    if (base_ready) e.metadata["baseline"] = base;
+    if (max_norm > 0.0) e.metadata["relative_to_max"] = L.g_norm / max_norm;
+    if (found) {
+      for (const auto& [key, v] : found->details.items()) e.metadata[key] = v;
+      if (!found->reason.empty()) e.metadata["reason"] = found->reason;
+      if (is_expected(found->kind, L.name)) e.metadata["expected"] = true;
+    }
+    const uint64_t id = emit(std::move(e));
+    if (found && found->incident) {
+      nlohmann::json extra = nlohmann::json::object();
+      if (std::isfinite(amplification)) extra["amplification"] = amplification;
+      if (std::isfinite(usual_amplification)) extra["amplification_vs_usual"] = usual_amplification;
+      record_finding(*found, *by, L, step, Phase::Backward, id, pauses, L.grad_incident, &extra);
+    }
+  }
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::on_loss(int64_t step, double loss, Pauses& pauses) {
+  last_loss_ = loss;
+  step_loss_ = loss;
+  if (std::isfinite(loss) && !first_loss_) first_loss_ = std::fabs(loss);
+  LossSignals sig(loss, losses_);
+  sig.step = step;
+  sig.first_loss = first_loss_.value_or(detail::kNaN);
+  const HealthRule* by = nullptr;
+  const std::optional<Finding> found = judge(
+      sig, [](HealthRule& r, const auto& x) { return r.check_loss(x); }, by);
+  if (std::isfinite(loss)) {
+    losses_.push_back(loss);
+    const std::size_t keep =
+        static_cast<std::size_t>(std::max(options_.loss_window(), options_.plateau_window()));
+    if (losses_.size() > 2 * keep)
+      losses_.erase(losses_.begin(), losses_.end() - static_cast<std::ptrdiff_t>(keep));
+  }
+  LossHealth state = LossHealth::Healthy;
+  if (found) {
+    switch (found->kind) {
+      case FailureKind::LossDivergence:
+        state = LossHealth::Diverging;
+        break;
+      case FailureKind::LossSpike:
+        state = LossHealth::Spike;
+        break;
+      case FailureKind::LossPlateau:
+        state = LossHealth::Plateau;
+        break;
+      default:
+        state = LossHealth::Anomalous;
+        break;
+    }
+  }
+  const LossHealth before = loss_state_;
+  if (state == before) {
+    if (found) {
+      ++loss_persist_;
+      if (loss_incident_)
+        update_incident(*loss_incident_, step, found->margin, loss_persist_, found->value);
+    }
+    return;
+  }
+  loss_state_ = state;
+  loss_persist_ = 1;
+  loss_incident_.reset();
+  SemanticEvent e;
+  e.type = state == LossHealth::Healthy     ? EventType::LossRecovered
+           : state == LossHealth::Diverging ? EventType::LossDiverged
+           : state == LossHealth::Spike     ? EventType::LossSpike
+           : state == LossHealth::Plateau   ? EventType::LossPlateau
+                                            : EventType::LossAnomaly;
+  e.layer = "loss";
+  e.step = step;
+  e.from = to_string(before);
+  e.to = to_string(state);
+  e.confidence =
+      found ? detail::evidence_confidence(found->margin, 1, options_.persistence_steps()) : 1.0;
+  e.metadata = {
+      {"loss", std::isfinite(loss) ? nlohmann::json(loss) : nlohmann::json(std::to_string(loss))}};
+  if (found) {
+    for (const auto& [key, v] : found->details.items()) e.metadata[key] = v;
+    if (!found->reason.empty()) e.metadata["reason"] = found->reason;
+    if (is_expected(found->kind, "loss")) e.metadata["expected"] = true;
+  }
+  const uint64_t id = emit(std::move(e));
+  if (found && found->incident) {
+    Layer pseudo;
+    pseudo.name = pseudo.module = "loss";
+    pseudo.order = kUnordered * 2;
+    record_finding(*found, *by, pseudo, step, Phase::Loss, id, pauses, loss_incident_);
+  }
+}
+
+template <typename Mutex>
+uint64_t BasicHealthMonitor<Mutex>::emit(SemanticEvent e) {
+  e.id = ++event_seq_;
+  if (e.is_alarm()) ++alarms_;
+  const uint64_t id = e.id;
+  events_.push(std::move(e));
+  return id;
+}
+
+template <typename Mutex>
+auto BasicHealthMonitor<Mutex>::add_incident(FailureKind kind, const Layer& L, int64_t step,
+                                             Phase phase, double margin, double value,
+                                             double threshold, uint64_t event)
+    -> std::optional<std::size_t> {
+  if (incidents_.size() >= options_.incident_capacity()) {
+    ++dropped_incidents_;
+    return std::nullopt;
+  }
+  Incident inc;
+  inc.kind = kind;
+  inc.layer = L.name;
+  inc.module = L.module;
+  inc.step = inc.last_step = step;
+  inc.phase = phase;
+  inc.order = L.order;
+  inc.confidence = detail::evidence_confidence(margin, 1, options_.persistence_steps());
+  inc.margin = margin;
+  inc.value = value;
+  inc.threshold = threshold;
+  inc.events.push_back(event);
+  if (!L.act_kind.empty()) inc.details["activation"] = L.act_kind;
+  incidents_.push_back(std::move(inc));
+  return incidents_.size() - 1;
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::pause_for(std::size_t idx, int64_t step, Pauses& pauses) {
+  const Incident& inc = incidents_[idx];
+  if (options_.on_failure() != OnFailure::Pause ||
+      std::find(options_.pause_on().begin(), options_.pause_on().end(), inc.kind) ==
+          options_.pause_on().end())
+    return;
+  std::string what = to_string(inc.kind);
+  if (inc.kind == FailureKind::Custom && inc.details.contains("label") &&
+      inc.details["label"].is_string())
+    what = inc.details["label"].get<std::string>();
+  const std::string reason = "torchdbg health: " + what + " at '" + inc.layer + "' (step " +
+                             std::to_string(inc.step) + ")";
+  if (!failure_report_) failure_report_ = report_locked();
+  SemanticEvent e;
+  e.type = EventType::TrainingPaused;
+  e.layer = inc.layer;
+  e.step = step;
+  e.from = "running";
+  e.to = "paused";
+  e.confidence = inc.confidence;
+  e.metadata = {{"reason", reason}, {"kind", to_string(inc.kind)}};
+  pauses.emplace_back(inc.layer, reason);
+  emit(std::move(e));
+}
+
+template <typename Mutex>
+bool BasicHealthMonitor<Mutex>::is_expected(FailureKind kind, std::string_view layer) const {
+  for (const auto& [re, k] : expected_)
+    if (k == kind && re.full_match(layer)) return true;
+  return false;
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::record_finding(const Finding& f, const HealthRule& rule,
+                                               const Layer& L, int64_t step, Phase phase,
+                                               uint64_t event, Pauses& pauses,
+                                               std::optional<std::size_t>& slot,
+                                               const nlohmann::json* extra) {
+  if (is_expected(f.kind, L.name)) return;  // by design: no incident, no pause
+  const int64_t onset = f.since ? std::min(*f.since, step) : step;
+  slot = add_incident(f.kind, L, onset, phase, f.margin, f.value, f.threshold, event);
+  if (!slot) return;
+  Incident& inc = incidents_[*slot];
+  if (onset != step) {
+    inc.last_step = step;
+    inc.details["detected_step"] = step;
+  }
+  for (const auto& [key, v] : f.details.items()) inc.details[key] = v;
+  if (!f.reason.empty()) inc.details["reason"] = f.reason;
+  inc.details["rule"] = rule.name();
+  if (extra) {
+    for (const auto& [key, v] : extra->items()) inc.details[key] = v;
+  }
+  pause_for(*slot, step, pauses);
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::update_incident(std::size_t i, int64_t step, double margin,
+                                                int64_t persisted, double value) {
+  if (i >= incidents_.size()) return;
+  Incident& inc = incidents_[i];
+  inc.last_step = step;
+  inc.persisted = persisted;
+  inc.margin = std::max(inc.margin, margin);
+  inc.value = value;
+  inc.confidence = detail::evidence_confidence(inc.margin, persisted, options_.persistence_steps());
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::run_pauses(int64_t step, const Pauses& pauses) {
+  if (pauses.empty()) return;
+  PauseFn fn;
+  std::vector<std::shared_ptr<PauseSlot>> slots;
+  {
+    std::lock_guard<Mutex> lock(mutex_);
+    fn = pause_fn_;
+    for (const auto& p : install_pauses_) slots.push_back(p.second);
+  }
+  for (const auto& [layer, reason] : pauses) {
+    try {
+      if (fn) fn(step, layer, reason);
+    } catch (...) {
+    }
+    for (const auto& s : slots) {
+      try {
+        std::lock_guard<std::mutex> lock(s->mutex);  // removal waits for this call
+        if (s->live) s->fn(step, layer, reason);
+      } catch (...) {
+      }
+    }
+  }
+}
+
+template <typename Mutex>
+auto BasicHealthMonitor<Mutex>::health_of(const Layer& L) const -> LayerHealth {
+  LayerHealth h;
+  h.name = L.name;
+  h.module = L.module;
+  h.order = L.order;
+  h.has_activation = L.seen_fwd;
+  h.has_gradient = L.seen_bwd;
+  h.activation = L.act;
+  h.gradient = L.grad;
+  h.activation_since = L.act_since;
+  h.gradient_since = L.grad_since;
+  h.last_step = L.last_step;
+  h.activation_kind = L.act_kind;
+  h.rms = L.rms;
+  h.gain = L.gain;
+  h.saturated_fraction = L.sat_frac;
+  h.dead_fraction = L.dead_frac;
+  h.non_finite_fraction = L.nonfinite_frac;
+  h.gradient_norm = L.g_norm;
+  h.gradient_baseline = L.g_base_n > 0 ? std::pow(10.0, L.g_log_base) : detail::kNaN;
+  return h;
+}
+
+template <typename Mutex>
+auto BasicHealthMonitor<Mutex>::layers_locked() const -> std::vector<LayerHealth> {
+  std::vector<LayerHealth> out;
+  out.reserve(layers_.size());
+  for (const auto& L : layers_) out.push_back(health_of(L));
+  std::stable_sort(out.begin(), out.end(),
+                   [](const LayerHealth& a, const LayerHealth& b) { return a.order < b.order; });
+  return out;
+}
+
+template <typename Mutex>
+auto BasicHealthMonitor<Mutex>::report_locked() const -> HealthReport {
+  HealthReport r;
+  r.step = cur_step_;
+  r.layers = layers_locked();
+  r.incidents = incidents_;
+  // A module's order is the forward position of its first output (activations follow it).
+  std::unordered_map<std::string, int64_t> module_order;
+  for (const auto& L : layers_) {
+    auto it = module_order.find(L.module);
+    if (it == module_order.end() || L.order < it->second) module_order[L.module] = L.order;
+  }
+  for (auto& inc : r.incidents) {
+    auto it = module_order.find(inc.module);
+    if (it != module_order.end() && inc.module != "loss") inc.order = it->second;
+  }
+  r.events = events_.to_vector();
+  r.events_total = event_seq_;
+  r.loss = loss_state_;
+  r.last_loss = last_loss_;
+  return r;
+}
+
+#endif  // TORCHDBG_DEFINITIONS
+
 /// Thread-safe health monitor (the default).
 using HealthMonitor = BasicHealthMonitor<std::mutex>;
 /// Single-thread health monitor: no locking.
 using HealthMonitorSt = BasicHealthMonitor<detail::NullMutex>;
+
+TORCHDBG_EXTERN_TEMPLATE(class BasicHealthMonitor<std::mutex>)
+TORCHDBG_EXTERN_TEMPLATE(class BasicHealthMonitor<detail::NullMutex>)
+TORCHDBG_EXTERN_TEMPLATE(class HealthInstallation<std::mutex, std::mutex>)
+TORCHDBG_EXTERN_TEMPLATE(class HealthInstallation<std::mutex, detail::NullMutex>)
+TORCHDBG_EXTERN_TEMPLATE(class HealthInstallation<detail::NullMutex, std::mutex>)
+TORCHDBG_EXTERN_TEMPLATE(class HealthInstallation<detail::NullMutex, detail::NullMutex>)
+TORCHDBG_EXTERN_TEMPLATE(HealthInstallation<std::mutex, std::mutex>
+                             BasicHealthMonitor<std::mutex>::install(BasicHookManager<std::mutex>&))
+TORCHDBG_EXTERN_TEMPLATE(
+    HealthInstallation<std::mutex, detail::NullMutex> BasicHealthMonitor<std::mutex>::install(
+        BasicHookManager<detail::NullMutex>&))
+TORCHDBG_EXTERN_TEMPLATE(HealthInstallation<detail::NullMutex, std::mutex> BasicHealthMonitor<
+                         detail::NullMutex>::install(BasicHookManager<std::mutex>&))
+TORCHDBG_EXTERN_TEMPLATE(
+    HealthInstallation<detail::NullMutex, detail::NullMutex>
+        BasicHealthMonitor<detail::NullMutex>::install(BasicHookManager<detail::NullMutex>&))
 
 }  // namespace torchdbg

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "torchdbg/detail/bounded_map.hpp"
+#include "torchdbg/detail/compiled.hpp"
 #include "torchdbg/detail/mutex.hpp"
 #include "torchdbg/detail/ring_buffer.hpp"
 #include "torchdbg/error.hpp"
@@ -50,11 +51,16 @@ enum class TensorAlertKind { NaN, Inf, ExtremeMagnitude, VanishingGradient, Expl
 
 inline const char* to_string(TensorAlertKind k) noexcept {
   switch (k) {
-    case TensorAlertKind::NaN: return "nan";
-    case TensorAlertKind::Inf: return "inf";
-    case TensorAlertKind::ExtremeMagnitude: return "extreme_magnitude";
-    case TensorAlertKind::VanishingGradient: return "vanishing_gradient";
-    case TensorAlertKind::ExplodingGradient: return "exploding_gradient";
+    case TensorAlertKind::NaN:
+      return "nan";
+    case TensorAlertKind::Inf:
+      return "inf";
+    case TensorAlertKind::ExtremeMagnitude:
+      return "extreme_magnitude";
+    case TensorAlertKind::VanishingGradient:
+      return "vanishing_gradient";
+    case TensorAlertKind::ExplodingGradient:
+      return "exploding_gradient";
   }
   return "?";
 }
@@ -102,7 +108,8 @@ struct TensorComparison {
 
 /// Compares two tensors of any device/dtype/strides, computed from the data in double.
 inline TensorComparison compare_tensors(const at::Tensor& a, const at::Tensor& b) {
-  if (!a.defined() || !b.defined()) throw Error("torchdbg: compare_tensors got an undefined tensor");
+  if (!a.defined() || !b.defined())
+    throw Error("torchdbg: compare_tensors got an undefined tensor");
   detail::check_supported_dtype(a.scalar_type());
   detail::check_supported_dtype(b.scalar_type());
   TensorComparison c;
@@ -164,8 +171,8 @@ struct InspectorSummary {
                        "mean", "std", "min", "max", "nan", "inf");
     for (const auto& [name, r] : latest) {
       const auto& s = r.stats;
-      out += fmt::format("{:<32} {:>6} {:>11.4g} {:>11.4g} {:>11.4g} {:>11.4g} {:>6} {:>6}\n",
-                         name, r.step, s.mean, s.std, s.min, s.max, s.nan_count, s.inf_count);
+      out += fmt::format("{:<32} {:>6} {:>11.4g} {:>11.4g} {:>11.4g} {:>11.4g} {:>6} {:>6}\n", name,
+                         r.step, s.mean, s.std, s.min, s.max, s.nan_count, s.inf_count);
     }
     return out;
   }
@@ -179,29 +186,13 @@ struct InspectorSummary {
 template <typename Mutex>
 class BasicTensorInspector {
  public:
-  explicit BasicTensorInspector(InspectorOptions options = {})
-      : options_(std::move(options)), entries_(options_.max_names()) {
-    if (options_.history_capacity() == 0) throw Error("torchdbg: history_capacity must be >= 1, got 0");
-    if (options_.max_names() == 0) throw Error("torchdbg: max_names must be >= 1, got 0");
-    if (!(options_.sample_rate() >= 0.0 && options_.sample_rate() <= 1.0)) {
-      throw Error(fmt::format("torchdbg: sample_rate must be in [0, 1], got {}",
-                              options_.sample_rate()));
-    }
-    if (options_.histogram_bins() < 1) {
-      throw Error(fmt::format("torchdbg: histogram_bins must be >= 1, got {}",
-                              options_.histogram_bins()));
-    }
-  }
+  explicit BasicTensorInspector(InspectorOptions options = {});
 
   [[nodiscard]] const InspectorOptions& options() const noexcept { return options_; }
 
   /// Computes and records the statistics of `t` under `name`.
   InspectionRecord inspect(std::string_view name, const at::Tensor& t, int64_t step = 0,
-                           bool is_gradient = false) {
-    TensorStats s = compute_stats(t);
-    if (should_sample_distribution()) add_distribution(s, t, options_.histogram_bins());
-    return record(name, std::move(s), step, is_gradient, &t);
-  }
+                           bool is_gradient = false);
 
   /// Raw-data form of `inspect`: `size` elements of T laid out with `shape`.
   template <typename T>
@@ -211,142 +202,39 @@ class BasicTensorInspector {
   }
 
   /// Whether the next inspection should include the distribution (advances the sampler).
-  bool should_sample_distribution() {
-    std::lock_guard<Mutex> lock(mutex_);
-    sample_acc_ += options_.sample_rate();
-    if (sample_acc_ >= 1.0 - 1e-12) {
-      sample_acc_ -= 1.0;
-      return true;
-    }
-    return false;
-  }
+  bool should_sample_distribution();
 
   /// Records statistics computed elsewhere (the manager computes them once per call).
   /// `tensor` is kept (detached CPU copy) only when `keep_latest_tensor` is on.
   InspectionRecord record(std::string_view name, TensorStats stats, int64_t step, bool is_gradient,
-                          const at::Tensor* tensor = nullptr) {
-    InspectionRecord r;
-    r.step = step;
-    r.is_gradient = is_gradient;
-    r.stats = std::move(stats);
-    r.alerts = alerts_for(name, r.stats, step, is_gradient);
-    at::Tensor keep;
-    if (options_.keep_latest_tensor() && tensor != nullptr && tensor->defined()) {
-      keep = tensor->detach().to(at::kCPU).clone();
-    }
-    std::lock_guard<Mutex> lock(mutex_);
-    Entry& e = entry(name);
-    e.records.push(r);
-    if (keep.defined()) e.latest_tensor = std::move(keep);
-    ++inspections_;
-    alerts_ += r.alerts.size();
-    return r;
-  }
+                          const at::Tensor* tensor = nullptr);
 
   /// Adds a point to `name`'s gradient history and returns the alerts it raises
   /// (non-finite values, vanishing or exploding L2 norm).
   std::vector<TensorAlert> track_gradient(std::string_view name, const TensorStats& stats,
-                                          int64_t step) {
-    std::vector<TensorAlert> alerts = alerts_for(name, stats, step, /*is_gradient=*/true);
-    std::lock_guard<Mutex> lock(mutex_);
-    Entry& e = entry(name);
-    e.gradients.push(GradientRecord{step, stats.l2_norm, stats.linf_norm, stats.mean, stats.std,
-                                    stats.nan_count + stats.inf_count});
-    alerts_ += alerts.size();
-    return alerts;
-  }
+                                          int64_t step);
 
   /// The alerts the thresholds give for these statistics (records nothing).
   [[nodiscard]] std::vector<TensorAlert> alerts_for(std::string_view name, const TensorStats& s,
-                                                    int64_t step, bool is_gradient) const {
-    std::vector<TensorAlert> out;
-    const std::string_view n = name;  // copied only into an alert
-    if (s.nan_count > 0) {
-      out.push_back({TensorAlertKind::NaN, std::string(n), step, static_cast<double>(s.nan_count),
-                     fmt::format("'{}' has {} NaN of {} values", n, s.nan_count, s.numel)});
-    }
-    if (s.inf_count > 0) {
-      out.push_back({TensorAlertKind::Inf, std::string(n), step, static_cast<double>(s.inf_count),
-                     fmt::format("'{}' has {} Inf of {} values", n, s.inf_count, s.numel)});
-    }
-    if (s.finite_count > 0 && s.linf_norm > options_.extreme_magnitude()) {
-      out.push_back({TensorAlertKind::ExtremeMagnitude, std::string(n), step, s.linf_norm,
-                     fmt::format("'{}' max |x| = {:.4g} exceeds {:.4g}", n, s.linf_norm,
-                                 options_.extreme_magnitude())});
-    }
-    if (is_gradient && s.finite_count > 0) {
-      if (s.l2_norm < options_.vanishing_gradient_norm()) {
-        out.push_back({TensorAlertKind::VanishingGradient, std::string(n), step, s.l2_norm,
-                       fmt::format("gradient '{}' L2 norm {:.4g} below {:.4g} (vanishing)", n,
-                                   s.l2_norm, options_.vanishing_gradient_norm())});
-      } else if (s.l2_norm > options_.exploding_gradient_norm()) {
-        out.push_back({TensorAlertKind::ExplodingGradient, std::string(n), step, s.l2_norm,
-                       fmt::format("gradient '{}' L2 norm {:.4g} above {:.4g} (exploding)", n,
-                                   s.l2_norm, options_.exploding_gradient_norm())});
-      }
-    }
-    return out;
-  }
+                                                    int64_t step, bool is_gradient) const;
 
-  [[nodiscard]] std::optional<InspectionRecord> latest(std::string_view name) const {
-    std::lock_guard<Mutex> lock(mutex_);
-    const Entry* e = entries_.find(name);
-    if (e == nullptr || e->records.empty()) return std::nullopt;
-    return e->records.back();
-  }
+  [[nodiscard]] std::optional<InspectionRecord> latest(std::string_view name) const;
 
   /// Records of `name`, oldest first (empty for an unknown name).
-  [[nodiscard]] std::vector<InspectionRecord> history(std::string_view name) const {
-    std::lock_guard<Mutex> lock(mutex_);
-    const Entry* e = entries_.find(name);
-    return e ? e->records.to_vector() : std::vector<InspectionRecord>{};
-  }
+  [[nodiscard]] std::vector<InspectionRecord> history(std::string_view name) const;
 
-  [[nodiscard]] std::vector<GradientRecord> gradient_history(std::string_view name) const {
-    std::lock_guard<Mutex> lock(mutex_);
-    const Entry* e = entries_.find(name);
-    return e ? e->gradients.to_vector() : std::vector<GradientRecord>{};
-  }
+  [[nodiscard]] std::vector<GradientRecord> gradient_history(std::string_view name) const;
 
   /// Tracked names, in the order they were first seen.
-  [[nodiscard]] std::vector<std::string> names() const {
-    std::lock_guard<Mutex> lock(mutex_);
-    return entries_.names();
-  }
+  [[nodiscard]] std::vector<std::string> names() const;
 
   /// Compares the latest kept tensors of two names (needs `keep_latest_tensor(true)`).
-  [[nodiscard]] TensorComparison compare(std::string_view a, std::string_view b) const {
-    at::Tensor ta, tb;
-    {
-      std::lock_guard<Mutex> lock(mutex_);
-      ta = kept(a);
-      tb = kept(b);
-    }
-    return compare_tensors(ta, tb);
-  }
+  [[nodiscard]] TensorComparison compare(std::string_view a, std::string_view b) const;
 
-  [[nodiscard]] InspectorSummary summary() const {
-    std::lock_guard<Mutex> lock(mutex_);
-    InspectorSummary s;
-    s.tensors_tracked = entries_.size();
-    s.inspections = inspections_;
-    s.alerts = alerts_;
-    entries_.for_each([&](const std::string& name, const Entry& e) {
-      if (!e.records.empty()) s.latest.emplace_back(name, e.records.back());
-    });
-    std::sort(s.latest.begin(), s.latest.end(),
-              [](const auto& x, const auto& y) { return x.first < y.first; });
-    return s;
-  }
+  [[nodiscard]] InspectorSummary summary() const;
 
   /// Forgets every record, kept tensor and counter.
-  void clear() {
-    std::lock_guard<Mutex> lock(mutex_);
-    entries_.clear();
-    inspections_ = 0;
-    alerts_ = 0;
-    sample_acc_ = 0.0;
-  }
+  void clear();
 
  private:
   struct Entry {
@@ -356,21 +244,9 @@ class BasicTensorInspector {
     at::Tensor latest_tensor;
   };
 
-  Entry& entry(std::string_view name) {
-    return entries_.get_or_create(name, [&] { return Entry(options_.history_capacity()); });
-  }
+  Entry& entry(std::string_view name);
 
-  at::Tensor kept(std::string_view name) const {
-    if (!options_.keep_latest_tensor()) {
-      throw Error("torchdbg: compare(\"" + std::string(name) +
-                  "\", ...) needs InspectorOptions().keep_latest_tensor(true)");
-    }
-    const Entry* e = entries_.find(name);
-    if (e == nullptr || !e->latest_tensor.defined()) {
-      throw Error("torchdbg: no tensor recorded under '" + std::string(name) + "'");
-    }
-    return e->latest_tensor;
-  }
+  at::Tensor kept(std::string_view name) const;
 
   InspectorOptions options_;
   mutable Mutex mutex_;
@@ -380,7 +256,201 @@ class BasicTensorInspector {
   double sample_acc_ = 0.0;
 };
 
+#if TORCHDBG_DEFINITIONS
+
+template <typename Mutex>
+BasicTensorInspector<Mutex>::BasicTensorInspector(InspectorOptions options)
+    : options_(std::move(options)), entries_(options_.max_names()) {
+  if (options_.history_capacity() == 0)
+    throw Error("torchdbg: history_capacity must be >= 1, got 0");
+  if (options_.max_names() == 0) throw Error("torchdbg: max_names must be >= 1, got 0");
+  if (!(options_.sample_rate() >= 0.0 && options_.sample_rate() <= 1.0)) {
+    throw Error(
+        fmt::format("torchdbg: sample_rate must be in [0, 1], got {}", options_.sample_rate()));
+  }
+  if (options_.histogram_bins() < 1) {
+    throw Error(
+        fmt::format("torchdbg: histogram_bins must be >= 1, got {}", options_.histogram_bins()));
+  }
+}
+
+template <typename Mutex>
+auto BasicTensorInspector<Mutex>::inspect(std::string_view name, const at::Tensor& t, int64_t step,
+                                          bool is_gradient) -> InspectionRecord {
+  TensorStats s = compute_stats(t);
+  if (should_sample_distribution()) add_distribution(s, t, options_.histogram_bins());
+  return record(name, std::move(s), step, is_gradient, &t);
+}
+
+template <typename Mutex>
+bool BasicTensorInspector<Mutex>::should_sample_distribution() {
+  std::lock_guard<Mutex> lock(mutex_);
+  sample_acc_ += options_.sample_rate();
+  if (sample_acc_ >= 1.0 - 1e-12) {
+    sample_acc_ -= 1.0;
+    return true;
+  }
+  return false;
+}
+
+template <typename Mutex>
+auto BasicTensorInspector<Mutex>::record(std::string_view name, TensorStats stats, int64_t step,
+                                         bool is_gradient, const at::Tensor* tensor)
+    -> InspectionRecord {
+  InspectionRecord r;
+  r.step = step;
+  r.is_gradient = is_gradient;
+  r.stats = std::move(stats);
+  r.alerts = alerts_for(name, r.stats, step, is_gradient);
+  at::Tensor keep;
+  if (options_.keep_latest_tensor() && tensor != nullptr && tensor->defined()) {
+    keep = tensor->detach().to(at::kCPU).clone();
+  }
+  std::lock_guard<Mutex> lock(mutex_);
+  Entry& e = entry(name);
+  e.records.push(r);
+  if (keep.defined()) e.latest_tensor = std::move(keep);
+  ++inspections_;
+  alerts_ += r.alerts.size();
+  return r;
+}
+
+template <typename Mutex>
+auto BasicTensorInspector<Mutex>::track_gradient(std::string_view name, const TensorStats& stats,
+                                                 int64_t step) -> std::vector<TensorAlert> {
+  std::vector<TensorAlert> alerts = alerts_for(name, stats, step, /*is_gradient=*/true);
+  std::lock_guard<Mutex> lock(mutex_);
+  Entry& e = entry(name);
+  e.gradients.push(GradientRecord{step, stats.l2_norm, stats.linf_norm, stats.mean, stats.std,
+                                  stats.nan_count + stats.inf_count});
+  alerts_ += alerts.size();
+  return alerts;
+}
+
+template <typename Mutex>
+auto BasicTensorInspector<Mutex>::alerts_for(std::string_view name, const TensorStats& s,
+                                             int64_t step, bool is_gradient) const
+    -> std::vector<TensorAlert> {
+  std::vector<TensorAlert> out;
+  const std::string_view n = name;  // copied only into an alert
+  if (s.nan_count > 0) {
+    out.push_back({TensorAlertKind::NaN, std::string(n), step, static_cast<double>(s.nan_count),
+                   fmt::format("'{}' has {} NaN of {} values", n, s.nan_count, s.numel)});
+  }
+  if (s.inf_count > 0) {
+    out.push_back({TensorAlertKind::Inf, std::string(n), step, static_cast<double>(s.inf_count),
+                   fmt::format("'{}' has {} Inf of {} values", n, s.inf_count, s.numel)});
+  }
+  if (s.finite_count > 0 && s.linf_norm > options_.extreme_magnitude()) {
+    out.push_back({TensorAlertKind::ExtremeMagnitude, std::string(n), step, s.linf_norm,
+                   fmt::format("'{}' max |x| = {:.4g} exceeds {:.4g}", n, s.linf_norm,
+                               options_.extreme_magnitude())});
+  }
+  if (is_gradient && s.finite_count > 0) {
+    if (s.l2_norm < options_.vanishing_gradient_norm()) {
+      out.push_back({TensorAlertKind::VanishingGradient, std::string(n), step, s.l2_norm,
+                     fmt::format("gradient '{}' L2 norm {:.4g} below {:.4g} (vanishing)", n,
+                                 s.l2_norm, options_.vanishing_gradient_norm())});
+    } else if (s.l2_norm > options_.exploding_gradient_norm()) {
+      out.push_back({TensorAlertKind::ExplodingGradient, std::string(n), step, s.l2_norm,
+                     fmt::format("gradient '{}' L2 norm {:.4g} above {:.4g} (exploding)", n,
+                                 s.l2_norm, options_.exploding_gradient_norm())});
+    }
+  }
+  return out;
+}
+
+template <typename Mutex>
+auto BasicTensorInspector<Mutex>::latest(std::string_view name) const
+    -> std::optional<InspectionRecord> {
+  std::lock_guard<Mutex> lock(mutex_);
+  const Entry* e = entries_.find(name);
+  if (e == nullptr || e->records.empty()) return std::nullopt;
+  return e->records.back();
+}
+
+template <typename Mutex>
+auto BasicTensorInspector<Mutex>::history(std::string_view name) const
+    -> std::vector<InspectionRecord> {
+  std::lock_guard<Mutex> lock(mutex_);
+  const Entry* e = entries_.find(name);
+  return e ? e->records.to_vector() : std::vector<InspectionRecord>{};
+}
+
+template <typename Mutex>
+auto BasicTensorInspector<Mutex>::gradient_history(std::string_view name) const
+    -> std::vector<GradientRecord> {
+  std::lock_guard<Mutex> lock(mutex_);
+  const Entry* e = entries_.find(name);
+  return e ? e->gradients.to_vector() : std::vector<GradientRecord>{};
+}
+
+template <typename Mutex>
+auto BasicTensorInspector<Mutex>::names() const -> std::vector<std::string> {
+  std::lock_guard<Mutex> lock(mutex_);
+  return entries_.names();
+}
+
+template <typename Mutex>
+auto BasicTensorInspector<Mutex>::compare(std::string_view a, std::string_view b) const
+    -> TensorComparison {
+  at::Tensor ta, tb;
+  {
+    std::lock_guard<Mutex> lock(mutex_);
+    ta = kept(a);
+    tb = kept(b);
+  }
+  return compare_tensors(ta, tb);
+}
+
+template <typename Mutex>
+auto BasicTensorInspector<Mutex>::summary() const -> InspectorSummary {
+  std::lock_guard<Mutex> lock(mutex_);
+  InspectorSummary s;
+  s.tensors_tracked = entries_.size();
+  s.inspections = inspections_;
+  s.alerts = alerts_;
+  entries_.for_each([&](const std::string& name, const Entry& e) {
+    if (!e.records.empty()) s.latest.emplace_back(name, e.records.back());
+  });
+  std::sort(s.latest.begin(), s.latest.end(),
+            [](const auto& x, const auto& y) { return x.first < y.first; });
+  return s;
+}
+
+template <typename Mutex>
+void BasicTensorInspector<Mutex>::clear() {
+  std::lock_guard<Mutex> lock(mutex_);
+  entries_.clear();
+  inspections_ = 0;
+  alerts_ = 0;
+  sample_acc_ = 0.0;
+}
+
+template <typename Mutex>
+auto BasicTensorInspector<Mutex>::entry(std::string_view name) -> Entry& {
+  return entries_.get_or_create(name, [&] { return Entry(options_.history_capacity()); });
+}
+
+template <typename Mutex>
+auto BasicTensorInspector<Mutex>::kept(std::string_view name) const -> at::Tensor {
+  if (!options_.keep_latest_tensor()) {
+    throw Error("torchdbg: compare(\"" + std::string(name) +
+                "\", ...) needs InspectorOptions().keep_latest_tensor(true)");
+  }
+  const Entry* e = entries_.find(name);
+  if (e == nullptr || !e->latest_tensor.defined()) {
+    throw Error("torchdbg: no tensor recorded under '" + std::string(name) + "'");
+  }
+  return e->latest_tensor;
+}
+
+#endif  // TORCHDBG_DEFINITIONS
+
 using TensorInspector = BasicTensorInspector<std::mutex>;
 using TensorInspectorSt = BasicTensorInspector<detail::NullMutex>;
+
+TORCHDBG_EXTERN_TEMPLATE(class BasicTensorInspector<std::mutex>)
+TORCHDBG_EXTERN_TEMPLATE(class BasicTensorInspector<detail::NullMutex>)
 
 }  // namespace torchdbg
