@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Compile time of a training-loop file with and without torchdbg (docs/performance.md,
-# "Compile time"): torch/torch.h and a 10-line loop; the same with the README's quick start,
+# "Compile time"): torch/torch.h and a 10-line loop; the same with the README's quick start
+# (the `quickstart` snippet of examples/tour.cpp),
 # header-only (torchdbg.hpp) and in the fast-build mode (torchdbg.hpp, lite.hpp); and the
 # compiled library itself, once. Rounds run the variants back to back in a rotating order and
 # each variant is also given relative to the plain file of its own round, which cancels the
@@ -35,24 +36,16 @@ $loop
   std::cout << "done\n";
 }
 EOF
-quick='int main() {
-'"$loop"'
-  torchdbg::HookManager hooks;
-  torchdbg::HealthMonitor health(torchdbg::HealthOptions().on_failure(torchdbg::OnFailure::Pause));
-  auto fed = health.install(hooks);
-  auto session = torchdbg::attach(*model, hooks);
-  for (int64_t step = 0; step < 100 && !hooks.is_paused(); ++step) {
-    hooks.set_step(step);
-    opt.zero_grad();
-    auto loss = torch::nn::functional::cross_entropy(model->forward(torch::randn({32, 8})),
-                                                     torch::randint(0, 4, {32}));
-    hooks.set_loss(loss.item<double>());
-    loss.backward();
-    if (hooks.is_paused()) break;
-    opt.step();
-  }
-  std::cout << torchdbg::diagnose(health).summary() << "\n";
-}'
+# The README's quick start, as examples/tour.cpp holds it (its `quickstart` snippet).
+snippet="$(sed -n '/\[snippet quickstart\]/,/\[\/snippet\]/p' "$root/examples/tour.cpp" | sed '1d;$d')"
+if [[ -z "$snippet" ]]; then
+  echo "compile_time.sh: no quickstart snippet in examples/tour.cpp" >&2
+  exit 1
+fi
+quick="int main() {
+$loop
+$snippet
+}"
 printf '#include <torch/torch.h>\n#include <torchdbg/torchdbg.hpp>\n#include <iostream>\n%s\n' "$quick" > "$work/full.cpp"
 printf '#include <torch/torch.h>\n#include <torchdbg/lite.hpp>\n#include <iostream>\n%s\n' "$quick" > "$work/lite.cpp"
 
