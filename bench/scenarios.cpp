@@ -30,6 +30,7 @@
 #include <memory>
 #include <optional>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <torchdbg/attach.hpp>
 #include <torchdbg/diagnosis.hpp>
@@ -318,6 +319,8 @@ struct Scenario {
   std::function<std::string(const Onset&)> truth_later;
   /// A second kind the top hypothesis may have; layer "*": any layer.
   std::optional<FailureKind> or_kind;
+  /// The data's scale (unnormalized inputs: outputs that are mostly their bias).
+  double input_scale = 1.0;
 };
 
 /// The onset step varies with the seed (after the monitor's baselines have warmed up).
@@ -331,8 +334,21 @@ std::string check_nonfinite_origin(const Onset& o, const std::string& layer) {
   if (!finite(in)) return layer + "'s input is already non-finite";
   return {};
 }
+/// The std across the batch: each position's batch mean (a bias among it) taken out.
+double batch_spread(const torch::Tensor& t) {
+  const auto x = t.to(torch::kDouble);
+  return (x - x.mean(0, true)).pow(2).mean().sqrt().item<double>();
+}
+/// The layer's output spread over its input's spread, both across the batch: what its
+/// weights do to what varies between samples.
+std::string check_spread_gain_above(const Onset& o, const std::string& layer, double g) {
+  const double gain = batch_spread(o.model->out.at(layer)) / batch_spread(o.model->in.at(layer));
+  if (!(gain > g)) return layer + " spread gain " + std::to_string(gain) + " is not above " + std::to_string(g);
+  return {};
+}
 std::string check_gain_above(const Onset& o, const std::string& layer, double g) {
-  const double gain = std_all(o.model->out.at(layer)) / rms(o.model->in.at(layer));
+  // The output's spread across the batch (what its bias adds taken out) over the input's RMS.
+  const double gain = batch_spread(o.model->out.at(layer)) / rms(o.model->in.at(layer));
   if (!(gain > g)) return layer + " gain " + std::to_string(gain) + " is not above " + std::to_string(g);
   return {};
 }
@@ -380,6 +396,11 @@ std::vector<Scenario> scenarios() {
     s.name = s.group + ": " + arch_name(s.arch);
     if (s.act == Act::Tanh) s.name += " tanh";
     if (s.act == Act::Sigmoid) s.name += " sigmoid";
+    if (s.input_scale != 1.0) {
+      std::ostringstream scale;
+      scale << s.input_scale;
+      s.name += " inputs x" + scale.str();
+    }
     if (!s.layer.empty() && s.layer != "input" && s.layer != "loss" && s.layer != "*") s.name += " " + s.layer;
     s.name += s.adam ? " Adam" : " SGD";
     v.push_back(std::move(s));
@@ -396,6 +417,21 @@ std::vector<Scenario> scenarios() {
     s.adam = i % 2 == 1 || i == 6;
     s.group = "healthy";
     s.how = "no failure";
+    add(std::move(s));
+  }
+  // Unnormalized data of a small scale: every layer's output is then mostly its bias. (Not
+  // ReLU layers without a normalization before them: their units whose bias is negative are
+  // dead for every sample, as reported.)
+  for (const auto& [arch, act, scale] : {std::tuple{Arch::Mlp, Act::Tanh, 1e-3}, std::tuple{Arch::Mlp, Act::Tanh, 1e-4},
+                                         std::tuple{Arch::Cnn, Act::Relu, 1e-3}, std::tuple{Arch::LayerNormGelu, Act::Relu, 1e-2},
+                                         std::tuple{Arch::Lstm, Act::Relu, 1e-3}}) {
+    Scenario s;
+    s.arch = arch;
+    s.act = act;
+    s.adam = arch == Arch::Cnn;
+    s.input_scale = scale;
+    s.group = "healthy";
+    s.how = "no failure, inputs of a small scale";
     add(std::move(s));
   }
   // ---- bad input: a few NaN values in the onset batch
@@ -468,6 +504,14 @@ std::vector<Scenario> scenarios() {
     s.truth = [l](const Onset& o) { return check_gain_above(o, l, 10.0); };
     add(std::move(s));
   }
+  {  // the same with inputs of a small scale, where the outputs are mostly their biases
+    Scenario s = failure("exploding activation", FailureKind::ExplodingActivation, Arch::Mlp, "fc1", false,
+                         "the layer's weight times 1000, inputs x0.001");
+    s.input_scale = 1e-3;
+    s.induce = [](Model& m) { m.weight("fc1").mul_(1000.0); };
+    s.truth = [](const Onset& o) { return check_spread_gain_above(o, "fc1", 10.0); };
+    add(std::move(s));
+  }
   // ---- exploding gradients: the backward pass of one step scaled by 1e9 (an unscaled loss
   // scale); the most downstream layer is where backward starts
   const std::tuple<Arch, std::string, bool> egrad[] = {
@@ -512,6 +556,22 @@ std::vector<Scenario> scenarios() {
       m.bias(l).fill_(0.5);
     };
     s.truth = [l](const Onset& o) { return check_constant(o, l); };
+    add(std::move(s));
+  }
+  {  // a LayerNorm's weight collapsed to 0: its bias (one row) for every sample, which differs
+     // between units, so the whole tensor is not constant
+    Scenario s = failure("constant output", FailureKind::ConstantOutput, Arch::LayerNormGelu, "block0_ln", true,
+                         "the LayerNorm's weight zeroed, its bias random");
+    s.induce = [](Model& m) {
+      m.weight("block0_ln").zero_();
+      m.bias("block0_ln").normal_(0.0, 0.5);
+    };
+    s.truth = [](const Onset& o) {
+      const auto& out = o.model->out.at("block0_ln");
+      if (batch_spread(out) != 0.0) return "block0_ln's spread across the batch " + std::to_string(batch_spread(out));
+      if (std_all(out) == 0.0) return std::string("block0_ln's output is one value");
+      return std::string();
+    };
     add(std::move(s));
   }
   // ---- the loss itself: a zero temperature (NaN loss from finite logits), and a batch of
@@ -586,7 +646,7 @@ RunResult run(const Scenario& sc, uint64_t seed, bool verbose) {
   auto model = make_model(sc.arch, sc.act, width);
   // A learnable task: labels from a random teacher on fixed inputs.
   const int64_t n = 256, batch = 32;
-  const auto X = model->input(n);
+  const auto X = model->input(n) * sc.input_scale;
   const auto teacher = torch::randn({X[0].numel(), kClasses});
   const auto Y = X.reshape({n, -1}).matmul(teacher).argmax(1);
   std::unique_ptr<torch::optim::Optimizer> opt;

@@ -212,6 +212,174 @@ TEST_CASE(
   shift.observe_activation("fc0", x, 0);
   shift.observe_activation("fc1", x - 100.0, 0);
   CHECK(shift.layer("fc1")->activation == ActivationHealth::Normal);
+  // Nor do different biases per unit: an output that is mostly its bias (small inputs), or
+  // the same for every sample, has no gain however wide its units' values.
+  HealthMonitor bias;
+  bias.observe_activation("fc0", x * 1e-3, 0);
+  bias.observe_activation("fc1", x * 2e-3 + torch::randn({1, 16}), 0);
+  CHECK(bias.layer("fc1")->activation == ActivationHealth::Normal);
+  CHECK(bias.layer("fc1")->gain > 100.0);  // the whole std over the input's RMS, as documented
+  bias.observe_activation("fc0", x, 1);
+  bias.observe_activation("fc1", torch::randn({1, 16}).mul(100).expand({32, 16}), 1);
+  CHECK(bias.layer("fc1")->activation == ActivationHealth::Normal);
+  CHECK(bias.incidents().empty());
+  // The same outputs on a batch of one have no spread to measure: the whole std is judged.
+  HealthMonitor one;
+  one.observe_activation("fc0", x.narrow(0, 0, 1) * 1e-3, 0);
+  one.observe_activation("fc1", x.narrow(0, 0, 1) * 2e-3 + torch::randn({1, 16}), 0);
+  CHECK(one.layer("fc1")->activation == ActivationHealth::Anomalous);
+}
+
+TEST_CASE("a normalization's output that is the same for every sample is a constant output",
+          "[health]") {
+  ActivationInfo ln;
+  ln.module_type = "torch::nn::LayerNormImpl";
+  const torch::Tensor bias = torch::randn({1, 16});
+  {
+    HealthMonitor m;
+    m.observe_activation("fc0", torch::randn({8, 16}), 0);
+    m.observe_activation("ln", bias.expand({8, 16}).contiguous(), 0, ln);
+    REQUIRE(m.incidents().size() == 1);
+    CHECK(m.incidents()[0].kind == FailureKind::ConstantOutput);
+    CHECK(m.incidents()[0].layer == "ln");
+    CHECK(m.incidents()[0].details.at("batch_spread") == 0.0);
+    CHECK(m.layer("ln")->activation == ActivationHealth::Anomalous);
+  }
+  {  // rows that differ by a hair (weight 1e-9 instead of 0) are as constant; wider ones not
+    HealthMonitor m;
+    m.observe_activation("ln", bias + torch::randn({8, 16}) * 1e-9, 0, ln);
+    CHECK(m.layer("ln")->activation == ActivationHealth::Anomalous);
+    HealthMonitor wide;
+    wide.observe_activation("ln", bias + torch::randn({8, 16}) * 1e-3, 0, ln);
+    CHECK(wide.layer("ln")->activation == ActivationHealth::Normal);
+    // only the first two rows alike: measured across the batch, not constant
+    torch::Tensor two = bias + torch::randn({8, 16});
+    two[1] = two[0];
+    HealthMonitor partial;
+    partial.observe_activation("ln", two, 0, ln);
+    CHECK(partial.layer("ln")->activation == ActivationHealth::Normal);
+  }
+  {  // a batch of one, and modules that may ignore the batch (a position embedding), are not judged
+    HealthMonitor m;
+    m.observe_activation("ln", bias, 0, ln);
+    m.observe_activation("pos", bias.expand({8, 16}), 0);
+    CHECK(m.incidents().empty());
+  }
+  // Through attach, on a model: the LayerNorm is named, not the head whose gain over the
+  // collapsed input would otherwise look like an explosion.
+  for (int seed = 0; seed < 3; ++seed) {
+    INFO("seed " << seed);
+    torch::manual_seed(seed);
+    torch::nn::Sequential model(torch::nn::Linear(12, 24), torch::nn::LayerNorm(torch::nn::LayerNormOptions({24})),
+                                torch::nn::GELU(), torch::nn::Linear(24, 24), torch::nn::GELU(), torch::nn::Linear(24, 3));
+    torch::optim::Adam opt(model->parameters(), 1e-3);
+    torchdbg::HookManager hooks;
+    HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+    auto fed = m.install(hooks);
+    auto session = torchdbg::attach(*model, hooks);
+    int64_t step = 0;
+    for (; step < 30 && !hooks.is_paused(); ++step) {
+      hooks.set_step(step);
+      if (step == 12) {
+        torch::NoGradGuard g;
+        model[1]->named_parameters()["weight"].zero_();
+        model[1]->named_parameters()["bias"].normal_(0.0, 0.5);
+      }
+      opt.zero_grad();
+      auto x = torch::randn({16, 12});
+      auto loss = torch::nn::functional::cross_entropy(model->forward(x), torch::randint(0, 3, {16}));
+      hooks.set_loss(loss.item<double>());
+      loss.backward();
+      if (hooks.is_paused()) break;
+      opt.step();
+    }
+    const auto d = torchdbg::diagnose(m);
+    REQUIRE_FALSE(d.hypotheses.empty());
+    CHECK(d.hypotheses[0].kind == FailureKind::ConstantOutput);
+    CHECK(d.hypotheses[0].layer == "1");
+    CHECK(d.hypotheses[0].step == 12);
+    for (const auto& inc : m.incidents()) CHECK(inc.kind != FailureKind::ExplodingActivation);
+  }
+}
+
+TEST_CASE("property: healthy models fed small inputs raise nothing; their weights blown up are named",
+          "[health]") {
+  // Inputs of scale 1e-2..1e-5 (unnormalized physical units): every module's output is then
+  // mostly its bias, which differs between units; also with zero-initialised biases, whose
+  // growth makes the whole std grow step after step. Three architectures, several seeds each.
+  struct Net {
+    std::string name;
+    std::function<torch::nn::Sequential()> make;
+    std::vector<int64_t> input;
+    std::string first;  // the module whose weights are blown up
+  };
+  const std::vector<Net> nets = {
+      {"mlp", [] { return torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::ReLU(), torch::nn::Linear(32, 4)); },
+       {32, 16}, "0"},
+      {"tanh", [] { return torch::nn::Sequential(torch::nn::Linear(12, 24), torch::nn::Tanh(), torch::nn::Linear(24, 24),
+                                                  torch::nn::Tanh(), torch::nn::Linear(24, 3)); },
+       {16, 12}, "0"},
+      {"conv", [] { return torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)),
+                                                  torch::nn::ReLU(), torch::nn::Flatten(), torch::nn::Linear(8 * 6 * 6, 4)); },
+       {8, 3, 6, 6}, "0"},
+  };
+  for (const Net& net : nets) {
+    for (const double scale : {1e-2, 1e-5}) {
+      for (int seed = 0; seed < 3; ++seed) {
+        for (const int variant : {0, 1, 2}) {
+          const bool blow_up = variant == 1, zero_bias = variant == 2;
+          INFO(net.name << " scale " << scale << " seed " << seed
+                        << (blow_up ? " weights x1e3 at step 25" : zero_bias ? " healthy, zero biases, Adam" : " healthy"));
+          torch::manual_seed(100 + seed);
+          auto model = net.make();
+          if (zero_bias) {
+            torch::NoGradGuard g;
+            for (auto& p : model->named_parameters())
+              if (p.key().find("bias") != std::string::npos) p.value().zero_();
+          }
+          std::unique_ptr<torch::optim::Optimizer> opt;
+          if (zero_bias)
+            opt = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3));
+          else
+            opt = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(1e-3));
+          torchdbg::HookManager hooks;
+          HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+          auto fed = m.install(hooks);
+          auto session = torchdbg::attach(*model, hooks);
+          int64_t step = 0;
+          for (; step < 40 && !hooks.is_paused(); ++step) {
+            hooks.set_step(step);
+            if (blow_up && step == 25) {
+              torch::NoGradGuard g;
+              model->named_children()[net.first]->named_parameters(false)["weight"].mul_(1e3);
+            }
+            opt->zero_grad();
+            const auto x = torch::randn(net.input) * scale;
+            auto out = model->forward(x);
+            // A target of order 1 that the inputs determine.
+            auto loss = torch::mse_loss(out, torch::tanh(x.flatten(1).narrow(1, 0, out.size(1)) / scale));
+            hooks.set_loss(loss.item<double>());
+            loss.backward();
+            if (hooks.is_paused()) break;
+            opt->step();
+          }
+          if (!blow_up) {
+            for (const auto& inc : m.incidents()) {
+              UNSCOPED_INFO("incident " << torchdbg::to_string(inc.kind) << " at '" << inc.layer << "' step " << inc.step);
+            }
+            for (const auto& inc : m.incidents()) CHECK(inc.kind != FailureKind::ExplodingActivation);
+            CHECK_FALSE(hooks.is_paused());
+          } else {
+            REQUIRE(hooks.is_paused());
+            CHECK(step == 25);
+            const auto d = torchdbg::diagnose(m);
+            REQUIRE_FALSE(d.hypotheses.empty());
+            CHECK(d.hypotheses[0].layer == net.first);
+          }
+        }
+      }
+    }
+  }
 }
 
 TEST_CASE("gradient norms per module: vanishing, exploding, non-finite, baseline jumps",
@@ -291,6 +459,25 @@ TEST_CASE("loss rules work from the first steps: a 10x jump at step 1 is a spike
     for (int s = 0; s < 6; ++s) calm.observe_loss(s, first * (s % 2 ? 1.8 : 0.9));
     CHECK(calm.incidents().empty());
   }
+}
+
+TEST_CASE("a persisting finding quotes its onset's numbers; the latest is last_value", "[health]") {
+  HealthMonitor m;
+  for (int s = 0; s < 31; ++s) m.observe_loss(s, 1.0 + 0.01 * (s % 3));
+  m.observe_loss(31, 11.0);
+  m.observe_loss(32, 17.6);
+  m.observe_loss(33, 12.5);
+  auto inc = m.incidents();
+  REQUIRE(inc.size() == 1);
+  CHECK(inc[0].kind == FailureKind::LossSpike);
+  CHECK(inc[0].step == 31);
+  CHECK(inc[0].value == 11.0);
+  CHECK(inc[0].last_step == 32);
+  CHECK(inc[0].details.at("last_value") == 17.6);
+  const auto d = torchdbg::diagnose(m);
+  REQUIRE_FALSE(d.hypotheses.empty());
+  INFO(d.hypotheses[0].description);
+  CHECK(d.hypotheses[0].description.find("spiked to 11 at step 31") != std::string::npos);
 }
 
 TEST_CASE("NaN/Inf in the model's input is a bad-input incident, and the layer fed it is no origin", "[health]") {

@@ -881,6 +881,106 @@ TEST_CASE("property: expanded, windowed and strided views give the statistics of
   CHECK(pieces > 0);  // some cases overlap beyond a piece and are read piece by piece
 }
 
+namespace {
+
+/// sqrt(mean((x - x.mean(0))^2)) in float64 torch ops on a contiguous copy; NaN where
+/// batch_spread documents NaN.
+double reference_batch_spread(const torch::Tensor& t) {
+  if (t.dim() < 2 || t.size(0) < 2 || t.numel() == 0) return kNaN;
+  const torch::Tensor x = t.contiguous().to(torch::kDouble);
+  if (!torch::isfinite(x).all().item<bool>()) return kNaN;
+  return (x - x.mean(0, true)).pow(2).mean().sqrt().item<double>();
+}
+
+}  // namespace
+
+TEST_CASE("property: batch_spread is the spread across the batch of a double reference, on any view",
+          "[stats]") {
+  std::mt19937_64 g(20261202);
+  const auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); };
+  const std::vector<torch::ScalarType> dtypes = {torch::kFloat, torch::kDouble, torch::kHalf, torch::kBFloat16,
+                                                 torch::kInt, torch::kLong, torch::kByte, torch::kBool};
+  int nonzero = 0;
+  for (int i = 0; i < 120; ++i) {
+    const auto dtype = dtypes[static_cast<std::size_t>(pick(0, static_cast<int64_t>(dtypes.size()) - 1))];
+    std::vector<int64_t> shape;
+    for (int64_t d = pick(1, 4); d > 0; --d) shape.push_back(pick(1, 70));
+    const uint64_t seed = g();
+    torch::manual_seed(static_cast<int64_t>(seed & 0x7fffffff));
+    // A per-position offset shared by every row (a bias) far larger than the spread, so a
+    // kernel that does not take each position's batch mean out is off by orders.
+    const double spread = std::pow(10.0, static_cast<double>(pick(-3, 3)));
+    std::vector<int64_t> pos_shape = shape;
+    pos_shape[0] = 1;
+    torch::Tensor t = torch::randn(shape, torch::kDouble) * spread + torch::randn(pos_shape, torch::kDouble) * 1e3 * spread;
+    t = t.to(dtype);
+    std::ostringstream code;
+    code << "seed " << seed << " shape " << torch::IntArrayRef(shape) << " spread " << spread << " " << dtype;
+    for (int64_t ops = pick(0, 3); ops > 0; --ops) {
+      switch (pick(0, 3)) {
+        case 0: {  // a size-1 dimension expanded (the batch one included)
+          const int64_t at = pick(0, t.dim());
+          std::vector<int64_t> sizes = t.unsqueeze(at).sizes().vec();
+          sizes[static_cast<std::size_t>(at)] = pick(2, 9);
+          t = t.unsqueeze(at).expand(sizes);
+          code << ".unsqueeze(" << at << ").expand(" << torch::IntArrayRef(sizes) << ")";
+          break;
+        }
+        case 1:
+          if (t.dim() >= 2) {
+            const int64_t a = pick(0, t.dim() - 1), b = pick(0, t.dim() - 1);
+            t = t.transpose(a, b);
+            code << ".transpose(" << a << ", " << b << ")";
+          }
+          break;
+        case 2: {
+          const int64_t d = pick(0, t.dim() - 1);
+          const int64_t step = pick(1, 3);
+          t = t.slice(d, 0, t.size(d), step);
+          code << ".slice(" << d << ", 0, end, " << step << ")";
+          break;
+        }
+        default:
+          if (t.numel() > 0 && t.numel() < (int64_t{1} << 20)) {
+            t = t.contiguous();
+            code << ".contiguous()";
+          }
+      }
+    }
+    if (t.numel() > (int64_t{1} << 22)) continue;
+    INFO("case " << i << ": " << code.str() << " -> " << t.sizes() << " strides " << t.strides());
+    const double want = reference_batch_spread(t);
+    const double got = torchdbg::detail::batch_spread(t);
+    if (std::isnan(want)) {
+      CHECK(std::isnan(got));
+    } else {
+      // The reference's own rounding follows the values' magnitude (its batch means of
+      // identical rows are off by an ulp of the offset).
+      const double scale = t.to(torch::kDouble).pow(2).mean().sqrt().item<double>();
+      INFO("got " << got << " want " << want << " scale " << scale);
+      CHECK(std::fabs(got - want) <= 1e-9 * (want + scale));
+      if (want > 1e-6 * scale) ++nonzero;
+    }
+  }
+  CHECK(nonzero > 40);
+  // Rows that are all alike have no spread, however large the values.
+  CHECK(torchdbg::detail::batch_spread(torch::randn({1, 7}).mul(1e6).expand({32, 7})) == 0.0);
+  CHECK(torchdbg::detail::batch_spread(torch::randn({5}).mul(1e6).repeat({16, 1})) == 0.0);
+  // No batch, a NaN or an Inf: NaN. Bad input: the documented error.
+  CHECK(std::isnan(torchdbg::detail::batch_spread(torch::randn({9}))));
+  CHECK(std::isnan(torchdbg::detail::batch_spread(torch::randn({1, 9}))));
+  CHECK(std::isnan(torchdbg::detail::batch_spread(torch::zeros({0, 9}))));
+  torch::Tensor bad = torch::randn({4, 9});
+  bad[2][3] = kInf;
+  CHECK(std::isnan(torchdbg::detail::batch_spread(bad)));
+  bad[2][3] = kNaN;
+  CHECK(std::isnan(torchdbg::detail::batch_spread(bad)));
+  CHECK(std::isnan(torchdbg::detail::batch_spread(torch::full({1, 4}, kNaN).expand({6, 4}))));
+  CHECK(std::isnan(torchdbg::detail::batch_spread(bad.narrow(0, 2, 1).expand({6, 9}))));
+  CHECK_THROWS_AS(torchdbg::detail::batch_spread(torch::Tensor()), torchdbg::Error);
+  CHECK_THROWS_AS(torchdbg::detail::batch_spread(torch::zeros({2, 2}, torch::kComplexFloat)), torchdbg::Error);
+}
+
 TEST_CASE("an expanded tensor of 2^40 elements is summarised from its storage, exactly", "[stats]") {
   torchdbg_test::SeededRng rng(11);
   auto base = with_non_finite(torch::randn({1024, 1}));

@@ -195,7 +195,9 @@ struct HealthOptions {
   /// Output std below this fraction of its RMS (with >= 2 elements): near-constant.
   TORCH_ARG(double, constant_ratio) = 1e-6;
   /// Output std above this multiple of its input's RMS: an exploding activation
-  /// (normalization layers excepted). Once the layer's gain baseline (an EMA of its healthy
+  /// (normalization layers excepted). Until the layer's baseline is known, the output's
+  /// spread across the batch (the first dimension) is judged instead: what a bias, or any
+  /// output the same for every sample, adds to the std is no amplification. Once the layer's gain baseline (an EMA of its healthy
   /// gains) is known, the limit is min(max(this, 3 x baseline), max(2, 10 x baseline)): a
   /// layer whose healthy gain grew may exceed it, and a 10x jump over the history counts
   /// below it (ExplodingActivationRuleOptions).
@@ -404,7 +406,9 @@ struct Incident {
   int64_t persisted = 1;  ///< consecutive evaluations in that state
   double confidence = 0.0;
   double margin = 0.0;           ///< how far past the threshold, 0..1 (the largest seen)
-  double value = 0.0;            ///< the measured quantity (fraction, norm, gain, loss)
+  /// The measured quantity (fraction, norm, gain, loss) at the onset; `details["last_value"]`
+  /// holds it at `last_step`.
+  double value = 0.0;
   double threshold = 0.0;        ///< what it was compared with
   std::vector<uint64_t> events;  ///< ids of the events behind it (the first few)
   nlohmann::json details = nlohmann::json::object();
@@ -705,6 +709,9 @@ class BasicHealthMonitor {
     double nonfinite_frac = 0.0;
     double gain_base = detail::kNaN;
     int64_t gain_n = 0;
+    double spread_gain = detail::kNaN;  // the gain on the output's spread across the batch
+    double spread_base = detail::kNaN;  // and its baseline
+    int64_t spread_n = 0;
     std::vector<std::vector<int64_t>> unit_ring;
     std::vector<int64_t> sample_ring, step_ring;
     std::size_t unit_head = 0;
@@ -854,6 +861,10 @@ class BasicHealthMonitor {
   HealthReport report_locked() const;
 
   static constexpr int64_t kUnordered = int64_t{1} << 40;
+  // Gains up to this (an output no wider than its input) are not measured again on the
+  // output's spread across the batch (never larger): ExplodingActivationRule's limits are at
+  // least 2 unless configured lower.
+  static constexpr double kGainSpreadFrom = 1.0;
 
   HealthOptions options_;
   std::vector<HealthRulePtr> rules_;
@@ -1592,6 +1603,29 @@ void BasicHealthMonitor<Mutex>::on_activation(Layer& L, const at::Tensor& y, con
             : std::nullopt);
   }
   const bool base_ready = L.gain_n >= options_.baseline_warmup() && std::isfinite(L.gain_base);
+  // Nor do the bias's differences between units (an output of small inputs is mostly its
+  // bias), or an output the same for every sample: the gain is also measured on the output's
+  // spread across the batch, with its own baseline. That spread is never above the whole
+  // std, so the extra pass runs only where a gain limit could be crossed; below, the whole
+  // std's gain stands for it (an upper bound) in its baseline.
+  L.spread_gain = detail::kNaN;
+  double batch_spread = detail::kNaN;
+  if (L.gain > std::min(kGainSpreadFrom, options_.activation_gain()) && !s.has_non_finite()) {
+    batch_spread = detail::batch_spread(y);
+    L.spread_gain = batch_spread / *in_rms;
+  }
+  // A normalization's output the same for every sample (its weight collapsed to 0) is
+  // constant to the user: measured across the whole batch only where the first two samples'
+  // outputs are alike (two rows read otherwise; CPU outputs, no device sync). Other modules
+  // may be meant to give every sample the same output (a position embedding of expanded
+  // ids): their spread across the batch judges only their gain.
+  const bool normalization = module_type.find("Norm") != std::string_view::npos;
+  if (normalization && !std::isfinite(batch_spread) && y.device().is_cpu() && !s.has_non_finite() &&
+      y.dim() >= 2 && y.size(0) >= 2 && std::isfinite(L.rms)) {
+    const double first_two = detail::batch_spread(y.narrow(0, 0, 2));
+    if (first_two <= options_.constant_ratio() * L.rms) batch_spread = detail::batch_spread(y);
+  }
+  const bool spread_ready = L.spread_n >= options_.baseline_warmup() && std::isfinite(L.spread_base);
 
   // ---- the rules
   ActivationSignals sig(y, s);
@@ -1604,6 +1638,9 @@ void BasicHealthMonitor<Mutex>::on_activation(Layer& L, const at::Tensor& y, con
   sig.rms = L.rms;
   sig.gain = L.gain;
   sig.gain_baseline = base_ready ? L.gain_base : detail::kNaN;
+  sig.gain_spread = L.spread_gain;
+  sig.batch_spread = normalization ? batch_spread : detail::kNaN;
+  sig.gain_spread_baseline = spread_ready ? L.spread_base : detail::kNaN;
   sig.dead_fraction = detail::is_dead_capable(L.act_kind) ? L.dead_frac : detail::kNaN;
   sig.dead_since = std::min(step, L.dead_since);
   sig.dead_activity = options_.dead_activity();
@@ -1635,6 +1672,9 @@ void BasicHealthMonitor<Mutex>::on_activation(Layer& L, const at::Tensor& y, con
     const double m = options_.baseline_momentum();
     L.gain_base = std::isfinite(L.gain_base) ? m * L.gain_base + (1.0 - m) * L.gain : L.gain;
     ++L.gain_n;
+    const double g = std::isfinite(L.spread_gain) ? L.spread_gain : L.gain;
+    L.spread_base = std::isfinite(L.spread_base) ? m * L.spread_base + (1.0 - m) * g : g;
+    ++L.spread_n;
   }
 
   const ActivationHealth before = L.act;
@@ -2138,7 +2178,9 @@ void BasicHealthMonitor<Mutex>::update_incident(std::size_t i, int64_t step, dou
   inc.last_step = step;
   inc.persisted = persisted;
   inc.margin = std::max(inc.margin, margin);
-  inc.value = value;
+  // `value` stays the onset's, which the descriptions quote with the onset step; the latest
+  // evaluation's is `last_value` (at `last_step`).
+  inc.details["last_value"] = value;
   inc.confidence = detail::evidence_confidence(inc.margin, persisted, options_.persistence_steps());
 }
 

@@ -163,6 +163,14 @@ struct ActivationSignals {
   double rms = std::nan("");
   double gain = std::nan("");           ///< output std over its input's RMS
   double gain_baseline = std::nan("");  ///< EMA of the layer's healthy gains once warmed up
+  /// The output's spread across the batch (each position's batch mean, a bias among it,
+  /// taken out) over its input's RMS, where `gain` is above 1 and there is a batch; else NaN.
+  double gain_spread = std::nan("");
+  double gain_spread_baseline = std::nan("");  ///< EMA of the healthy spread gains once warmed up
+  /// The output's spread across the batch (`gain_spread`'s numerator) where it was measured:
+  /// where `gain` is above 1, or for a normalization layer's CPU output whose first two
+  /// samples are alike; else NaN.
+  double batch_spread = std::nan("");
   double dead_fraction = std::nan("");  ///< ReLU family, once the window holds enough samples
   int64_t dead_since = 0;  ///< the first step of the dead units' unbroken inactive run
   double dead_activity = 0.0;              ///< a unit is dead when active in fewer than this
@@ -321,7 +329,9 @@ class SaturationRule : public HealthRule {
 };
 
 struct ExplodingActivationRuleOptions {
-  /// Output std above this multiple of its input's RMS is an explosion...
+  /// Output spread across the batch above this multiple of its input's RMS is an
+  /// explosion (an output that is mostly its bias, under small inputs, is not amplified by
+  /// its weights; the whole std is judged where there is no batch or the gain is below 1)...
   TORCH_ARG(double, gain) = 10.0;
   /// ...unless the layer's own healthy gains (its baseline, once known) reach it: then the
   /// limit is this multiple of the baseline (a classifier head whose logits grow as it learns).
@@ -341,20 +351,43 @@ class ExplodingActivationRule : public HealthRule {
     // With the layer's own healthy gain known: a head whose logits grew as it learned may
     // exceed `gain` up to `tolerance` times its history, and a jump of `jump` times its
     // history is an explosion even below `gain`.
-    const bool base = std::isfinite(s.gain_baseline);
-    const double limit =
-        base ? std::min(std::max(o_.gain(), o_.tolerance() * s.gain_baseline),
-                        std::max(o_.min_gain(), o_.jump() * s.gain_baseline))
-             : o_.gain();
-    if (!(s.gain > limit)) return std::nullopt;
+    const auto limit_of = [&](double baseline) {
+      return std::isfinite(baseline) ? std::min(std::max(o_.gain(), o_.tolerance() * baseline),
+                                                std::max(o_.min_gain(), o_.jump() * baseline))
+                                     : o_.gain();
+    };
+    // An output that is mostly its bias (less than half of its std varies between samples,
+    // in its history once known: small inputs) is judged on its spread across the batch
+    // instead. Its whole std grows with the bias (in healthy training from zero-initialised
+    // biases, several times in a few steps): there only a `jump` over its history counts, as
+    // weights blown up on an input alike for every sample give.
+    const bool history = std::isfinite(s.gain_baseline) && std::isfinite(s.gain_spread_baseline);
+    const bool spread = std::isfinite(s.gain_spread) &&
+                        (history ? s.gain_spread_baseline < 0.5 * s.gain_baseline : s.gain_spread < 0.5 * s.gain);
+    double gain = spread ? s.gain_spread : s.gain;
+    double baseline = spread ? s.gain_spread_baseline : s.gain_baseline;
+    double limit = limit_of(baseline);
+    bool whole = !spread;
+    if (spread && std::isfinite(s.gain_baseline)) {
+      const double jump_limit = std::max(o_.min_gain(), o_.jump() * s.gain_baseline);
+      if (s.gain > jump_limit && !(gain / limit >= s.gain / jump_limit)) {
+        gain = s.gain;
+        baseline = s.gain_baseline;
+        limit = jump_limit;
+        whole = true;
+      }
+    }
+    if (!(gain > limit)) return std::nullopt;
     Finding f;
     f.kind = FailureKind::ExplodingActivation;
-    f.value = s.gain;
+    f.value = gain;
     f.threshold = limit;
-    f.margin = detail::decade_margin(s.gain, limit);
-    f.details = {{"gain", s.gain}};
-    if (base) f.details["gain_baseline"] = s.gain_baseline;
-    f.reason = "output spread " + detail::fmt_num(s.gain) + "x its input's RMS";
+    f.margin = detail::decade_margin(gain, limit);
+    f.details = {{"gain", gain}};
+    if (std::isfinite(baseline)) f.details["gain_baseline"] = baseline;
+    f.details["measure"] = whole ? "std" : "batch_spread";
+    f.reason = std::string(whole ? "output std " : "output spread across the batch ") + detail::fmt_num(gain) +
+               "x its input's RMS";
     return f;
   }
   [[nodiscard]] const ExplodingActivationRuleOptions& options() const noexcept { return o_; }
@@ -364,12 +397,15 @@ class ExplodingActivationRule : public HealthRule {
 };
 
 struct ConstantOutputRuleOptions {
-  /// Output std below this fraction of its RMS (with >= 2 elements): near-constant.
+  /// Output std, or its spread across the batch, below this fraction of its RMS (with >= 2
+  /// elements, or samples): near-constant.
   TORCH_ARG(double, ratio) = 1e-6;
 };
 
-/// An output that is (nearly) one value everywhere. A ReLU-family output that is all zero is
-/// left to the dead-units rule (its window confirms it).
+/// An output that is (nearly) one value everywhere, or the same for every sample of the batch
+/// where `batch_spread` is measured (a normalization whose weight collapsed to 0 outputs its
+/// bias for every input). A
+/// ReLU-family output that is all zero is left to the dead-units rule (its window confirms it).
 class ConstantOutputRule : public HealthRule {
  public:
   explicit ConstantOutputRule(ConstantOutputRuleOptions o = {}) : o_(o) {}
@@ -377,15 +413,18 @@ class ConstantOutputRule : public HealthRule {
   std::optional<Finding> check_activation(const ActivationSignals& s) override {
     const TensorStats& st = s.stats;
     if (detail::is_dead_capable(s.kind) && !(s.rms > 0.0)) return std::nullopt;
-    if (!(st.numel >= 2 && st.finite_count == st.numel && std::isfinite(s.rms) && st.std <= o_.ratio() * s.rms))
-      return std::nullopt;
+    if (!(st.numel >= 2 && st.finite_count == st.numel && std::isfinite(s.rms))) return std::nullopt;
+    const bool everywhere = st.std <= o_.ratio() * s.rms;
+    if (!everywhere && !(s.batch_spread <= o_.ratio() * s.rms)) return std::nullopt;
+    const double spread = everywhere ? st.std : s.batch_spread;
     Finding f;
     f.kind = FailureKind::ConstantOutput;
-    f.value = s.rms > 0.0 ? st.std / s.rms : 0.0;
+    f.value = s.rms > 0.0 ? spread / s.rms : 0.0;
     f.threshold = o_.ratio();
     f.margin = f.value > 0.0 ? detail::decade_margin(f.threshold, f.value) : 1.0;
     f.details = {{"std", st.std}};
-    f.reason = "near-constant output";
+    if (!everywhere) f.details["batch_spread"] = s.batch_spread;
+    f.reason = everywhere ? "near-constant output" : "the same output for every sample";
     return f;
   }
   [[nodiscard]] const ConstantOutputRuleOptions& options() const noexcept { return o_; }

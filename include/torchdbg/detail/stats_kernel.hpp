@@ -1081,6 +1081,61 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
   return finish();
 }
 
+/// The spread of `t` across its first dimension (the batch): the population standard
+/// deviation of `t[b, ...] - mean_b t[:, ...]` over all elements, i.e. what is left of
+/// `std(t)` once every position's mean over the batch is taken out. A bias, or any output
+/// that is the same for every sample, has none. NaN when `t` has fewer than 2 dimensions,
+/// fewer than 2 rows, or a NaN/Inf. CPU tensors are read once in place (shifted sums per
+/// position, in float64, 4096 positions at a time; an overlapping view is first copied whole);
+/// other devices reduce there. Deviations beyond 1e154 overflow float64 squares: NaN.
+inline double batch_spread(const at::Tensor& t) {
+  if (!t.defined()) throw Error("torchdbg: cannot compute the batch spread of an undefined tensor");
+  check_supported_dtype(t.scalar_type());
+  if (t.is_sparse() || t.is_meta() || t.dim() < 2 || t.size(0) < 2 || t.numel() == 0) return kNaN;
+  if (t.stride(0) == 0) {  // every row is the same tensor: no spread, unless it holds NaN/Inf
+    const Moments m = compute_moments(t.select(0, 0), /*signs=*/false);
+    return m.finite == m.count ? 0.0 : kNaN;
+  }
+  const Repeated r = collapse_repeats(t, 0);  // a repeated position has the same spread
+  if (!t.device().is_cpu()) {
+    const at::Tensor x = r.base.detach().to(at::kDouble);
+    return (x - x.mean(0, /*keepdim=*/true)).pow(2).mean().sqrt().to(at::kCPU).item<double>();
+  }
+  const at::Tensor c = readable(r.base);
+  const int64_t rows = c.size(0), inner = c.numel() / rows;
+  constexpr int64_t kChunk = 4096;
+  std::vector<double> s1(static_cast<std::size_t>(std::min(inner, kChunk)));
+  std::vector<double> s2(s1.size());
+  double within = 0.0;  // sum over positions of the squared deviations from their batch mean
+  dispatch_dtype(c.scalar_type(), [&](auto tag) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+    const T* p = static_cast<const T*>(c.data_ptr());
+    for (int64_t lo = 0; lo < inner; lo += kChunk) {
+      const int64_t n = std::min(kChunk, inner - lo);
+      std::fill(s1.begin(), s1.end(), 0.0);
+      std::fill(s2.begin(), s2.end(), 0.0);
+      const T* first = p + lo;  // the shift: row 0's value at each position
+      for (int64_t b = 1; b < rows; ++b) {
+        const T* q = p + b * inner + lo;
+        for (int64_t i = 0; i < n; ++i) {
+          const double d = as_double(q[i]) - as_double(first[i]);
+          s1[static_cast<std::size_t>(i)] += d;
+          s2[static_cast<std::size_t>(i)] += d * d;
+        }
+      }
+      const double k = static_cast<double>(rows);
+      for (int64_t i = 0; i < n; ++i) {
+        const double a = s1[static_cast<std::size_t>(i)];
+        const double w = s2[static_cast<std::size_t>(i)] - a * a / k;
+        within += w < 0.0 ? 0.0 : w;  // rounding below 0 is none; NaN (from NaN/Inf) stays
+      }
+    }
+    return 0;
+  });
+  const double v = within / static_cast<double>(c.numel());
+  return std::isfinite(v) ? std::sqrt(v) : kNaN;
+}
+
 /// `collapse_repeats(t)` with its base on the CPU (copied from another device).
 inline Repeated host_repeats(const at::Tensor& t) {
   Repeated r = collapse_repeats(t);
