@@ -195,12 +195,11 @@ struct HealthOptions {
   /// Output std below this fraction of its RMS (with >= 2 elements): near-constant.
   TORCH_ARG(double, constant_ratio) = 1e-6;
   /// Output std above this multiple of its input's RMS: an exploding activation
-  /// (normalization layers excepted). Until the layer's baseline is known, the output's
-  /// spread across the batch (the first dimension) is judged instead: what a bias, or any
-  /// output the same for every sample, adds to the std is no amplification. Once the layer's gain baseline (an EMA of its healthy
-  /// gains) is known, the limit is min(max(this, 3 x baseline), max(2, 10 x baseline)): a
-  /// layer whose healthy gain grew may exceed it, and a 10x jump over the history counts
-  /// below it (ExplodingActivationRuleOptions).
+  /// (normalization layers excepted); an output that is mostly its bias (small inputs) is
+  /// judged on its spread across the batch instead (ExplodingActivationRule). Once the
+  /// layer's gain baseline (an EMA of its healthy gains) is known, the limit is
+  /// min(max(this, 3 x baseline), max(2, 10 x baseline)): a layer whose healthy gain grew may
+  /// exceed it, and a 10x jump over the history counts below it (ExplodingActivationRuleOptions).
   TORCH_ARG(double, activation_gain) = 10.0;
   /// Layers (regex, whole name) whose observed output is the pre-activation of an
   /// unobserved activation ("tanh", "sigmoid" or "relu"): bounds are applied to the
@@ -710,8 +709,7 @@ class BasicHealthMonitor {
     double gain_base = detail::kNaN;
     int64_t gain_n = 0;
     double spread_gain = detail::kNaN;  // the gain on the output's spread across the batch
-    double spread_base = detail::kNaN;  // and its baseline
-    int64_t spread_n = 0;
+    double spread_base = detail::kNaN;  // and its baseline (updated with gain_base)
     std::vector<std::vector<int64_t>> unit_ring;
     std::vector<int64_t> sample_ring, step_ring;
     std::size_t unit_head = 0;
@@ -1625,7 +1623,7 @@ void BasicHealthMonitor<Mutex>::on_activation(Layer& L, const at::Tensor& y, con
     const double first_two = detail::batch_spread(y.narrow(0, 0, 2));
     if (first_two <= options_.constant_ratio() * L.rms) batch_spread = detail::batch_spread(y);
   }
-  const bool spread_ready = L.spread_n >= options_.baseline_warmup() && std::isfinite(L.spread_base);
+  const bool spread_ready = base_ready && std::isfinite(L.spread_base);
 
   // ---- the rules
   ActivationSignals sig(y, s);
@@ -1674,7 +1672,6 @@ void BasicHealthMonitor<Mutex>::on_activation(Layer& L, const at::Tensor& y, con
     ++L.gain_n;
     const double g = std::isfinite(L.spread_gain) ? L.spread_gain : L.gain;
     L.spread_base = std::isfinite(L.spread_base) ? m * L.spread_base + (1.0 - m) * g : g;
-    ++L.spread_n;
   }
 
   const ActivationHealth before = L.act;
