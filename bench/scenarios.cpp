@@ -268,6 +268,7 @@ struct Onset {
   torch::Tensor logits;             // the model's output
   double loss = 0.0;                // the loss the loop reported
   std::vector<double> prev_losses;  // the losses before the onset
+  std::vector<double> prev_input_rms;  // the batches' RMS before the onset
   std::map<std::string, double> grad_norm;       // per module (weight and bias), after backward
   std::map<std::string, double> prev_grad_norm;  // the same one step earlier
   /// Per recorded submodule: output std over input RMS at the onset and on a later step.
@@ -321,6 +322,8 @@ struct Scenario {
   std::optional<FailureKind> or_kind;
   /// The data's scale (unnormalized inputs: outputs that are mostly their bias).
   double input_scale = 1.0;
+  /// Multiplies every batch from the onset on (data that stops being normalized).
+  double data_factor = 1.0;
 };
 
 /// The onset step varies with the seed (after the monitor's baselines have warmed up).
@@ -447,6 +450,21 @@ std::vector<Scenario> scenarios() {
     };
     s.truth = [](const Onset& o) -> std::string {
       return torch::isnan(o.x).sum().item<int64_t>() > 0 ? "" : "the batch holds no NaN";
+    };
+    add(std::move(s));
+  }
+  // ---- finite bad data: every batch x1e4 from the onset on (normalization dropped)
+  for (std::size_t i = 0; i < std::size(first_layers); ++i) {
+    Scenario s = failure("bad input (scale)", FailureKind::BadInput, first_layers[i].first, "input", i % 2 == 1,
+                         "every batch times 1e4 from the onset on");
+    s.data_factor = 1e4;
+    s.truth = [](const Onset& o) -> std::string {
+      double mean = 0.0;
+      for (double r : o.prev_input_rms) mean += r;
+      mean /= static_cast<double>(o.prev_input_rms.size());
+      const double now = rms(o.x);
+      if (!(now > 10.0 * mean)) return "the batch's RMS " + std::to_string(now) + " vs " + std::to_string(mean);
+      return {};
     };
     add(std::move(s));
   }
@@ -675,6 +693,7 @@ RunResult run(const Scenario& sc, uint64_t seed, bool verbose) {
       torch::NoGradGuard g;
       sc.induce(*model);
     }
+    if (sc.kind && step >= at && sc.data_factor != 1.0) x = x * sc.data_factor;
     if (at_onset && sc.corrupt) {
       x = x.clone();
       sc.corrupt(x);
@@ -710,6 +729,7 @@ RunResult run(const Scenario& sc, uint64_t seed, bool verbose) {
     } else if (step < at) {
       torch::NoGradGuard no_grad;
       onset.prev_losses.push_back(lv);
+      onset.prev_input_rms.push_back(rms(x));
       prev_grads = grad_norms(*model);
     }
     opt->step();

@@ -1,6 +1,7 @@
 // torchdbg — module hooks and a training debugger for LibTorch.
 // SPDX-License-Identifier: MIT
 #include <optional>
+#include <random>
 #include <thread>
 #include <torchdbg/attach.hpp>
 #include <torchdbg/diagnosis.hpp>
@@ -325,56 +326,63 @@ TEST_CASE("property: healthy models fed small inputs raise nothing; their weight
   };
   for (const Net& net : nets) {
     for (const double scale : {1e-2, 1e-5}) {
-      for (int seed = 0; seed < 3; ++seed) {
-        for (const int variant : {0, 1, 2}) {
-          const bool blow_up = variant == 1, zero_bias = variant == 2;
-          INFO(net.name << " scale " << scale << " seed " << seed
-                        << (blow_up ? " weights x1e3 at step 25" : zero_bias ? " healthy, zero biases, Adam" : " healthy"));
-          torch::manual_seed(100 + seed);
-          auto model = net.make();
-          if (zero_bias) {
-            torch::NoGradGuard g;
-            for (auto& p : model->named_parameters())
-              if (p.key().find("bias") != std::string::npos) p.value().zero_();
-          }
-          std::unique_ptr<torch::optim::Optimizer> opt;
-          if (zero_bias)
-            opt = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3));
-          else
-            opt = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(1e-3));
-          torchdbg::HookManager hooks;
-          HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
-          auto fed = m.install(hooks);
-          auto session = torchdbg::attach(*model, hooks);
-          int64_t step = 0;
-          for (; step < 40 && !hooks.is_paused(); ++step) {
-            hooks.set_step(step);
-            if (blow_up && step == 25) {
+      // A batch of one (a policy acting on one observation) has no spread across the batch:
+      // its Linear or Conv output is judged with its own bias taken out.
+      for (const int64_t batch : {net.input[0], int64_t{1}}) {
+        for (int seed = 0; seed < 3; ++seed) {
+          if (batch == 1 && seed == 2) continue;
+          for (const int variant : {0, 1, 2}) {
+            const bool blow_up = variant == 1, zero_bias = variant == 2;
+            INFO(net.name << " scale " << scale << " batch " << batch << " seed " << seed
+                          << (blow_up ? " weights x1e3 at step 25" : zero_bias ? " healthy, zero biases, Adam" : " healthy"));
+            std::vector<int64_t> shape = net.input;
+            shape[0] = batch;
+            torch::manual_seed(100 + seed);
+            auto model = net.make();
+            if (zero_bias) {
               torch::NoGradGuard g;
-              model->named_children()[net.first]->named_parameters(false)["weight"].mul_(1e3);
+              for (auto& p : model->named_parameters())
+                if (p.key().find("bias") != std::string::npos) p.value().zero_();
             }
-            opt->zero_grad();
-            const auto x = torch::randn(net.input) * scale;
-            auto out = model->forward(x);
-            // A target of order 1 that the inputs determine.
-            auto loss = torch::mse_loss(out, torch::tanh(x.flatten(1).narrow(1, 0, out.size(1)) / scale));
-            hooks.set_loss(loss.item<double>());
-            loss.backward();
-            if (hooks.is_paused()) break;
-            opt->step();
-          }
-          if (!blow_up) {
-            for (const auto& inc : m.incidents()) {
-              UNSCOPED_INFO("incident " << torchdbg::to_string(inc.kind) << " at '" << inc.layer << "' step " << inc.step);
+            std::unique_ptr<torch::optim::Optimizer> opt;
+            if (zero_bias)
+              opt = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3));
+            else
+              opt = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(1e-3));
+            torchdbg::HookManager hooks;
+            HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+            auto fed = m.install(hooks);
+            auto session = torchdbg::attach(*model, hooks);
+            int64_t step = 0;
+            for (; step < 40 && !hooks.is_paused(); ++step) {
+              hooks.set_step(step);
+              if (blow_up && step == 25) {
+                torch::NoGradGuard g;
+                model->named_children()[net.first]->named_parameters(false)["weight"].mul_(1e3);
+              }
+              opt->zero_grad();
+              const auto x = torch::randn(shape) * scale;
+              auto out = model->forward(x);
+              // A target of order 1 that the inputs determine.
+              auto loss = torch::mse_loss(out, torch::tanh(x.flatten(1).narrow(1, 0, out.size(1)) / scale));
+              hooks.set_loss(loss.item<double>());
+              loss.backward();
+              if (hooks.is_paused()) break;
+              opt->step();
             }
-            for (const auto& inc : m.incidents()) CHECK(inc.kind != FailureKind::ExplodingActivation);
-            CHECK_FALSE(hooks.is_paused());
-          } else {
-            REQUIRE(hooks.is_paused());
-            CHECK(step == 25);
-            const auto d = torchdbg::diagnose(m);
-            REQUIRE_FALSE(d.hypotheses.empty());
-            CHECK(d.hypotheses[0].layer == net.first);
+            if (!blow_up) {
+              for (const auto& inc : m.incidents()) {
+                UNSCOPED_INFO("incident " << torchdbg::to_string(inc.kind) << " at '" << inc.layer << "' step " << inc.step);
+              }
+              for (const auto& inc : m.incidents()) CHECK(inc.kind != FailureKind::ExplodingActivation);
+              CHECK_FALSE(hooks.is_paused());
+            } else {
+              REQUIRE(hooks.is_paused());
+              CHECK(step == 25);
+              const auto d = torchdbg::diagnose(m);
+              REQUIRE_FALSE(d.hypotheses.empty());
+              CHECK(d.hypotheses[0].layer == net.first);
+            }
           }
         }
       }
@@ -512,6 +520,131 @@ TEST_CASE("NaN/Inf in the model's input is a bad-input incident, and the layer f
   std::vector<std::string> types;
   for (const auto& e : m.events()) types.emplace_back(torchdbg::to_string(e.type));
   CHECK(std::count(types.begin(), types.end(), "non_finite_input") == 1);
+}
+
+TEST_CASE("property: the data's scale jumping against its own history is bad input, the origin of what follows",
+          "[health][attach]") {
+  // Random models, seeds, batch sizes and shifts (up and down, of 12x to 1e4x), with the
+  // batches' natural variation; the ratio is checked against an independent EMA of the
+  // batches' log RMS (double precision, torch ops on the same batches).
+  struct Net {
+    std::function<torch::nn::Sequential()> make;
+    std::vector<int64_t> input;  // without the batch
+  };
+  const std::vector<Net> nets = {
+      {[] { return torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::ReLU(), torch::nn::Linear(32, 4)); }, {16}},
+      {[] { return torch::nn::Sequential(torch::nn::Linear(12, 24), torch::nn::Tanh(), torch::nn::Linear(24, 24),
+                                          torch::nn::Tanh(), torch::nn::Linear(24, 4)); }, {12}},
+      {[] { return torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 8, 3).padding(1)),
+                                          torch::nn::BatchNorm2d(8), torch::nn::ReLU(), torch::nn::Flatten(),
+                                          torch::nn::Linear(8 * 6 * 6, 4)); }, {3, 6, 6}},
+      {[] { return torch::nn::Sequential(torch::nn::Linear(10, 20), torch::nn::LayerNorm(torch::nn::LayerNormOptions({20})),
+                                          torch::nn::GELU(), torch::nn::Linear(20, 4)); }, {10}},
+  };
+  std::mt19937_64 gen(2026);
+  const auto uniform = [&](double a, double b) { return std::uniform_real_distribution<double>(a, b)(gen); };
+  for (int trial = 0; trial < 16; ++trial) {
+    const Net& net = nets[static_cast<std::size_t>(trial) % nets.size()];
+    const int64_t batch = 4 + static_cast<int64_t>(uniform(0.0, 28.0));
+    const double base_scale = std::pow(10.0, uniform(-3.0, 2.0));  // the data's own units
+    const double factor = trial % 4 == 3 ? 0.0 : (trial % 2 == 0 ? 1.0 : -1.0) * uniform(std::log10(12.0), 4.0);
+    const double shift = factor == 0.0 ? 1.0 : std::pow(10.0, factor);  // 1: a healthy run
+    const int64_t onset = 8 + trial % 5, until = onset + 3 + trial % 3, steps = until + 6;
+    INFO("trial " << trial << " batch " << batch << " scale " << base_scale << " shift " << shift << " onset " << onset);
+    torch::manual_seed(trial);
+    auto model = net.make();
+    torch::optim::Adam opt(model->parameters(), 1e-3);
+    torchdbg::HookManager hooks;
+    HealthMonitor m;  // records only: what follows the shift is recorded too
+    auto fed = m.install(hooks);
+    auto session = torchdbg::attach(*model, hooks);
+    double log_base = 0.0, ratio_at_onset = 0.0;
+    int64_t n = 0;
+    for (int64_t step = 0; step < steps; ++step) {
+      hooks.set_step(step);
+      std::vector<int64_t> shape{batch};
+      shape.insert(shape.end(), net.input.begin(), net.input.end());
+      // natural variation: each batch's scale within x0.7..x1.4 of the data's
+      auto x = torch::randn(shape) * base_scale * uniform(0.7, 1.4) + base_scale * 0.3;
+      const bool shifted = step >= onset && step < until;
+      if (shifted) x = x * shift;
+      const double r = x.to(torch::kDouble).pow(2).mean().sqrt().item<double>();
+      if (step == onset) ratio_at_onset = r / std::exp(log_base);
+      if (!shifted) {  // the reference baseline: healthy steps only
+        log_base = n == 0 ? std::log(r) : 0.9 * log_base + 0.1 * std::log(r);
+        ++n;
+      }
+      opt.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(model->forward(x), torch::randint(0, 4, {batch}));
+      hooks.set_loss(loss.item<double>());
+      loss.backward();
+      opt.step();
+    }
+    std::vector<torchdbg::Incident> bad;
+    for (const auto& inc : m.incidents())
+      if (inc.kind == FailureKind::BadInput) bad.push_back(inc);
+    if (shift == 1.0) {
+      CHECK(bad.empty());
+      continue;
+    }
+    REQUIRE(bad.size() == 1);
+    CHECK(bad[0].layer == "input");
+    CHECK(bad[0].step == onset);
+    CHECK(bad[0].last_step == until - 1);
+    CHECK(bad[0].details.at("first_layer") == "0");
+    CHECK_CLOSE(bad[0].details.at("ratio").get<double>(), ratio_at_onset, 1e-6);
+    CHECK_CLOSE(bad[0].value, ratio_at_onset, 1e-6);
+    // Named first; whatever began while the data was bad is explained by it.
+    const auto d = torchdbg::diagnose(m);
+    REQUIRE_FALSE(d.hypotheses.empty());
+    CHECK(d.hypotheses[0].kind == FailureKind::BadInput);
+    CHECK(d.hypotheses[0].layer == "input");
+    INFO(d.hypotheses[0].description);
+    CHECK(d.hypotheses[0].description.find(shift > 1.0 ? "x above its usual" : "x below its usual") != std::string::npos);
+    for (std::size_t h = 1; h < d.hypotheses.size(); ++h) {
+      INFO(torchdbg::to_string(d.hypotheses[h].kind) << " at " << d.hypotheses[h].layer << " step " << d.hypotheses[h].step);
+      CHECK((d.hypotheses[h].step < onset || d.hypotheses[h].step > until + 2));
+    }
+  }
+}
+
+TEST_CASE("the data's scale: each model's input has its own baseline; bad options are refused by name",
+          "[health]") {
+  const auto input = [](double rms) {
+    ActivationInfo i;
+    i.input_rms = rms;
+    i.input_observed = true;
+    return i;
+  };
+  {  // two models on one monitor (a GAN's noise and its images): neither is judged by the other
+    HealthMonitor m;
+    for (int64_t s = 0; s < 20; ++s) {
+      m.observe_activation("g.fc", torch::randn({8, 4}), s, input(1.0));
+      m.observe_activation("d.conv", torch::randn({8, 4}) * 1e-3, s, input(1e-3 * (s % 2 == 0 ? 1.0 : 1.5)));
+    }
+    CHECK(m.incidents().empty());
+    m.observe_activation("d.conv", torch::randn({8, 4}), 20, input(0.5));  // 400x its usual
+    REQUIRE(m.incidents().size() == 1);
+    CHECK(m.incidents()[0].details.at("first_layer") == "d.conv");
+    CHECK(of_type(m, EventType::InputScaleShift).size() == 1);
+  }
+  {  // no judgement before the warm-up; a later call of the same step is not the model's input
+    HealthMonitor m(HealthOptions().baseline_warmup(3));
+    m.observe_activation("fc", torch::randn({8, 4}), 0, input(1.0));
+    m.observe_activation("fc", torch::randn({8, 4}), 1, input(100.0));
+    m.observe_activation("fc", torch::randn({8, 4}), 1, input(1e6));
+    CHECK(m.incidents().empty());
+  }
+  {  // 0 turns it off
+    HealthMonitor m(HealthOptions().input_scale_jump(0.0));
+    for (int64_t s = 0; s < 10; ++s) m.observe_activation("fc", torch::randn({8, 4}), s, input(s < 8 ? 1.0 : 1e4));
+    CHECK(m.incidents().empty());
+  }
+  for (const double bad : {0.5, 1.0, -3.0, std::nan("")}) {
+    INFO(bad);
+    CHECK_THROWS_WITH(HealthMonitor(HealthOptions().input_scale_jump(bad)),
+                      Catch::Contains("input_scale_jump"));
+  }
 }
 
 TEST_CASE("persistence counts steps, not the calls of a module called several times a step", "[health]") {

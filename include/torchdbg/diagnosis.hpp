@@ -300,6 +300,18 @@ TORCHDBG_INLINE std::string describe_root(const Incident& i, std::size_t related
       const auto count = [&](const char* k) {
         return i.details.contains(k) ? i.details[k].get<int64_t>() : int64_t{0};
       };
+      if (i.details.contains("ratio")) {  // a scale shift (HealthOptions::input_scale_jump)
+        const double r = i.details["ratio"].get<double>();
+        std::string s = "the model's input at step " + step + " has an RMS of " +
+                        num3(i.details.value("rms", 0.0)) + ", " +
+                        (r >= 1.0 ? num3(r) + "x above" : num3(1.0 / r) + "x below") +
+                        " its usual " + num3(i.details.value("baseline_rms", 0.0));
+        if (i.last_step > i.step) s += " (until step " + std::to_string(i.last_step) + ")";
+        if (i.details.contains("first_layer"))
+          s +=
+              ", as '" + i.details["first_layer"].get<std::string>() + "', the first layer, saw it";
+        return s + ": the data (unnormalized or rescaled), not a layer, is the origin.";
+      }
       const int64_t nan = count("nan"), inf = count("inf");
       std::string held;
       if (nan > 0) held = std::to_string(nan) + " NaN value" + (nan == 1 ? "" : "s");
@@ -588,6 +600,11 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
           else if (first_layer_failure && inc[*first_layer_failure].step <= x.step)
             c = first_layer_failure;
           break;
+      }
+      // Bad data (NaN/Inf, or a scale far from its own history) going on explains what the
+      // model does with it in that step and after: no layer is the origin.
+      if (x.kind != K::BadInput && x.kind != K::Custom && x.kind != K::LossPlateau) {
+        if (const auto bad_data = earliest({K::BadInput}, false, x.step + 1)) c = bad_data;
       }
       // Never a cycle (an explosion the pre-pass gave to its own saturation).
       for (std::optional<std::size_t> j = c; j; j = cause[*j]) {

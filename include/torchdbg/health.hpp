@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -148,6 +149,10 @@ struct ActivationInfo {
   int64_t input_nan = 0;
   int64_t input_inf = 0;
   bool input_observed = false;
+  /// A batch of one's output std with its Linear's or Conv's bias taken out (attach's
+  /// "std_less_bias"): what its weights made of the input, judged instead of the spread
+  /// across the batch that one sample lacks.
+  std::optional<double> std_less_bias;
   /// Elements above 0 per index of the unit dimension, reduced where the tensor lives when
   /// attach queued it (`install`'s prefetch); null: the monitor counts them itself.
   const std::vector<double>* unit_counts = nullptr;
@@ -194,6 +199,11 @@ struct HealthOptions {
   TORCH_ARG(int64_t, dead_window) = 16;
   /// Output std below this fraction of its RMS (with >= 2 elements): near-constant.
   TORCH_ARG(double, constant_ratio) = 1e-6;
+  /// The model's input (the data) whose RMS is this many times above, or below 1/this of,
+  /// its own baseline (an EMA of earlier steps' RMS, after `baseline_warmup` steps) is bad
+  /// data (FailureKind::BadInput, layer "input"): unnormalized or rescaled batches. Each
+  /// attached model's input keeps its own baseline. 0 turns the check off.
+  TORCH_ARG(double, input_scale_jump) = 10.0;
   /// Output std above this multiple of its input's RMS: an exploding activation
   /// (normalization layers excepted); an output that is mostly its bias (small inputs) is
   /// judged on its spread across the batch instead (ExplodingActivationRule). Once the
@@ -295,7 +305,8 @@ inline std::vector<HealthRulePtr> builtin_health_rules(const HealthOptions& o) {
 
 /// What a transition means.
 enum class EventType {
-  NonFiniteInput,  ///< the model's input (layer "input") held NaN/Inf
+  NonFiniteInput,   ///< the model's input (layer "input") held NaN/Inf
+  InputScaleShift,  ///< the model's input's RMS jumped against its own history
   NonFiniteActivation,
   Saturation,
   DeadUnits,
@@ -318,6 +329,8 @@ inline const char* to_string(EventType t) noexcept {
   switch (t) {
     case EventType::NonFiniteInput:
       return "non_finite_input";
+    case EventType::InputScaleShift:
+      return "input_scale_shift";
     case EventType::NonFiniteActivation:
       return "non_finite_activation";
     case EventType::Saturation:
@@ -404,7 +417,7 @@ struct Incident {
   int64_t order = 0;      ///< forward execution order of `module` (smaller: upstream)
   int64_t persisted = 1;  ///< consecutive evaluations in that state
   double confidence = 0.0;
-  double margin = 0.0;           ///< how far past the threshold, 0..1 (the largest seen)
+  double margin = 0.0;  ///< how far past the threshold, 0..1 (the largest seen)
   /// The measured quantity (fraction, norm, gain, loss) at the onset; `details["last_value"]`
   /// holds it at `last_step`.
   double value = 0.0;
@@ -772,6 +785,8 @@ class BasicHealthMonitor {
   /// The model's input as attach saw it on the step's first module output: NaN/Inf there is
   /// the data's failure (FailureKind::BadInput, layer "input"), and no layer is its origin.
   void on_input(const Layer& first, int64_t step, const ActivationInfo& info, Pauses& pauses);
+  /// The model's input's RMS against its own baseline (HealthOptions::input_scale_jump).
+  void on_input_scale(const Layer& first, int64_t step, const ActivationInfo& info, Pauses& pauses);
 
   /// An output's activation kind as the judgement sees it: from attach's metadata, or from
   /// `pre_activations` for a module output. `known == false`: the layer keeps its kind.
@@ -891,6 +906,15 @@ class BasicHealthMonitor {
   bool input_bad_ = false;  // the last observed model input held NaN/Inf
   int64_t input_persist_ = 0;
   std::optional<std::size_t> input_incident_;
+  /// The scale of each attached model's input (keyed by its first layer).
+  struct InputScale {
+    double log_base = detail::kNaN;  // EMA of log(RMS) over healthy steps
+    int64_t n = 0;
+    int64_t last_step = -1;
+    int64_t persist = 0;
+    std::optional<std::size_t> incident;  // the shift going on
+  };
+  std::map<std::string, InputScale, std::less<>> input_scales_;
   int64_t bwd_arrivals_ = 0;
   bool bwd_nonfinite_ = false;
   bool grads_pending_ = false;
@@ -1287,6 +1311,7 @@ void BasicHealthMonitor<Mutex>::reset() {
   input_bad_ = false;
   input_persist_ = 0;
   input_incident_.reset();
+  input_scales_.clear();
   losses_.clear();
   loss_state_ = LossHealth::Healthy;
   loss_persist_ = 0;
@@ -1327,6 +1352,9 @@ void BasicHealthMonitor<Mutex>::validate(const HealthOptions& o) {
   fraction(o.dead_fraction(), "dead_fraction");
   fraction(o.baseline_momentum(), "baseline_momentum");
   positive(o.activation_gain(), "activation_gain");
+  if (!(o.input_scale_jump() == 0.0 || o.input_scale_jump() > 1.0))
+    throw Error("torchdbg: HealthOptions::input_scale_jump must be 0 (off) or > 1, got " +
+                std::to_string(o.input_scale_jump()));
   positive(o.vanishing_ratio(), "vanishing_ratio");
   positive(o.exploding_norm(), "exploding_norm");
   positive(o.gradient_jump(), "gradient_jump");
@@ -1375,10 +1403,14 @@ auto BasicHealthMonitor<Mutex>::activation_info(const Metadata& metadata) -> Act
   };
   info.call = integer("call");
   info.input_call = integer("input_call").value_or(-1);
-  if (auto it = metadata.find("input_rms"); it != metadata.end()) {
-    try {
-      info.input_rms = std::stod(it->second);
-    } catch (...) {
+  for (auto [key, value] :
+       {std::pair<const char*, std::optional<double>*>{"input_rms", &info.input_rms},
+        std::pair<const char*, std::optional<double>*>{"std_less_bias", &info.std_less_bias}}) {
+    if (auto it = metadata.find(key); it != metadata.end()) {
+      try {
+        *value = std::stod(it->second);
+      } catch (...) {
+      }
     }
   }
   for (auto [key, count] : {std::pair<const char*, int64_t*>{"input_nan", &info.input_nan},
@@ -1611,6 +1643,10 @@ void BasicHealthMonitor<Mutex>::on_activation(Layer& L, const at::Tensor& y, con
   if (L.gain > std::min(kGainSpreadFrom, options_.activation_gain()) && !s.has_non_finite()) {
     batch_spread = detail::batch_spread(y);
     L.spread_gain = batch_spread / *in_rms;
+    // One sample: what varies besides the module's own bias (measured by attach).
+    if (!std::isfinite(batch_spread) && y.dim() >= 2 && y.size(0) == 1 && info.std_less_bias &&
+        std::isfinite(*info.std_less_bias))
+      L.spread_gain = *info.std_less_bias / *in_rms;
   }
   // A normalization's output the same for every sample (its weight collapsed to 0) is
   // constant to the user: measured across the whole batch only where the first two samples'
@@ -1722,6 +1758,7 @@ void BasicHealthMonitor<Mutex>::on_input(const Layer& first, int64_t step,
   if (bad == 0) {
     input_bad_ = false;
     input_incident_.reset();
+    on_input_scale(first, step, info, pauses);
     return;
   }
   fwd_nonfinite_ = true;
@@ -1753,6 +1790,67 @@ void BasicHealthMonitor<Mutex>::on_input(const Layer& first, int64_t step,
     inc.details["inf"] = info.input_inf;
     inc.details["first_layer"] = first.name;
     pause_for(*input_incident_, step, pauses);
+  }
+}
+
+template <typename Mutex>
+void BasicHealthMonitor<Mutex>::on_input_scale(const Layer& first, int64_t step,
+                                               const ActivationInfo& info, Pauses& pauses) {
+  const double jump = options_.input_scale_jump();
+  if (!(jump > 1.0) || !info.input_rms || !(*info.input_rms > 0.0) ||
+      !std::isfinite(*info.input_rms))
+    return;
+  auto it = input_scales_.find(first.name);
+  if (it == input_scales_.end()) {
+    if (input_scales_.size() >= options_.max_layers()) return;
+    it = input_scales_.emplace(first.name, InputScale{}).first;
+  }
+  InputScale& S = it->second;
+  if (S.last_step == step) return;  // the step's first call only
+  S.last_step = step;
+  const double log_rms = std::log(*info.input_rms);
+  const bool ready = S.n >= options_.baseline_warmup() && std::isfinite(S.log_base);
+  const double ratio = ready ? std::exp(log_rms - S.log_base) : detail::kNaN;
+  if (!(ratio >= jump || ratio <= 1.0 / jump)) {  // the usual scale (or no baseline yet)
+    S.persist = 0;
+    S.incident.reset();
+    const double m = options_.baseline_momentum();
+    S.log_base = std::isfinite(S.log_base) ? m * S.log_base + (1.0 - m) * log_rms : log_rms;
+    ++S.n;
+    return;
+  }
+  const double margin = detail::decade_margin(ratio >= jump ? ratio : 1.0 / ratio, jump);
+  if (S.persist > 0) {  // still shifted: the same incident goes on
+    ++S.persist;
+    if (S.incident) update_incident(*S.incident, step, margin, S.persist, ratio);
+    return;
+  }
+  S.persist = 1;
+  const double base_rms = std::exp(S.log_base);
+  SemanticEvent e;
+  e.type = EventType::InputScaleShift;
+  e.layer = "input";
+  e.step = step;
+  e.from = "usual_scale";
+  e.to = ratio >= jump ? "scaled_up" : "scaled_down";
+  e.confidence = detail::evidence_confidence(margin, 1, options_.persistence_steps());
+  e.metadata = {{"rms", *info.input_rms},
+                {"baseline_rms", base_rms},
+                {"ratio", ratio},
+                {"first_layer", first.name}};
+  const uint64_t id = emit(std::move(e));
+  Layer pseudo;
+  pseudo.name = pseudo.module = "input";
+  pseudo.order = -1;  // before every layer
+  S.incident =
+      add_incident(FailureKind::BadInput, pseudo, step, Phase::Forward, margin, ratio, jump, id);
+  if (S.incident) {  // not dropped at capacity
+    Incident& inc = incidents_[*S.incident];
+    inc.details["rms"] = *info.input_rms;
+    inc.details["baseline_rms"] = base_rms;
+    inc.details["ratio"] = ratio;
+    inc.details["first_layer"] = first.name;
+    pause_for(*S.incident, step, pauses);
   }
 }
 

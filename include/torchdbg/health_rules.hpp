@@ -50,7 +50,7 @@ namespace torchdbg {
 
 /// What went wrong, for incidents and diagnosis hypotheses.
 enum class FailureKind {
-  BadInput,             ///< the model's input (the data) held NaN/Inf
+  BadInput,             ///< the model's input (the data) held NaN/Inf, or its scale jumped
   NonFiniteOutput,      ///< a layer's output became NaN/Inf while its input was finite
   NonFiniteGradient,    ///< the first NaN/Inf gradient in backward order
   ExplodingActivation,  ///< a layer's output scale jumps far above its input's

@@ -146,6 +146,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     };
     try {
       if (input.host) md_with_input(*input.host, input.model_input);
+      if (is_forward) add_std_less_bias(module, t, base_md, own);
     } catch (...) {
     }
     const Metadata& md = own ? *own : base_md;
@@ -256,6 +257,34 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     char buf[40];
     std::snprintf(buf, sizeof buf, "%.17g", std::sqrt(m.sum_squares() / static_cast<double>(m.finite)));
     md.emplace("input_rms", buf);
+  }
+
+  /// A batch of one has no spread across the batch to tell a Linear's or a Conv's bias from
+  /// what its weights make of the input: its output's std with the module's own bias taken
+  /// out ("std_less_bias"), for host tensors (no device sync).
+  void add_std_less_bias(std::size_t module, const at::Tensor& t, const Metadata& base_md,
+                         std::optional<Metadata>& own) const {
+    if (module >= modules.size() || !t.defined() || t.dim() < 2 || t.size(0) != 1 || !t.is_cpu() ||
+        !t.is_floating_point() || base_md.count("activation") != 0 || base_md.count("op") != 0)
+      return;
+    const Module& mod = modules[module];
+    if (mod.kind != Kind::Linear && mod.kind != Kind::Conv) return;
+    for (const Param& p : mod.params) {
+      if (p.name != "bias") continue;
+      const at::Tensor bias(p.impl.lock());
+      const int64_t channels = mod.kind == Kind::Linear ? t.size(-1) : t.size(1);
+      if (!bias.defined() || bias.dim() != 1 || bias.numel() != channels || !bias.is_cpu()) return;
+      std::vector<int64_t> shape(static_cast<std::size_t>(t.dim()), 1);
+      shape[mod.kind == Kind::Linear ? shape.size() - 1 : 1] = channels;
+      at::NoGradGuard no_grad;
+      const Moments m = compute_moments(t.detach() - bias.detach().view(shape), /*signs=*/false);
+      if (m.finite != m.count || m.finite == 0) return;
+      char buf[40];
+      std::snprintf(buf, sizeof buf, "%.17g", std::sqrt(m.variance()));
+      if (!own) own = base_md;
+      own->emplace("std_less_bias", buf);
+      return;
+    }
   }
 
   void note_order(std::size_t m) {
