@@ -224,11 +224,39 @@ TEST_CASE(
   bias.observe_activation("fc1", torch::randn({1, 16}).mul(100).expand({32, 16}), 1);
   CHECK(bias.layer("fc1")->activation == ActivationHealth::Normal);
   CHECK(bias.incidents().empty());
-  // The same outputs on a batch of one have no spread to measure: the whole std is judged.
+  // A batch of one has no spread across the batch: attach's std_less_bias (the std with the
+  // module's own bias taken out) is judged instead; without it, only a jump over the layer's
+  // history counts.
+  const auto x1 = x.narrow(0, 0, 1);
+  const auto bias1 = torch::randn({1, 16});
   HealthMonitor one;
-  one.observe_activation("fc0", x.narrow(0, 0, 1) * 1e-3, 0);
-  one.observe_activation("fc1", x.narrow(0, 0, 1) * 2e-3 + torch::randn({1, 16}), 0);
-  CHECK(one.layer("fc1")->activation == ActivationHealth::Anomalous);
+  one.observe_activation("fc0", x1 * 1e-3, 0);
+  one.observe_activation("fc1", x1 * 2e-3 + bias1, 0);
+  CHECK(one.layer("fc1")->activation == ActivationHealth::Normal);
+  ActivationInfo less_bias;
+  less_bias.std_less_bias = (x1 * 2e-3).std(/*unbiased=*/false).item<double>();
+  HealthMonitor told;
+  told.observe_activation("fc0", x1 * 1e-3, 0);
+  told.observe_activation("fc1", x1 * 2e-3 + bias1, 0, less_bias);
+  CHECK(told.layer("fc1")->activation == ActivationHealth::Normal);
+  less_bias.std_less_bias = (x1 * 2.0).std(/*unbiased=*/false).item<double>();  // weights x1000
+  HealthMonitor blown;
+  blown.observe_activation("fc0", x1 * 1e-3, 0);
+  blown.observe_activation("fc1", x1 * 2.0 + bias1, 0, less_bias);
+  CHECK(blown.layer("fc1")->activation == ActivationHealth::Anomalous);
+  REQUIRE(blown.incidents().size() == 1);
+  CHECK(blown.incidents()[0].details.at("measure") == "std_less_bias");
+  CHECK_CLOSE(blown.incidents()[0].details.at("gain").get<double>(),
+              *less_bias.std_less_bias / (x1 * 1e-3).pow(2).mean().sqrt().item<double>(), 1e-6);
+  HealthMonitor later;  // no std_less_bias (an LSTM's output): a 30x jump over its history
+  for (int64_t s = 0; s < 6; ++s) {
+    later.observe_activation("fc0", x1, s);
+    later.observe_activation("fc1", x1 * 0.5, s);
+  }
+  CHECK(later.layer("fc1")->activation == ActivationHealth::Normal);
+  later.observe_activation("fc0", x1, 6);
+  later.observe_activation("fc1", x1 * 15.0, 6);
+  CHECK(later.layer("fc1")->activation == ActivationHealth::Anomalous);
 }
 
 TEST_CASE("a normalization's output that is the same for every sample is a constant output",
@@ -558,8 +586,10 @@ TEST_CASE("property: the data's scale jumping against its own history is bad inp
     HealthMonitor m;  // records only: what follows the shift is recorded too
     auto fed = m.install(hooks);
     auto session = torchdbg::attach(*model, hooks);
-    double log_base = 0.0, ratio_at_onset = 0.0;
-    int64_t n = 0;
+    // The reference baseline: the median of the first 5 steps' log RMS, then an EMA (0.9) over
+    // healthy steps.
+    std::vector<double> warm;
+    double log_base = std::nan(""), ratio_at_onset = 0.0;
     for (int64_t step = 0; step < steps; ++step) {
       hooks.set_step(step);
       std::vector<int64_t> shape{batch};
@@ -570,9 +600,14 @@ TEST_CASE("property: the data's scale jumping against its own history is bad inp
       if (shifted) x = x * shift;
       const double r = x.to(torch::kDouble).pow(2).mean().sqrt().item<double>();
       if (step == onset) ratio_at_onset = r / std::exp(log_base);
-      if (!shifted) {  // the reference baseline: healthy steps only
-        log_base = n == 0 ? std::log(r) : 0.9 * log_base + 0.1 * std::log(r);
-        ++n;
+      if (std::isnan(log_base)) {
+        warm.push_back(std::log(r));
+        if (warm.size() == 5) {
+          std::sort(warm.begin(), warm.end());
+          log_base = warm[2];
+        }
+      } else if (!shifted) {
+        log_base = 0.9 * log_base + 0.1 * std::log(r);
       }
       opt.zero_grad();
       auto loss = torch::nn::functional::cross_entropy(model->forward(x), torch::randint(0, 4, {batch}));
@@ -608,6 +643,54 @@ TEST_CASE("property: the data's scale jumping against its own history is bad inp
   }
 }
 
+namespace {
+struct PosFirst : torch::nn::Module {
+  torch::nn::Embedding pos{nullptr};
+  torch::nn::Linear proj{nullptr}, head{nullptr};
+  PosFirst()
+      : pos(register_module("pos", torch::nn::Embedding(6, 8))),
+        proj(register_module("proj", torch::nn::Linear(4, 8))),
+        head(register_module("head", torch::nn::Linear(8, 3))) {}
+  torch::Tensor forward(const torch::Tensor& x) {  // x: [B, 6, 4]
+    auto p = pos(torch::arange(6));                // token ids first: not the data
+    return head(torch::relu(proj(x) + p)).mean(1);
+  }
+};
+}  // namespace
+
+TEST_CASE("the model's input is its first call on floating data: a position embedding looked up first is not it",
+          "[health][attach]") {
+  for (const double shift : {1e4, 1e-4}) {
+    INFO("shift " << shift);
+    torch::manual_seed(7);
+    auto model = std::make_shared<PosFirst>();
+    torch::optim::Adam opt(model->parameters(), 1e-3);
+    torchdbg::HookManager hooks;
+    HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+    auto fed = m.install(hooks);
+    auto session = torchdbg::attach(*model, hooks);
+    int64_t step = 0;
+    for (; step < 30 && !hooks.is_paused(); ++step) {
+      hooks.set_step(step);
+      opt.zero_grad();
+      auto x = torch::randn({8, 6, 4});
+      if (step >= 12) x = x * shift;
+      auto loss = torch::nn::functional::cross_entropy(model->forward(x), torch::randint(0, 3, {8}));
+      hooks.set_loss(loss.item<double>());
+      loss.backward();
+      if (hooks.is_paused()) break;
+      opt.step();
+    }
+    REQUIRE(hooks.is_paused());
+    CHECK(step == 12);
+    const auto d = torchdbg::diagnose(m);
+    REQUIRE_FALSE(d.hypotheses.empty());
+    CHECK(d.hypotheses[0].kind == FailureKind::BadInput);
+    REQUIRE_FALSE(m.incidents().empty());
+    CHECK(m.incidents()[0].details.at("first_layer") == "proj");
+  }
+}
+
 TEST_CASE("the data's scale: each model's input has its own baseline; bad options are refused by name",
           "[health]") {
   const auto input = [](double rms) {
@@ -634,6 +717,51 @@ TEST_CASE("the data's scale: each model's input has its own baseline; bad option
     m.observe_activation("fc", torch::randn({8, 4}), 1, input(100.0));
     m.observe_activation("fc", torch::randn({8, 4}), 1, input(1e6));
     CHECK(m.incidents().empty());
+  }
+  const auto bad_inputs = [](const HealthMonitor& m) {
+    std::vector<torchdbg::Incident> out;
+    for (const auto& i : m.incidents())
+      if (i.kind == FailureKind::BadInput) out.push_back(i);
+    return out;
+  };
+  const auto counted = [&](double rms, int64_t count) {
+    ActivationInfo i = input(rms);
+    i.input_count = count;
+    return i;
+  };
+  {  // one odd batch among the first steps is no baseline: the healthy batches after it are fine
+    HealthMonitor m;
+    for (int64_t s = 0; s < 40; ++s) m.observe_activation("fc", torch::randn({8, 4}), s, input(s == 0 ? 100.0 : 1.0));
+    CHECK(bad_inputs(m).empty());
+  }
+  {  // a scale kept for 4 x baseline_warmup steps is the data's new scale: the baseline starts again
+    HealthMonitor m;
+    for (int64_t s = 0; s < 80; ++s) m.observe_activation("fc", torch::randn({8, 4}), s, input(s < 10 ? 1.0 : 1e3));
+    REQUIRE(bad_inputs(m).size() == 1);
+    CHECK(bad_inputs(m)[0].step == 10);
+    CHECK(bad_inputs(m)[0].last_step == 29);
+  }
+  {  // a few elements (one sample of two features) say nothing of the data's scale
+    HealthMonitor m;
+    torch::manual_seed(3);
+    const auto r = torch::rand({300}) * 3.0;
+    for (int64_t s = 0; s < 300; ++s)
+      m.observe_activation("fc", torch::randn({1, 4}), s, counted(r[s].item<double>() + 1e-9, 2));
+    CHECK(bad_inputs(m).empty());
+  }
+  {  // data whose scale varies widely from batch to batch (clips of varying loudness): a 15x
+     // excursion is within its own spread, a 1e4x one is not
+    HealthMonitor m;
+    torch::manual_seed(4);
+    const auto db = torch::randn({200}) * 8.0;  // loudness, dB
+    int64_t s = 0;
+    for (; s < 200; ++s) {
+      const double rms = std::pow(10.0, db[s].item<double>() / 20.0) * (s == 150 ? 15.0 : 1.0);
+      m.observe_activation("conv", torch::randn({1, 4}), s, counted(rms, 16000));
+    }
+    CHECK(bad_inputs(m).empty());
+    m.observe_activation("conv", torch::randn({1, 4}), s, counted(1e4, 16000));
+    CHECK(bad_inputs(m).size() == 1);
   }
   {  // 0 turns it off
     HealthMonitor m(HealthOptions().input_scale_jump(0.0));

@@ -149,6 +149,8 @@ struct ActivationInfo {
   int64_t input_nan = 0;
   int64_t input_inf = 0;
   bool input_observed = false;
+  /// Finite elements of the model's input (attach's "input_count"); -1: not known.
+  int64_t input_count = -1;
   /// A batch of one's output std with its Linear's or Conv's bias taken out (attach's
   /// "std_less_bias"): what its weights made of the input, judged instead of the spread
   /// across the batch that one sample lacks.
@@ -200,9 +202,12 @@ struct HealthOptions {
   /// Output std below this fraction of its RMS (with >= 2 elements): near-constant.
   TORCH_ARG(double, constant_ratio) = 1e-6;
   /// The model's input (the data) whose RMS is this many times above, or below 1/this of,
-  /// its own baseline (an EMA of earlier steps' RMS, after `baseline_warmup` steps) is bad
-  /// data (FailureKind::BadInput, layer "input"): unnormalized or rescaled batches. Each
-  /// attached model's input keeps its own baseline. 0 turns the check off.
+  /// its own baseline, and beyond 4 of the baseline's standard deviations, is bad data
+  /// (FailureKind::BadInput, layer "input"): unnormalized or rescaled batches. The baseline
+  /// starts at the median of the first `baseline_warmup` steps, then follows healthy steps;
+  /// a scale kept for 4 x `baseline_warmup` steps becomes the new one. Each attach session's
+  /// input (its step's first call on floating data, 16 elements or more) has its own
+  /// baseline. 0 turns the check off.
   TORCH_ARG(double, input_scale_jump) = 10.0;
   /// Output std above this multiple of its input's RMS: an exploding activation
   /// (normalization layers excepted); an output that is mostly its bias (small inputs) is
@@ -909,11 +914,16 @@ class BasicHealthMonitor {
   /// The scale of each attached model's input (keyed by its first layer).
   struct InputScale {
     double log_base = detail::kNaN;  // EMA of log(RMS) over healthy steps
-    int64_t n = 0;
+    double log_var = 0.0;            // EMA of its squared deviations
+    std::vector<double> warmup;      // log(RMS) of the first steps: their median starts it
     int64_t last_step = -1;
     int64_t persist = 0;
     std::optional<std::size_t> incident;  // the shift going on
   };
+  /// A shift must also be this many of the baseline's own standard deviations (log RMS).
+  static constexpr double kInputScaleSigmas = 4.0;
+  /// Inputs with fewer finite elements are not judged (one sample of a few features).
+  static constexpr int64_t kInputScaleMinCount = 16;
   std::map<std::string, InputScale, std::less<>> input_scales_;
   int64_t bwd_arrivals_ = 0;
   bool bwd_nonfinite_ = false;
@@ -1403,6 +1413,7 @@ auto BasicHealthMonitor<Mutex>::activation_info(const Metadata& metadata) -> Act
   };
   info.call = integer("call");
   info.input_call = integer("input_call").value_or(-1);
+  info.input_count = integer("input_count").value_or(-1);
   for (auto [key, value] :
        {std::pair<const char*, std::optional<double>*>{"input_rms", &info.input_rms},
         std::pair<const char*, std::optional<double>*>{"std_less_bias", &info.std_less_bias}}) {
@@ -1798,7 +1809,8 @@ void BasicHealthMonitor<Mutex>::on_input_scale(const Layer& first, int64_t step,
                                                const ActivationInfo& info, Pauses& pauses) {
   const double jump = options_.input_scale_jump();
   if (!(jump > 1.0) || !info.input_rms || !(*info.input_rms > 0.0) ||
-      !std::isfinite(*info.input_rms))
+      !std::isfinite(*info.input_rms) ||
+      (info.input_count >= 0 && info.input_count < kInputScaleMinCount))
     return;
   auto it = input_scales_.find(first.name);
   if (it == input_scales_.end()) {
@@ -1809,20 +1821,41 @@ void BasicHealthMonitor<Mutex>::on_input_scale(const Layer& first, int64_t step,
   if (S.last_step == step) return;  // the step's first call only
   S.last_step = step;
   const double log_rms = std::log(*info.input_rms);
-  const bool ready = S.n >= options_.baseline_warmup() && std::isfinite(S.log_base);
-  const double ratio = ready ? std::exp(log_rms - S.log_base) : detail::kNaN;
-  if (!(ratio >= jump || ratio <= 1.0 / jump)) {  // the usual scale (or no baseline yet)
+  const auto warmup = static_cast<std::size_t>(std::max<int64_t>(1, options_.baseline_warmup()));
+  // The baseline starts at the first steps' median: one odd batch among them is no baseline.
+  if (!std::isfinite(S.log_base)) {
+    S.warmup.push_back(log_rms);
+    if (S.warmup.size() < warmup) return;
+    std::vector<double> v = S.warmup;
+    std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+    S.log_base = v[v.size() / 2];
+    S.log_var = 0.0;
+    for (const double x : S.warmup) S.log_var += (x - S.log_base) * (x - S.log_base);
+    S.log_var /= static_cast<double>(S.warmup.size());
+    S.warmup.clear();
+    return;
+  }
+  const double dev = log_rms - S.log_base;
+  const double ratio = std::exp(dev);
+  const bool shifted = std::fabs(dev) >= std::log(jump) &&
+                       std::fabs(dev) >= kInputScaleSigmas * std::sqrt(S.log_var);
+  if (!shifted) {  // the usual scale
     S.persist = 0;
     S.incident.reset();
     const double m = options_.baseline_momentum();
-    S.log_base = std::isfinite(S.log_base) ? m * S.log_base + (1.0 - m) * log_rms : log_rms;
-    ++S.n;
+    S.log_base = m * S.log_base + (1.0 - m) * log_rms;
+    S.log_var = m * S.log_var + (1.0 - m) * dev * dev;
     return;
   }
   const double margin = detail::decade_margin(ratio >= jump ? ratio : 1.0 / ratio, jump);
   if (S.persist > 0) {  // still shifted: the same incident goes on
     ++S.persist;
     if (S.incident) update_incident(*S.incident, step, margin, S.persist, ratio);
+    // A scale kept this long is the data's new scale: the baseline starts again.
+    if (S.persist >= 4 * static_cast<int64_t>(warmup)) {
+      S = InputScale{};
+      S.last_step = step;
+    }
     return;
   }
   S.persist = 1;

@@ -361,14 +361,20 @@ class ExplodingActivationRule : public HealthRule {
     // instead. Its whole std grows with the bias (in healthy training from zero-initialised
     // biases, several times in a few steps): there only a `jump` over its history counts, as
     // weights blown up on an input alike for every sample give.
+    // A batch of one has no spread across the batch: its spread is the std with the module's
+    // own bias taken out (attach's std_less_bias, a Linear's or Conv's), always the measure;
+    // without it, only a `jump` over the layer's history counts.
+    const bool one_sample = s.output.defined() && s.output.dim() >= 2 && s.output.size(0) == 1;
     const bool history = std::isfinite(s.gain_baseline) && std::isfinite(s.gain_spread_baseline);
     const bool spread = std::isfinite(s.gain_spread) &&
-                        (history ? s.gain_spread_baseline < 0.5 * s.gain_baseline : s.gain_spread < 0.5 * s.gain);
+                        (one_sample || (history ? s.gain_spread_baseline < 0.5 * s.gain_baseline
+                                                : s.gain_spread < 0.5 * s.gain));
+    if (one_sample && !spread && !std::isfinite(s.gain_baseline)) return std::nullopt;
     double gain = spread ? s.gain_spread : s.gain;
     double baseline = spread ? s.gain_spread_baseline : s.gain_baseline;
-    double limit = limit_of(baseline);
+    double limit = one_sample && !spread ? std::max(o_.min_gain(), o_.jump() * s.gain_baseline) : limit_of(baseline);
     bool whole = !spread;
-    if (spread && std::isfinite(s.gain_baseline)) {
+    if (spread && !one_sample && std::isfinite(s.gain_baseline)) {
       const double jump_limit = std::max(o_.min_gain(), o_.jump() * s.gain_baseline);
       if (s.gain > jump_limit && !(gain / limit >= s.gain / jump_limit)) {
         gain = s.gain;
@@ -385,9 +391,11 @@ class ExplodingActivationRule : public HealthRule {
     f.margin = detail::decade_margin(gain, limit);
     f.details = {{"gain", gain}};
     if (std::isfinite(baseline)) f.details["gain_baseline"] = baseline;
-    f.details["measure"] = whole ? "std" : "batch_spread";
-    f.reason = std::string(whole ? "output std " : "output spread across the batch ") + detail::fmt_num(gain) +
-               "x its input's RMS";
+    f.details["measure"] = whole ? "std" : one_sample ? "std_less_bias" : "batch_spread";
+    f.reason = std::string(whole        ? "output std "
+                           : one_sample ? "output std without its bias "
+                                        : "output spread across the batch ") +
+               detail::fmt_num(gain) + "x its input's RMS";
     return f;
   }
   [[nodiscard]] const ExplodingActivationRuleOptions& options() const noexcept { return o_; }

@@ -314,9 +314,12 @@ class Attribution : protected ObserverState {
   /// input, with its NaN and ±Inf counted).
   static CallInput call_input(const Tls& t, AttachCore& core, std::size_t m, const at::Tensor& x) {
     CallInput in{core.id, m, nullptr, std::nullopt};
-    const bool model_input = core.input_due.exchange(false);
     if (x.defined()) in.from = delivered_as(t, core, x.unsafeGetTensorImpl());
-    if (!in.from && x.defined() && x.is_floating_point()) in.input = input_moments(core, x, model_input);
+    if (!in.from && x.defined() && x.is_floating_point()) {
+      // The step's model input: its first call on floating data (not token ids).
+      const bool model_input = core.input_due.exchange(false);
+      in.input = input_moments(core, x, model_input);
+    }
     return in;
   }
   static CallInput* stashed_input(Tls& t, uint64_t core, std::size_t m) {

@@ -252,6 +252,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     if (model_input) {
       md.emplace("input_nan", std::to_string(m.nan));
       md.emplace("input_inf", std::to_string(m.pos_inf + m.neg_inf));
+      md.emplace("input_count", std::to_string(m.finite));
     }
     if (m.finite <= 0) return;
     char buf[40];
@@ -259,23 +260,25 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     md.emplace("input_rms", buf);
   }
 
-  /// A batch of one has no spread across the batch to tell a Linear's or a Conv's bias from
-  /// what its weights make of the input: its output's std with the module's own bias taken
-  /// out ("std_less_bias"), for host tensors (no device sync).
+  /// A batch of one has no spread across the batch to tell a module's bias from what its
+  /// weights make of the input: its output's std with the module's own `bias` parameter taken
+  /// out ("std_less_bias"), for host tensors (no device sync). The bias is per channel (dim 1)
+  /// of a Conv, per feature (the last dim) of any other module (a Linear, a custom dense layer).
   void add_std_less_bias(std::size_t module, const at::Tensor& t, const Metadata& base_md,
                          std::optional<Metadata>& own) const {
     if (module >= modules.size() || !t.defined() || t.dim() < 2 || t.size(0) != 1 || !t.is_cpu() ||
         !t.is_floating_point() || base_md.count("activation") != 0 || base_md.count("op") != 0)
       return;
     const Module& mod = modules[module];
-    if (mod.kind != Kind::Linear && mod.kind != Kind::Conv) return;
+    if (mod.kind == Kind::Embedding || mod.type_name.find("Norm") != std::string::npos) return;
+    const bool conv = mod.kind == Kind::Conv;
     for (const Param& p : mod.params) {
       if (p.name != "bias") continue;
       const at::Tensor bias(p.impl.lock());
-      const int64_t channels = mod.kind == Kind::Linear ? t.size(-1) : t.size(1);
+      const int64_t channels = conv ? t.size(1) : t.size(-1);
       if (!bias.defined() || bias.dim() != 1 || bias.numel() != channels || !bias.is_cpu()) return;
       std::vector<int64_t> shape(static_cast<std::size_t>(t.dim()), 1);
-      shape[mod.kind == Kind::Linear ? shape.size() - 1 : 1] = channels;
+      shape[conv ? 1 : shape.size() - 1] = channels;
       at::NoGradGuard no_grad;
       const Moments m = compute_moments(t.detach() - bias.detach().view(shape), /*signs=*/false);
       if (m.finite != m.count || m.finite == 0) return;
