@@ -290,6 +290,11 @@ std::map<std::string, double> grad_norms(Model& m) {
   return sq;
 }
 
+double mean_of(const std::vector<double>& v) {
+  double sum = 0.0;
+  for (double x : v) sum += x;
+  return sum / static_cast<double>(v.size());
+}
 double rms(const torch::Tensor& t) { return t.to(torch::kDouble).pow(2).mean().sqrt().item<double>(); }
 double std_all(const torch::Tensor& t) { return t.to(torch::kDouble).std(/*unbiased=*/false).item<double>(); }
 bool finite(const torch::Tensor& t) { return torch::isfinite(t).all().item<bool>(); }
@@ -459,9 +464,7 @@ std::vector<Scenario> scenarios() {
                          "every batch times 1e4 from the onset on");
     s.data_factor = 1e4;
     s.truth = [](const Onset& o) -> std::string {
-      double mean = 0.0;
-      for (double r : o.prev_input_rms) mean += r;
-      mean /= static_cast<double>(o.prev_input_rms.size());
+      const double mean = mean_of(o.prev_input_rms);
       const double now = rms(o.x);
       if (!(now > 10.0 * mean)) return "the batch's RMS " + std::to_string(now) + " vs " + std::to_string(mean);
       return {};
@@ -625,9 +628,7 @@ std::vector<Scenario> scenarios() {
     s.truth_later = [](const Onset& o) -> std::string {
       for (const auto& m : o.order)
         if (o.next_gain.count(m) && o.gain.count(m) && o.next_gain.at(m) > 10.0 * o.gain.at(m)) return {};
-      double mean = 0.0;
-      for (double l : o.prev_losses) mean += l;
-      mean /= static_cast<double>(o.prev_losses.size());
+      const double mean = mean_of(o.prev_losses);
       if (o.next_loss > 10.0 * mean) return {};
       return "no layer's gain rose 10x and the loss did not spike";
     };
@@ -639,9 +640,7 @@ std::vector<Scenario> scenarios() {
                          "logits times 1000 in the loss (temperature 0.001)");
     s.temperature = 0.001;
     s.truth = [](const Onset& o) -> std::string {
-      double mean = 0.0;
-      for (double l : o.prev_losses) mean += l;
-      mean /= static_cast<double>(o.prev_losses.size());
+      const double mean = mean_of(o.prev_losses);
       if (!(o.loss > 10.0 * mean)) return "loss " + std::to_string(o.loss) + " vs mean " + std::to_string(mean);
       return {};
     };
