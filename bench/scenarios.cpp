@@ -43,7 +43,7 @@ namespace F = torch::nn::functional;
 
 constexpr int64_t kClasses = 4;
 
-enum class Arch { Mlp, Cnn, Residual, LayerNormGelu, Lstm, Attention };
+enum class Arch { Mlp, Cnn, Residual, LayerNormGelu, Lstm, Attention, MlpBn };
 
 const char* arch_name(Arch a) {
   switch (a) {
@@ -59,6 +59,8 @@ const char* arch_name(Arch a) {
       return "LSTM";
     case Arch::Attention:
       return "attention";
+    case Arch::MlpBn:
+      return "MLP+BN";
   }
   return "?";
 }
@@ -147,6 +149,29 @@ struct Cnn : Model {
   torch::nn::Conv2d conv0{nullptr}, conv1{nullptr};
   torch::nn::BatchNorm2d bn0{nullptr}, bn1{nullptr};
   torch::nn::Linear fc{nullptr};
+};
+
+/// Linear - BatchNorm1d - ReLU blocks and a Linear head.
+struct MlpBn : Model {
+  explicit MlpBn(int64_t width) {
+    for (int i = 0; i < 2; ++i) {
+      fc.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(i == 0 ? 16 : width, width)));
+      bn.push_back(register_module("bn" + std::to_string(i), torch::nn::BatchNorm1d(width)));
+    }
+    head = register_module("head", torch::nn::Linear(width, kClasses));
+  }
+  torch::Tensor forward(torch::Tensor x) override {
+    for (std::size_t i = 0; i < fc.size(); ++i) {
+      const std::string n = std::to_string(i);
+      x = rec("fc" + n, x, fc[i](x));
+      x = torch::relu(rec("bn" + n, x, bn[i](x)));
+    }
+    return rec("head", x, head(x));
+  }
+  torch::Tensor input(int64_t n) const override { return torch::randn({n, 16}); }
+  std::vector<torch::nn::Linear> fc;
+  std::vector<torch::nn::BatchNorm1d> bn;
+  torch::nn::Linear head{nullptr};
 };
 
 /// relu(x + fc_b(relu(fc_a(x)))) blocks between a stem and a head.
@@ -257,6 +282,8 @@ std::shared_ptr<Model> make_model(Arch a, Act act, int64_t width) {
       return std::make_shared<Lstm>(width);
     case Arch::Attention:
       return std::make_shared<Attention>(width);
+    case Arch::MlpBn:
+      return std::make_shared<MlpBn>(width);
   }
   return nullptr;
 }
@@ -329,6 +356,10 @@ struct Scenario {
   double input_scale = 1.0;
   /// Multiplies every batch from the onset on (data that stops being normalized).
   double data_factor = 1.0;
+  /// Changes the model (no grad) after every step's update from the onset on.
+  std::function<void(Model&)> after_step;
+  /// Steps added before the onset (a BatchNorm's running statistics warm up over 44 steps).
+  int64_t later = 0;
 };
 
 /// The onset step varies with the seed (after the monitor's baselines have warmed up).
@@ -380,6 +411,27 @@ std::string check_saturated(const Onset& o, const std::string& layer, Act act) {
   if (gain > 10.0) return layer + " gain " + std::to_string(gain) + " (an explosion, not saturation)";
   return {};
 }
+/// The layer's eval-mode output (normalized with its running statistics) against its
+/// training-mode output (the batch's statistics): their difference's RMS, over the batch's
+/// normalized output's, is above 1.
+std::string check_norm_statistics(const Onset& o, const std::string& layer) {
+  const auto x = o.model->in.at(layer).to(torch::kDouble);
+  std::vector<int64_t> dims, shape(static_cast<std::size_t>(x.dim()), 1);
+  shape[1] = -1;
+  for (int64_t d = 0; d < x.dim(); ++d)
+    if (d != 1) dims.push_back(d);
+  auto bufs = o.model->named_buffers();
+  const auto rm = bufs[layer + ".running_mean"].to(torch::kDouble).view(shape);
+  const auto rv = bufs[layer + ".running_var"].to(torch::kDouble).view(shape);
+  const double eps = 1e-5;
+  const auto mean = x.mean(dims, true);
+  const auto var = (x - mean).pow(2).mean(dims, true);
+  const auto train = (x - mean) / (var + eps).sqrt();
+  const auto eval = (x - rm) / (rv + eps).sqrt();
+  const double err = (eval - train).pow(2).mean().sqrt().item<double>();
+  if (!(err > 1.0)) return layer + "'s eval-mode error " + std::to_string(err);
+  return {};
+}
 std::string check_constant(const Onset& o, const std::string& layer) {
   const double s = std_all(o.model->out.at(layer));
   if (s != 0.0) return layer + " output std " + std::to_string(s);
@@ -417,7 +469,7 @@ std::vector<Scenario> scenarios() {
   const std::pair<Arch, Act> healthy_models[] = {
       {Arch::Mlp, Act::Relu}, {Arch::Mlp, Act::Tanh}, {Arch::Cnn, Act::Relu},
       {Arch::Residual, Act::Relu}, {Arch::LayerNormGelu, Act::Relu}, {Arch::Lstm, Act::Relu},
-      {Arch::Attention, Act::Relu}, {Arch::Cnn, Act::Relu}};
+      {Arch::Attention, Act::Relu}, {Arch::Cnn, Act::Relu}, {Arch::MlpBn, Act::Relu}, {Arch::MlpBn, Act::Relu}};
   for (std::size_t i = 0; i < std::size(healthy_models); ++i) {
     Scenario s;
     s.arch = healthy_models[i].first;
@@ -595,6 +647,50 @@ std::vector<Scenario> scenarios() {
     };
     add(std::move(s));
   }
+  // ---- a BatchNorm's running statistics from another model (mean 3 standard deviations off,
+  // variance x0.1), frozen (momentum 0): training normalizes with the batch's, eval would not
+  const std::tuple<Arch, std::string, bool> stale[] = {
+      {Arch::Cnn, "bn0", false}, {Arch::Cnn, "bn1", true}, {Arch::MlpBn, "bn0", true}, {Arch::MlpBn, "bn1", false}};
+  for (const auto& [arch, layer, adam] : stale) {
+    Scenario s = failure("norm statistics", FailureKind::NormStatistics, arch, layer, adam,
+                         "running mean +3 std, running variance x0.1, momentum 0");
+    s.later = 50;
+    const std::string l = layer;
+    s.induce = [l](Model& m) {
+      auto bufs = m.named_buffers();
+      auto rm = bufs[l + ".running_mean"], rv = bufs[l + ".running_var"];
+      rm.add_(rv.sqrt() * 3.0);
+      rv.mul_(0.1);
+      auto mod = m.named_modules()[l];
+      if (auto* b = dynamic_cast<torch::nn::BatchNorm1dImpl*>(mod.get())) b->options.momentum(0.0);
+      if (auto* b = dynamic_cast<torch::nn::BatchNorm2dImpl*>(mod.get())) b->options.momentum(0.0);
+    };
+    s.truth = [l](const Onset& o) { return check_norm_statistics(o, l); };
+    add(std::move(s));
+  }
+  // ---- a normalization's weight shrinking toward 0 (x0.25 a step from the onset on: weight
+  // decay run wild on normalization weights)
+  const std::tuple<Arch, std::string, bool> shrink[] = {{Arch::Cnn, "bn1", false},
+                                                        {Arch::MlpBn, "bn0", true},
+                                                        {Arch::LayerNormGelu, "block0_ln", true},
+                                                        {Arch::LayerNormGelu, "block1_ln", false}};
+  for (const auto& [arch, layer, adam] : shrink) {
+    Scenario s = failure("norm weight collapse", FailureKind::NormWeightCollapse, arch, layer, adam,
+                         "the normalization's weight x0.25 at the onset and after every step");
+    const std::string l = layer;
+    auto peak = std::make_shared<double>(0.0);
+    s.induce = [l, peak](Model& m) {
+      *peak = rms(m.weight(l));
+      m.weight(l).mul_(0.25);
+    };
+    s.after_step = [l](Model& m) { m.weight(l).mul_(0.25); };
+    s.truth_later = [l, peak](const Onset& o) -> std::string {
+      const double now = rms(o.model->weight(l));
+      if (!(now < 0.1 * *peak)) return l + "'s weight RMS " + std::to_string(now) + " vs " + std::to_string(*peak);
+      return {};
+    };
+    add(std::move(s));
+  }
   // ---- the loss itself: a zero temperature (NaN loss from finite logits), and a batch of
   // unnormalised data (a loss spike)
   const std::pair<Arch, bool> diverge[] = {{Arch::Mlp, false}, {Arch::Attention, true}};
@@ -678,7 +774,7 @@ RunResult run(const Scenario& sc, uint64_t seed, bool verbose) {
   auto session = torchdbg::attach(*model, hooks);
 
   RunResult r;
-  const int64_t at = onset_step(seed);
+  const int64_t at = onset_step(seed) + sc.later;
   const int64_t steps = sc.kind ? at + 3 : 60;
   Onset onset;
   onset.model = model.get();
@@ -752,6 +848,10 @@ RunResult run(const Scenario& sc, uint64_t seed, bool verbose) {
         r.truth_error = sc.truth(onset);
         r.truth_ok = r.truth_error.empty();
       }
+    }
+    if (sc.kind && step >= at && sc.after_step) {  // after the ground truth read the step's model
+      torch::NoGradGuard no_grad;
+      sc.after_step(*model);
     }
   }
   hooks.set_step(steps);

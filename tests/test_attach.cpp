@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <random>
 #include <thread>
 
 #include "helpers.hpp"
@@ -1691,4 +1692,197 @@ TEST_CASE("six sessions on one model: a two-operator call, an activation after o
     std::sort(w.begin(), w.end());
     CHECK(got == w);
   }
+}
+
+namespace {
+
+/// A BatchNorm alone (any dimension), its input the data.
+struct BnNet : torch::nn::Module {
+  explicit BnNet(torch::nn::AnyModule m) : bn(std::move(m)) { register_module("bn", bn.ptr()); }
+  torch::Tensor forward(const torch::Tensor& x) { return bn.forward(x); }
+  torch::nn::AnyModule bn;
+};
+
+/// The eval-mode error of running statistics (mean `rm`, variance `rv`) against batch `x`'s,
+/// per channel sqrt((a-1)^2 + b^2) with a = sqrt((var+eps)/(rv+eps)), b = (mean-rm)/sqrt(rv+eps),
+/// then the RMS over channels: a naive loop in double.
+double norm_error_reference(const torch::Tensor& x, const std::vector<double>& rm, const std::vector<double>& rv,
+                            double eps) {
+  const auto v = torchdbg_test::as_doubles(x.contiguous());
+  const int64_t channels = x.size(1);
+  const int64_t inner = x.numel() / (x.size(0) * channels);
+  std::vector<double> sum(channels, 0.0), sq(channels, 0.0);
+  std::vector<int64_t> n(channels, 0);
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const auto c = static_cast<std::size_t>((static_cast<int64_t>(i) / inner) % channels);
+    sum[c] += v[i];
+    ++n[c];
+  }
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const auto c = static_cast<std::size_t>((static_cast<int64_t>(i) / inner) % channels);
+    const double d = v[i] - sum[c] / static_cast<double>(n[c]);
+    sq[c] += d * d;
+  }
+  double total = 0.0;
+  for (std::size_t c = 0; c < static_cast<std::size_t>(channels); ++c) {
+    const double mean = sum[c] / static_cast<double>(n[c]), var = sq[c] / static_cast<double>(n[c]);
+    const double a = std::sqrt((var + eps) / (rv[c] + eps)), b = (mean - rm[c]) / std::sqrt(rv[c] + eps);
+    total += (a - 1.0) * (a - 1.0) + b * b;
+  }
+  return std::sqrt(total / static_cast<double>(channels));
+}
+
+}  // namespace
+
+TEST_CASE("property: a BatchNorm's training calls report their running statistics' error against the batch; a "
+          "normalization its weight's RMS",
+          "[attach]") {
+  torchdbg_test::SeededRng seed(31337);
+  std::mt19937 gen(2024);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(gen); };
+  const c10::optional<double> momenta[] = {0.1, 0.5, c10::nullopt, 0.0, 5e-4, 1.0, 0.01};
+  int64_t judged = 0, warming = 0, direct = 0, late = 0;
+  for (int trial = 0; trial < 28; ++trial) {
+    const int64_t dims = 2 + trial % 4;  // [N, C], [N, C, L], [N, C, H, W], [N, C, D, H, W]
+    const int64_t channels = pick(1, 6), batch = pick(2, 9);
+    const c10::optional<double> momentum = momenta[static_cast<std::size_t>(trial) % std::size(momenta)];
+    const bool affine = pick(0, 1) == 1;
+    const bool loaded = pick(0, 2) == 0;  // buffers from a checkpoint: random statistics, long history
+    const double unit = std::pow(10.0, static_cast<double>(pick(-3, 3)));
+    INFO("trial " << trial << " dims " << dims << " C " << channels << " N " << batch << " momentum "
+                  << (momentum ? std::to_string(*momentum) : "None") << " affine " << affine << " loaded " << loaded
+                  << " unit " << unit);
+    torch::nn::AnyModule any;
+    torch::Tensor *rm = nullptr, *rv = nullptr, *nbt = nullptr, *weight = nullptr;
+    auto setup = [&](auto holder) {
+      holder->options.momentum(momentum);
+      any = torch::nn::AnyModule(holder);
+      rm = &holder->running_mean;
+      rv = &holder->running_var;
+      nbt = &holder->num_batches_tracked;
+      weight = &holder->weight;
+    };
+    if (dims <= 3) setup(torch::nn::BatchNorm1d(torch::nn::BatchNorm1dOptions(channels).affine(affine)));
+    if (dims == 4) setup(torch::nn::BatchNorm2d(torch::nn::BatchNorm2dOptions(channels).affine(affine)));
+    if (dims == 5) setup(torch::nn::BatchNorm3d(torch::nn::BatchNorm3dOptions(channels).affine(affine)));
+    auto net = std::make_shared<BnNet>(any);
+    if (loaded) {
+      torch::NoGradGuard g;
+      rm->copy_(torch::randn({channels}) * unit);
+      rv->copy_((torch::rand({channels}) + 0.2) * unit * unit);
+      nbt->fill_(100000);
+    }
+    torchdbg::HookManager hooks;
+    std::vector<std::optional<std::string>> got, weight_rms;
+    hooks.register_callback("rec", [&](const torchdbg::HookContext& c) {
+      if (c.layer_name() != "bn") return;
+      auto e = c.metadata_value("norm_stats_error");
+      got.push_back(e ? std::optional<std::string>(std::string(*e)) : std::nullopt);
+      auto w = c.metadata_value("norm_weight_rms");
+      weight_rms.push_back(w ? std::optional<std::string>(std::string(*w)) : std::nullopt);
+    });
+    hooks.register_hook(HookConfig().name("rec").trigger(HookTrigger::every_n_steps(1)).actions(
+        {HookAction::custom_callback("rec")}));
+    auto session = torchdbg::attach(*net, hooks, AttachOptions().no_grad_forward(true));
+    const int64_t steps = 50;
+    for (int64_t step = 0; step < steps + 3; ++step) {
+      hooks.set_step(step);
+      std::vector<int64_t> shape{batch, channels};
+      for (int64_t d = 2; d < dims; ++d) shape.push_back(pick(1, 4));
+      // the data's distribution drifts per channel, so the running statistics lag behind
+      std::vector<int64_t> per_channel(static_cast<std::size_t>(dims), 1);
+      per_channel[1] = channels;
+      const double t = static_cast<double>(step);
+      const auto scale = (torch::rand({channels}) * 0.5 + 0.75 + 0.02 * t).view(per_channel);
+      const auto shift = (torch::randn({channels}) * 0.3 + 0.03 * t).view(per_channel);
+      const torch::Tensor x = (torch::randn(shape) * scale + shift) * unit;
+      const bool train = step < steps;
+      net->train(train);
+      const auto mean_before = torchdbg_test::as_doubles(*rm), var_before = torchdbg_test::as_doubles(*rv);
+      const int64_t k = nbt->item<int64_t>() + (train ? 1 : 0);  // counts this call, as the module does
+      got.clear();
+      weight_rms.clear();
+      if (step == steps + 2) {
+        torch::NoGradGuard g;
+        (void)net->forward(x);
+      } else {
+        (void)net->forward(x);
+      }
+      session.flush();  // the call's output is pending until something else runs
+      REQUIRE(got.size() == 1);
+      // the weight's RMS on every delivery of an affine norm
+      CHECK(weight_rms[0].has_value() == affine);
+      if (affine && weight_rms[0]) CHECK_CLOSE(std::stod(*weight_rms[0]), weight->pow(2).mean().sqrt().item<double>(), 1e-6);
+      // warm: the initial statistics weigh under 1% (momentum 0: after 44 calls)
+      const double m = momentum ? *momentum : 1.0 / static_cast<double>(k);
+      bool warm = false;
+      double init = 0.0;  // the initial statistics' weight in the running ones
+      if (!momentum) {  // a cumulative average, told apart from a constant momentum by two calls
+        warm = k >= 2 && step > 0;
+      } else if (m >= 1.0) {
+        warm = k >= 2;
+      } else if (m > 0.0) {
+        init = std::pow(1.0 - m, static_cast<double>(k - 1));
+        warm = init < 0.01;
+      } else {
+        warm = k - 1 >= 44;
+      }
+      if (warm && init > 0.0) {  // and they move the error by less than 0.1
+        std::vector<double> mean_started = mean_before, var_started = var_before;
+        for (std::size_t c = 0; c < mean_started.size(); ++c) {
+          mean_started[c] /= 1.0 - init;
+          var_started[c] = std::max(0.0, (var_started[c] - init) / (1.0 - init));
+        }
+        warm = std::abs(norm_error_reference(x, mean_before, var_before, 1e-5) -
+                        norm_error_reference(x, mean_started, var_started, 1e-5)) < 0.1;
+        if (!warm) ++late;
+      }
+      if (!train || !warm) {
+        INFO("step " << step << " k " << k << " train " << train);
+        CHECK_FALSE(got[0].has_value());
+        if (train) ++warming;
+        continue;
+      }
+      REQUIRE(got[0].has_value());
+      const double want = norm_error_reference(x, mean_before, var_before, 1e-5);
+      // Read back from the update, the batch's moments carry the float32 buffers' rounding
+      // (6e-8 relative) divided by the momentum; from the batch, double sums.
+      double spread = 1.0;
+      for (std::size_t c = 0; c < mean_before.size(); ++c)
+        spread = std::max(spread, std::abs(mean_before[c]) / std::sqrt(var_before[c] + 1e-5));
+      const double tol = m >= 1e-3 ? 1e-6 + 6e-7 * (1.0 + spread) / m : 1e-9;
+      INFO("step " << step << " k " << k << " got " << *got[0] << " want " << want << " tol " << tol);
+      CHECK(std::abs(std::stod(*got[0]) - want) <= tol * (1.0 + want));
+      ++judged;
+      if (m < 1e-3) ++direct;
+    }
+  }
+  CHECK(judged > 200);
+  CHECK(warming > 100);
+  CHECK(direct > 20);
+  CHECK(late > 5);  // data far from variance 1 (unit 1e-3, 1e3) forgets the initial statistics later
+  // Modules without batch statistics: no error; LayerNorm reports its weight's RMS
+  torch::nn::Sequential model(torch::nn::Linear(6, 8), torch::nn::BatchNorm1d(torch::nn::BatchNorm1dOptions(8).track_running_stats(false)),
+                              torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})));
+  {
+    torch::NoGradGuard g;
+    model[2]->named_parameters()["weight"].mul_(0.25);
+  }
+  torchdbg::HookManager hooks;
+  std::map<std::string, std::map<std::string, std::string>> md;
+  hooks.register_callback("rec", [&](const torchdbg::HookContext& c) {
+    for (const char* key : {"norm_stats_error", "norm_weight_rms", "norm_samples"})
+      if (auto v = c.metadata_value(key)) md[std::string(c.layer_name())][key] = std::string(*v);
+  });
+  hooks.register_hook(HookConfig().name("rec").trigger(HookTrigger::every_n_steps(1)).actions(
+      {HookAction::custom_callback("rec")}));
+  auto session = torchdbg::attach(*model, hooks);
+  for (int64_t step = 0; step < 60; ++step) {
+    hooks.set_step(step);
+    (void)model->forward(torch::randn({16, 6}));
+  }
+  CHECK(md["1"].count("norm_stats_error") == 0);
+  CHECK(md["0"].empty());
+  REQUIRE(md["2"].count("norm_weight_rms") == 1);
+  CHECK_CLOSE(std::stod(md["2"]["norm_weight_rms"]), 0.25, 1e-9);
 }

@@ -662,3 +662,45 @@ TEST_CASE("a layer that saturates in a step's forward explains that step's explo
   REQUIRE(dl.hypotheses[0].causal_chain.size() == 2);
   CHECK(dl.hypotheses[0].causal_chain[1].layer == "loss");
 }
+
+TEST_CASE("causal rules: a normalization's collapsing weight explains its constant output, the gradients fading "
+          "upstream, dead units and gains downstream; an explosion upstream explains stale running statistics",
+          "[diagnosis]") {
+  using P = torchdbg::Phase;
+  torchdbg::HealthReport r;
+  auto collapse = incident(FailureKind::NormWeightCollapse, "bn", 20, P::Forward, 3);
+  collapse.last_step = 40;
+  collapse.value = 0.06;
+  collapse.details = {{"weight_rms", 0.06}, {"peak_weight_rms", 1.0}};
+  auto constant = incident(FailureKind::ConstantOutput, "bn", 35, P::Forward, 3);
+  constant.last_step = 40;
+  auto dead = incident(FailureKind::DeadUnits, "bn/relu", 24, P::Forward, 4);
+  dead.last_step = 40;
+  r.incidents = {collapse, dead, constant, incident(FailureKind::VanishingGradient, "fc0", 33, P::Backward, 1),
+                 incident(FailureKind::ExplodingActivation, "head", 30, P::Forward, 6)};
+  const auto d = torchdbg::diagnose(r);
+  REQUIRE(d.hypotheses.size() == 1);
+  CHECK(d.hypotheses[0].kind == FailureKind::NormWeightCollapse);
+  CHECK(d.hypotheses[0].layer == "bn");
+  CHECK(d.hypotheses[0].step == 20);
+  CHECK(d.hypotheses[0].causal_chain.size() == 5);
+  CHECK(d.hypotheses[0].description.find("6% of its peak") != std::string::npos);
+  // Without the collapse, the constant output is a root of its own.
+  torchdbg::HealthReport alone;
+  alone.incidents = {constant};
+  REQUIRE(torchdbg::diagnose(alone).hypotheses.size() == 1);
+  CHECK(torchdbg::diagnose(alone).hypotheses[0].kind == FailureKind::ConstantOutput);
+  // A BatchNorm downstream of a layer that exploded in the same step lags by design; stale
+  // running statistics on their own are a root, ranked under a failure that breaks training.
+  torchdbg::HealthReport s;
+  s.incidents = {incident(FailureKind::ExplodingActivation, "conv0", 12, P::Forward, 1),
+                 incident(FailureKind::NormStatistics, "bn0", 12, P::Forward, 2),
+                 incident(FailureKind::NormStatistics, "bn9", 3, P::Forward, 9)};
+  const auto ds = torchdbg::diagnose(s);
+  REQUIRE(ds.hypotheses.size() == 2);
+  CHECK(ds.hypotheses[0].kind == FailureKind::ExplodingActivation);
+  CHECK(ds.hypotheses[0].causal_chain.size() == 2);
+  CHECK(ds.hypotheses[1].kind == FailureKind::NormStatistics);
+  CHECK(ds.hypotheses[1].layer == "bn9");
+  CHECK(ds.hypotheses[1].description.find("eval mode") != std::string::npos);
+}

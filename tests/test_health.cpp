@@ -1,5 +1,6 @@
 // torchdbg — module hooks and a training debugger for LibTorch.
 // SPDX-License-Identifier: MIT
+#include <array>
 #include <optional>
 #include <random>
 #include <thread>
@@ -1354,4 +1355,104 @@ TEST_CASE("expected failures are tracked and reported, and raise no alarm, incid
   REQUIRE(m.incidents().size() == 1);
   CHECK(m.incidents()[0].layer == "g.out2/tanh");
   CHECK(hooks.is_paused());
+}
+
+TEST_CASE("property: stale BatchNorm running statistics and a normalization weight shrinking toward 0 are named first; "
+          "healthy BatchNorm and LayerNorm runs raise nothing",
+          "[health]") {
+  namespace nn = torch::nn;
+  enum class Arch { MlpBn, CnnBn, MlpLn };
+  enum class Mode { Healthy, Stale, Collapse };
+  std::mt19937 gen(909);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(gen); };
+  int64_t runs = 0;
+  for (int trial = 0; trial < 18; ++trial) {
+    const auto arch = static_cast<Arch>(trial % 3);
+    const auto mode = static_cast<Mode>((trial / 3) % 3);
+    if (arch == Arch::MlpLn && mode == Mode::Stale) continue;  // no running statistics
+    const int64_t batch = std::array<int64_t, 3>{4, 8, 32}[static_cast<std::size_t>(pick(0, 2))];
+    const int64_t width = 8 * pick(2, 4);
+    const bool adam = pick(0, 1) == 1;
+    torch::manual_seed(static_cast<uint64_t>(trial) * 7 + 1);
+    nn::Sequential model;
+    std::string target;  // the normalization the failure is induced at
+    if (arch == Arch::MlpBn) {
+      model = nn::Sequential(nn::Linear(12, width), nn::BatchNorm1d(width), nn::ReLU(), nn::Linear(width, width),
+                             nn::BatchNorm1d(width), nn::ReLU(), nn::Linear(width, 3));
+      target = pick(0, 1) == 0 ? "1" : "4";
+    } else if (arch == Arch::CnnBn) {
+      model = nn::Sequential(nn::Conv2d(nn::Conv2dOptions(2, 6, 3).padding(1)), nn::BatchNorm2d(6), nn::ReLU(),
+                             nn::Flatten(), nn::Linear(6 * 16, 3));
+      target = "1";
+    } else {
+      model = nn::Sequential(nn::Linear(12, width), nn::LayerNorm(nn::LayerNormOptions({width})), nn::GELU(),
+                             nn::Linear(width, 3));
+      target = "1";
+    }
+    INFO("trial " << trial << " arch " << static_cast<int>(arch) << " mode " << static_cast<int>(mode) << " batch "
+                  << batch << " width " << width << " adam " << adam << " target " << target);
+    std::unique_ptr<torch::optim::Optimizer> opt;
+    if (adam)
+      opt = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3));
+    else
+      opt = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    const auto X = arch == Arch::CnnBn ? torch::randn({256, 2, 4, 4}) : torch::randn({256, 12});
+    const auto teacher = torch::randn({X[0].numel(), 3});
+    const auto Y = X.reshape({256, -1}).matmul(teacher).argmax(1);
+    torchdbg::HookManager hooks;
+    HealthMonitor m;
+    auto fed = m.install(hooks);
+    auto session = torchdbg::attach(*model, hooks);
+    const int64_t onset = 70 + pick(0, 4);
+    std::shared_ptr<nn::Module> norm = model[static_cast<std::size_t>(std::stoi(target))];
+    torch::Tensor w = norm->named_parameters()["weight"];
+    double peak = 0.0;
+    int64_t collapsed_at = -1;  // the first step whose forward saw the weight under 10% of its peak
+    for (int64_t step = 0; step < 110; ++step) {
+      hooks.set_step(step);
+      if (mode == Mode::Stale && step == onset) {  // buffers from another model, then frozen
+        torch::NoGradGuard g;
+        auto rm = norm->named_buffers()["running_mean"], rv = norm->named_buffers()["running_var"];
+        rm.add_(rv.sqrt() * 3.0);
+        rv.mul_(0.1);
+        if (auto* b1 = dynamic_cast<nn::BatchNorm1dImpl*>(norm.get())) b1->options.momentum(0.0);
+        if (auto* b2 = dynamic_cast<nn::BatchNorm2dImpl*>(norm.get())) b2->options.momentum(0.0);
+      }
+      const double rms = w.pow(2).mean().sqrt().item<double>();
+      peak = std::max(peak, rms);
+      if (collapsed_at < 0 && rms < 0.1 * peak) collapsed_at = step;
+      opt->zero_grad();
+      const int64_t from = (step * batch) % 256;
+      auto loss = nn::functional::cross_entropy(model->forward(X.narrow(0, from, batch)), Y.narrow(0, from, batch));
+      hooks.set_loss(loss.item<double>());
+      loss.backward();
+      opt->step();
+      if (mode == Mode::Collapse && step >= onset) {  // weight decay run wild on the norm's weight
+        torch::NoGradGuard g;
+        w.mul_(0.5);
+      }
+    }
+    hooks.set_step(110);
+    const auto d = torchdbg::diagnose(m);
+    std::string incidents;
+    for (const auto& inc : m.incidents())
+      incidents += std::string(torchdbg::to_string(inc.kind)) + "@" + inc.layer + "(" + std::to_string(inc.step) + ") ";
+    INFO("incidents: " << incidents);
+    ++runs;
+    if (mode == Mode::Healthy) {
+      CHECK(m.incidents().empty());
+      continue;
+    }
+    REQUIRE(d.top() != nullptr);
+    if (mode == Mode::Stale) {
+      CHECK(d.top()->kind == FailureKind::NormStatistics);
+      CHECK(d.top()->step == onset);
+    } else {
+      REQUIRE(collapsed_at > onset);
+      CHECK(d.top()->kind == FailureKind::NormWeightCollapse);
+      CHECK(d.top()->step == collapsed_at);
+    }
+    CHECK(d.top()->layer == target);
+  }
+  CHECK(runs == 16);
 }

@@ -328,7 +328,8 @@ TEST_CASE("the built-in rules take their thresholds from HealthOptions, in evalu
   std::vector<std::string> names;
   for (const auto& r : rules) names.push_back(r->name());
   CHECK(names == std::vector<std::string>{"non_finite_output", "dead_units", "saturation", "exploding_activation",
-                                          "constant_output", "non_finite_gradient", "exploding_gradient",
+                                          "constant_output", "norm_weight_collapse", "norm_statistics",
+                                          "non_finite_gradient", "exploding_gradient",
                                           "vanishing_gradient", "loss_divergence", "loss_spike", "loss_plateau"});
   CHECK(dynamic_cast<const torchdbg::DeadUnitsRule&>(*rules[1]).options().fraction() == 0.7);
   CHECK(dynamic_cast<const torchdbg::SaturationRule&>(*rules[2]).options().fraction() == 0.4);

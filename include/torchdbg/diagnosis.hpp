@@ -372,6 +372,22 @@ TORCHDBG_INLINE std::string describe_root(const Incident& i, std::size_t related
              ").";
     case FailureKind::ConstantOutput:
       return "'" + i.layer + "' outputs a (nearly) constant value from step " + step + ".";
+    case FailureKind::NormStatistics:
+      return "the running statistics of " + at + " are " + num3(i.value) +
+             " standard deviations (RMS over channels) away from its batches' at step " + step +
+             (i.last_step > i.step ? " (until step " + std::to_string(i.last_step) + ")"
+                                   : std::string()) +
+             ": in eval mode it normalizes with other statistics than in training (a momentum of "
+             "0, "
+             "frozen or stale buffers, buffers loaded from another model), so evaluation computes "
+             "something the model was not trained on.";
+    case FailureKind::NormWeightCollapse:
+      return "the weight of " + at + " fell to " + pct(i.value) + " of its peak (RMS " +
+             num3(i.details.value("weight_rms", 0.0)) + " against " +
+             num3(i.details.value("peak_weight_rms", 0.0)) + ") at step " + step +
+             ": the normalization passes almost nothing of its input on, and the gradients before "
+             "it "
+             "fade (weight decay on normalization weights, or a destructive update).";
     case FailureKind::LossDivergence:
       return "the loss became non-finite at step " + step +
              " before any layer showed a problem (check the loss inputs and labels).";
@@ -502,6 +518,14 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
   std::map<int64_t, std::size_t> explode_act_in_step;
   // The first dead, saturated or constant layer that began in each step's forward.
   std::map<int64_t, std::size_t> fresh_forward;
+  // A normalization's collapsing weight at the same module, begun by the step: what its
+  // output's other findings come from.
+  std::map<std::string, std::size_t> collapsed_norm;
+  auto collapse_at = [&](const Incident& x) -> std::optional<std::size_t> {
+    auto it = collapsed_norm.find(x.module);
+    if (it == collapsed_norm.end() || inc[it->second].step > x.step) return std::nullopt;
+    return it->second;
+  };
   auto upstream_explosion = [&](const Incident& x) -> std::optional<std::size_t> {
     auto it = explode_act_in_step.find(x.step);
     if (it == explode_act_in_step.end() || x.phase != Phase::Forward ||
@@ -565,13 +589,24 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
           if (!c && x.kind == K::DeadUnits && !blockers.empty() &&
               blockers.begin()->first < x.order &&
               (inc[blockers.begin()->second].kind == K::DeadUnits ||
-               inc[blockers.begin()->second].kind == K::ConstantOutput))
+               inc[blockers.begin()->second].kind == K::ConstantOutput ||
+               inc[blockers.begin()->second].kind == K::NormWeightCollapse))
             c = blockers.begin()->second;
           break;
         case K::ConstantOutput:
           if (!blockers.empty() && blockers.begin()->first < x.order) c = blockers.begin()->second;
+          if (!c) c = collapse_at(x);  // the weight that shrank to 0 makes it constant
           if (!c) c = upstream_explosion(x);
           break;
+        case K::NormStatistics:
+          // The batch's statistics jumped (an explosion upstream, a destructive update): the
+          // running ones lag behind by design.
+          c = earliest({K::ExplodingActivation, K::ExplodingGradient, K::LossSpike}, true, x.step);
+          if (!c) c = upstream_explosion(x);
+          if (!c) c = collapse_at(x);
+          break;
+        case K::NormWeightCollapse:
+          break;  // what the optimizer does to the weight: a root
         case K::ExplodingActivation:
           c = earliest({K::ExplodingGradient, K::LossSpike}, true, x.step);
           // Layers downstream of an explosion in the same forward pass amplify what it
@@ -582,8 +617,8 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
           for (auto b = blockers.lower_bound(x.order); !c && b != blockers.begin();) {
             --b;
             const Incident& y = inc[b->second];
-            const bool collapsed =
-                y.kind == K::ConstantOutput || y.value >= 0.9;  // nearly all saturated or dead
+            const bool collapsed = y.kind == K::ConstantOutput || y.kind == K::NormWeightCollapse ||
+                                   y.value >= 0.9;  // nearly all saturated or dead
             if (y.phase == Phase::Forward && y.last_step >= x.step && collapsed) c = b->second;
           }
           break;
@@ -625,9 +660,12 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
       last_acute_layer_failure = i;
     if (x.module != "loss" && failure_tier(x.kind) == 2 && !layer_failure_in_step.count(x.step))
       layer_failure_in_step[x.step] = i;
-    if ((x.kind == K::DeadUnits || x.kind == K::Saturation || x.kind == K::ConstantOutput) &&
+    if ((x.kind == K::DeadUnits || x.kind == K::Saturation || x.kind == K::ConstantOutput ||
+         x.kind == K::NormWeightCollapse) &&
         !blockers.count(x.order))
       blockers[x.order] = i;
+    if (x.kind == K::NormWeightCollapse && !collapsed_norm.count(x.module))
+      collapsed_norm[x.module] = i;
     if (x.kind == K::VanishingGradient && !cause[i] && !vanishing_group.count(x.step))
       vanishing_group[x.step] = i;
     if (x.kind == K::ExplodingActivation && x.phase == Phase::Forward &&

@@ -155,6 +155,13 @@ struct ActivationInfo {
   /// "std_less_bias"): what its weights made of the input, judged instead of the spread
   /// across the batch that one sample lacks.
   std::optional<double> std_less_bias;
+  /// A BatchNorm's training call: its running statistics' error against the batch, and the
+  /// batch's samples (attach's "norm_stats_error", "norm_samples"; see
+  /// ActivationSignals::norm_stats_error).
+  std::optional<double> norm_stats_error;
+  int64_t norm_samples = 0;
+  /// A normalization layer's weight RMS (attach's "norm_weight_rms").
+  std::optional<double> norm_weight_rms;
   /// Elements above 0 per index of the unit dimension, reduced where the tensor lives when
   /// attach queued it (`install`'s prefetch); null: the monitor counts them itself.
   const std::vector<double>* unit_counts = nullptr;
@@ -209,6 +216,13 @@ struct HealthOptions {
   /// input (its step's first call on floating data, 16 elements or more) has its own
   /// baseline. 0 turns the check off.
   TORCH_ARG(double, input_scale_jump) = 10.0;
+  /// A BatchNorm whose running statistics are this far from its batch's (the eval-mode
+  /// output's RMS error in normalized units, over channels; also above 4x its sampling noise)
+  /// has stale running statistics (FailureKind::NormStatistics, NormStatisticsRule).
+  TORCH_ARG(double, norm_stats_limit) = 1.0;
+  /// A normalization layer whose weight RMS fell below this fraction of the highest it had
+  /// has a collapsing weight (FailureKind::NormWeightCollapse, NormWeightCollapseRule).
+  TORCH_ARG(double, norm_weight_collapse) = 0.1;
   /// Output std above this multiple of its input's RMS: an exploding activation
   /// (normalization layers excepted); an output that is mostly its bias (small inputs) is
   /// judged on its spread across the batch instead (ExplodingActivationRule). Once the
@@ -282,7 +296,8 @@ struct HealthOptions {
 
 /// The built-in rules with the thresholds in `o`, in the order they are evaluated: an
 /// output's non-finite values, dead units, saturation, an exploding activation, a constant
-/// output; a gradient's non-finite values, explosion, vanishing; the loss's divergence,
+/// output, a normalization's collapsing weight, a BatchNorm's stale running statistics; a
+/// gradient's non-finite values, explosion, vanishing; the loss's divergence,
 /// spike, plateau.
 inline std::vector<HealthRulePtr> builtin_health_rules(const HealthOptions& o) {
   return {
@@ -292,6 +307,10 @@ inline std::vector<HealthRulePtr> builtin_health_rules(const HealthOptions& o) {
       std::make_shared<ExplodingActivationRule>(
           ExplodingActivationRuleOptions().gain(o.activation_gain())),
       std::make_shared<ConstantOutputRule>(ConstantOutputRuleOptions().ratio(o.constant_ratio())),
+      std::make_shared<NormWeightCollapseRule>(NormWeightCollapseRuleOptions()
+                                                   .fraction(o.norm_weight_collapse())
+                                                   .constant_ratio(o.constant_ratio())),
+      std::make_shared<NormStatisticsRule>(NormStatisticsRuleOptions().limit(o.norm_stats_limit())),
       std::make_shared<NonFiniteGradientRule>(),
       std::make_shared<ExplodingGradientRule>(
           ExplodingGradientRuleOptions().norm(o.exploding_norm()).jump(o.gradient_jump())),
@@ -315,7 +334,9 @@ enum class EventType {
   NonFiniteActivation,
   Saturation,
   DeadUnits,
-  ActivationAnomaly,  ///< near-constant output, exploding activation or a user rule's finding
+  ActivationAnomaly,   ///< near-constant output, exploding activation or a user rule's finding
+  NormStatsDrift,      ///< a BatchNorm's running statistics left its batches' (NormStatistics)
+  NormWeightCollapse,  ///< a normalization layer's weight fell toward 0
   ActivationRecovered,
   NonFiniteGradient,
   VanishingGradient,
@@ -344,6 +365,10 @@ inline const char* to_string(EventType t) noexcept {
       return "dead_units";
     case EventType::ActivationAnomaly:
       return "activation_anomaly";
+    case EventType::NormStatsDrift:
+      return "norm_stats_drift";
+    case EventType::NormWeightCollapse:
+      return "norm_weight_collapse";
     case EventType::ActivationRecovered:
       return "activation_recovered";
     case EventType::NonFiniteGradient:
@@ -726,8 +751,9 @@ class BasicHealthMonitor {
     double nonfinite_frac = 0.0;
     double gain_base = detail::kNaN;
     int64_t gain_n = 0;
-    double spread_gain = detail::kNaN;  // the gain on the output's spread across the batch
-    double spread_base = detail::kNaN;  // and its baseline (updated with gain_base)
+    double spread_gain = detail::kNaN;       // the gain on the output's spread across the batch
+    double spread_base = detail::kNaN;       // and its baseline (updated with gain_base)
+    double norm_weight_peak = detail::kNaN;  // a normalization's highest weight RMS so far
     std::vector<std::vector<int64_t>> unit_ring;
     std::vector<int64_t> sample_ring, step_ring;
     std::size_t unit_head = 0;
@@ -1361,6 +1387,8 @@ void BasicHealthMonitor<Mutex>::validate(const HealthOptions& o) {
   fraction(o.dead_activity(), "dead_activity");
   fraction(o.dead_fraction(), "dead_fraction");
   fraction(o.baseline_momentum(), "baseline_momentum");
+  fraction(o.norm_weight_collapse(), "norm_weight_collapse");
+  positive(o.norm_stats_limit(), "norm_stats_limit");
   positive(o.activation_gain(), "activation_gain");
   if (!(o.input_scale_jump() == 0.0 || o.input_scale_jump() > 1.0))
     throw Error("torchdbg: HealthOptions::input_scale_jump must be 0 (off) or > 1, got " +
@@ -1414,9 +1442,12 @@ auto BasicHealthMonitor<Mutex>::activation_info(const Metadata& metadata) -> Act
   info.call = integer("call");
   info.input_call = integer("input_call").value_or(-1);
   info.input_count = integer("input_count").value_or(-1);
+  info.norm_samples = integer("norm_samples").value_or(0);
   for (auto [key, value] :
        {std::pair<const char*, std::optional<double>*>{"input_rms", &info.input_rms},
-        std::pair<const char*, std::optional<double>*>{"std_less_bias", &info.std_less_bias}}) {
+        std::pair<const char*, std::optional<double>*>{"std_less_bias", &info.std_less_bias},
+        std::pair<const char*, std::optional<double>*>{"norm_stats_error", &info.norm_stats_error},
+        std::pair<const char*, std::optional<double>*>{"norm_weight_rms", &info.norm_weight_rms}}) {
     if (auto it = metadata.find(key); it != metadata.end()) {
       try {
         *value = std::stod(it->second);
@@ -1693,6 +1724,17 @@ void BasicHealthMonitor<Mutex>::on_activation(Layer& L, const at::Tensor& y, con
                                ? L.sat_frac
                                : detail::kNaN;
   sig.origin = origin;
+  if (info.norm_stats_error) {
+    sig.norm_stats_error = *info.norm_stats_error;
+    sig.norm_samples = info.norm_samples;
+  }
+  if (info.norm_weight_rms && std::isfinite(*info.norm_weight_rms)) {
+    L.norm_weight_peak = std::isfinite(L.norm_weight_peak)
+                             ? std::max(L.norm_weight_peak, *info.norm_weight_rms)
+                             : *info.norm_weight_rms;
+    sig.norm_weight_rms = *info.norm_weight_rms;
+    sig.norm_weight_peak = L.norm_weight_peak;
+  }
   const HealthRule* by = nullptr;
   const std::optional<Finding> found = judge(
       sig, [](HealthRule& r, const auto& x) { return r.check_activation(x); }, by);
@@ -1738,11 +1780,13 @@ void BasicHealthMonitor<Mutex>::on_activation(Layer& L, const at::Tensor& y, con
   L.act_incident.reset();
   if (state == ActivationHealth::Normal && first) return;  // a healthy start is no event
   SemanticEvent e;
-  e.type = state == ActivationHealth::Normal      ? EventType::ActivationRecovered
-           : state == ActivationHealth::NonFinite ? EventType::NonFiniteActivation
-           : state == ActivationHealth::Dead      ? EventType::DeadUnits
-           : state == ActivationHealth::Saturated ? EventType::Saturation
-                                                  : EventType::ActivationAnomaly;
+  e.type = state == ActivationHealth::Normal                     ? EventType::ActivationRecovered
+           : state == ActivationHealth::NonFinite                ? EventType::NonFiniteActivation
+           : state == ActivationHealth::Dead                     ? EventType::DeadUnits
+           : state == ActivationHealth::Saturated                ? EventType::Saturation
+           : found && found->kind == FailureKind::NormStatistics ? EventType::NormStatsDrift
+           : found && found->kind == FailureKind::NormWeightCollapse ? EventType::NormWeightCollapse
+                                                                     : EventType::ActivationAnomaly;
   e.layer = L.name;
   e.step = step;
   e.from = first ? "unobserved" : to_string(before);

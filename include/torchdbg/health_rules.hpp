@@ -59,6 +59,10 @@ enum class FailureKind {
   DeadUnits,
   Saturation,
   ConstantOutput,  ///< a layer's output is (nearly) the same value everywhere
+  /// a BatchNorm's running mean/variance far from its batches' (eval mode would normalize
+  /// with other statistics than training does)
+  NormStatistics,
+  NormWeightCollapse,  ///< a normalization layer's weight fell toward 0 against its own peak
   LossDivergence,  ///< NaN/Inf loss
   LossSpike,
   LossPlateau,
@@ -85,6 +89,10 @@ inline const char* to_string(FailureKind k) noexcept {
       return "saturation";
     case FailureKind::ConstantOutput:
       return "constant_output";
+    case FailureKind::NormStatistics:
+      return "norm_statistics";
+    case FailureKind::NormWeightCollapse:
+      return "norm_weight_collapse";
     case FailureKind::LossDivergence:
       return "loss_divergence";
     case FailureKind::LossSpike:
@@ -102,6 +110,7 @@ inline const char* to_string(FailureKind k) noexcept {
 inline int failure_tier(FailureKind k) noexcept {
   switch (k) {
     case FailureKind::ConstantOutput:
+    case FailureKind::NormStatistics:  // training goes on; evaluation suffers
     case FailureKind::LossSpike:
     case FailureKind::Custom:
       return 1;
@@ -175,6 +184,16 @@ struct ActivationSignals {
   int64_t dead_since = 0;  ///< the first step of the dead units' unbroken inactive run
   double dead_activity = 0.0;              ///< a unit is dead when active in fewer than this
   double saturated_fraction = std::nan("");  ///< saturating kinds
+  /// A BatchNorm's training call (attach's "norm_stats_error"): the RMS over channels of how
+  /// far its eval-mode output would be from this training-mode output, in units of the
+  /// normalized output (0: the running statistics are the batch's); NaN where not measured
+  /// (eval mode, no running statistics, device batches, the running statistics' warm-up).
+  double norm_stats_error = std::nan("");
+  int64_t norm_samples = 0;  ///< the batch's samples behind `norm_stats_error`
+  /// A normalization layer's weight RMS (attach's "norm_weight_rms") and the highest seen for
+  /// the layer so far (this one included); NaN: not measured.
+  double norm_weight_rms = std::nan("");
+  double norm_weight_peak = std::nan("");
   /// A non-finite output with every earlier value of the step (the model's input included)
   /// finite: the step's origin.
   bool origin = false;
@@ -439,6 +458,86 @@ class ConstantOutputRule : public HealthRule {
 
  private:
   ConstantOutputRuleOptions o_;
+};
+
+struct NormStatisticsRuleOptions {
+  /// The running statistics' error (ActivationSignals::norm_stats_error) above which they are
+  /// off: an eval-mode output a whole standard deviation away from the training-mode one.
+  TORCH_ARG(double, limit) = 1.0;
+  /// ... and above this many times the error that sampling alone makes, sqrt(1.5 / samples)
+  /// (a batch's mean and variance scatter around the running ones).
+  TORCH_ARG(double, noise_factor) = 4.0;
+  /// Batches with fewer samples are not judged.
+  TORCH_ARG(int64_t, min_samples) = 4;
+};
+
+/// A BatchNorm whose running mean and variance are far from the statistics of the batches it
+/// normalizes in training: the model in eval mode computes something else than it was
+/// trained to (frozen or stale running statistics, a momentum of 0, buffers loaded from
+/// another model). Judged from the running statistics' warm-up on (1% weight left to their
+/// initial values).
+class NormStatisticsRule : public HealthRule {
+ public:
+  explicit NormStatisticsRule(NormStatisticsRuleOptions o = {}) : o_(o) {}
+  std::string name() const override { return "norm_statistics"; }
+  std::optional<Finding> check_activation(const ActivationSignals& s) override {
+    if (!std::isfinite(s.norm_stats_error) || s.norm_samples < std::max<int64_t>(o_.min_samples(), 2))
+      return std::nullopt;
+    const double noise = std::sqrt(1.5 / static_cast<double>(s.norm_samples));
+    const double limit = std::max(o_.limit(), o_.noise_factor() * noise);
+    if (!(s.norm_stats_error > limit)) return std::nullopt;
+    Finding f;
+    f.kind = FailureKind::NormStatistics;
+    f.value = s.norm_stats_error;
+    f.threshold = limit;
+    f.margin = detail::decade_margin(f.value, f.threshold);
+    f.details = {{"norm_stats_error", s.norm_stats_error}, {"samples", s.norm_samples}};
+    f.reason = "running statistics " + detail::fmt_num(s.norm_stats_error) +
+               " standard deviations (RMS over channels) from the batch's: eval mode normalizes "
+               "differently";
+    return f;
+  }
+  [[nodiscard]] const NormStatisticsRuleOptions& options() const noexcept { return o_; }
+
+ private:
+  NormStatisticsRuleOptions o_;
+};
+
+struct NormWeightCollapseRuleOptions {
+  /// A normalization layer's weight RMS below this fraction of the highest it had: collapsed.
+  TORCH_ARG(double, fraction) = 0.1;
+  /// Output spread below this fraction of its RMS is left to the constant-output rule.
+  TORCH_ARG(double, constant_ratio) = 1e-6;
+};
+
+/// A normalization layer (BatchNorm, LayerNorm, GroupNorm, ...) whose weight shrank toward 0
+/// against its own history (weight decay on norm weights, a destructive update): the layer
+/// passes less and less of its input on, and the gradients before it fade. Once its output is
+/// the same for every sample, the constant-output rule reports it.
+class NormWeightCollapseRule : public HealthRule {
+ public:
+  explicit NormWeightCollapseRule(NormWeightCollapseRuleOptions o = {}) : o_(o) {}
+  std::string name() const override { return "norm_weight_collapse"; }
+  std::optional<Finding> check_activation(const ActivationSignals& s) override {
+    if (!std::isfinite(s.norm_weight_rms) || !(s.norm_weight_peak > 0.0)) return std::nullopt;
+    const double ratio = s.norm_weight_rms / s.norm_weight_peak;
+    if (!(ratio < o_.fraction())) return std::nullopt;
+    if (s.stats.std <= o_.constant_ratio() * s.rms || s.batch_spread <= o_.constant_ratio() * s.rms)
+      return std::nullopt;  // constant already
+    Finding f;
+    f.kind = FailureKind::NormWeightCollapse;
+    f.value = ratio;
+    f.threshold = o_.fraction();
+    f.margin = ratio > 0.0 ? detail::decade_margin(f.threshold, ratio) : 1.0;
+    f.details = {{"weight_rms", s.norm_weight_rms}, {"peak_weight_rms", s.norm_weight_peak}};
+    f.reason = "weight RMS " + detail::fmt_num(s.norm_weight_rms) + ", " + detail::fmt_num(100.0 * ratio) +
+               "% of its peak " + detail::fmt_num(s.norm_weight_peak);
+    return f;
+  }
+  [[nodiscard]] const NormWeightCollapseRuleOptions& options() const noexcept { return o_; }
+
+ private:
+  NormWeightCollapseRuleOptions o_;
 };
 
 // ---- built-in gradient rules --------------------------------------------------------------

@@ -199,6 +199,7 @@ class Attribution : protected ObserverState {
           d.input = std::move(in.input);
         }
         d.used = t.reads[ci].used;
+        if (owner->modules[d.module].batch_norm && op_name == "aten::batch_norm") d.norm = capture_norm(*owner, d.module, inputs);
       }
       add(std::move(d));
     }
@@ -322,6 +323,23 @@ class Attribution : protected ObserverState {
     }
     return in;
   }
+  /// A BatchNorm call's running statistics before it updates them (norm_stats.hpp).
+  static std::optional<NormCapture> capture_norm(const AttachCore& core, std::size_t m,
+                                                 at::ArrayRef<const c10::IValue> inputs) {
+    int64_t tracked = -1;
+    if (const auto& nbt = core.modules[m].batches_tracked) {
+      const at::Tensor n(nbt->lock());
+      if (!n.defined() || !n.is_cpu() || n.numel() != 1) return std::nullopt;
+      DeliveringScope scope;
+      try {
+        tracked = n.item<int64_t>();
+      } catch (...) {
+        return std::nullopt;
+      }
+    }
+    DeliveringScope scope;  // its copies are no forward operators
+    return capture_batch_norm(inputs, tracked, core.norm_history(m));
+  }
   static CallInput* stashed_input(Tls& t, uint64_t core, std::size_t m) {
     for (auto& c : t.call_inputs)
       if (c.core == core && c.module == m) return &c;
@@ -349,8 +367,14 @@ class Attribution : protected ObserverState {
   /// A module operator's output: the session's pending call goes on, or a new call begins.
   static void forward_output(Tls& t, Decision& d, at::Tensor out) {
     Pending* cur = pending_of(t, d.core.get());
+    std::optional<NormError> norm;
+    if (d.norm) {
+      DeliveringScope scope;
+      norm = batch_norm_error(*d.norm);
+    }
     if (cur != nullptr && cur->module == d.module) {  // the same call goes on
       if (d.input) cur->input = std::move(*d.input);
+      if (norm) cur->input.norm = norm;
       for (std::size_t i = 0; i < d.used.size; ++i) cur->used.add(d.used.items[i]);
       cur->out = std::move(out);
       return;
@@ -370,6 +394,7 @@ class Attribution : protected ObserverState {
       d.core->warn_no_gradient();
     p.info = d.core->delivery_info(d.module, -1, p.call, d.from.get());
     p.input = d.input.value_or(AttachCore::InputMoments{});
+    p.input.norm = norm;
     p.out = std::move(out);
   }
 };

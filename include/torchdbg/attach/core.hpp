@@ -27,6 +27,7 @@
 #include "torchdbg/attach/deferred.hpp"
 #include "torchdbg/attach/delivery_names.hpp"
 #include "torchdbg/attach/modules.hpp"
+#include "torchdbg/attach/norm_stats.hpp"
 #include "torchdbg/attach/options.hpp"
 #include "torchdbg/attach/pass_end.hpp"
 #include "torchdbg/attach/pass_ledger.hpp"
@@ -37,11 +38,13 @@ namespace torchdbg::detail {
 
 /// The moments of a module call's data input, reported as "input_rms": on the host, or packed
 /// on the input's device (not synced yet). `model_input`: the step's first call, whose
-/// input's NaN and ±Inf counts are reported too.
+/// input's NaN and ±Inf counts are reported too. `norm`: a BatchNorm's training call, its
+/// running statistics' error against the batch ("norm_stats_error", "norm_samples").
 struct InputMoments {
   std::optional<Moments> host;
   at::Tensor packed;
   bool model_input = false;
+  std::optional<NormError> norm;
 };
 
 /// State shared by a session, its gradient hooks and the forward observer. Held by
@@ -62,6 +65,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   void finish() {
     finish_modules();
     calls_ = std::make_unique<std::atomic<uint32_t>[]>(modules.size());
+    norm_history_ = std::make_unique<NormHistory[]>(modules.size());
     for (std::size_t i = 0; i < modules.size(); ++i) calls_[i].store(0);
     std::size_t total = 0;
     for (const auto& mod : modules) {
@@ -72,6 +76,8 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   }
   /// The step the call counters belong to.
   std::atomic<int64_t> calls_step{std::numeric_limits<int64_t>::min()};
+  /// Module `m`'s last BatchNorm training call (norm_stats.hpp).
+  [[nodiscard]] NormHistory& norm_history(std::size_t m) const { return norm_history_[m]; }
   /// Calls of module `m` seen since the step (or the backward pass) began.
   [[nodiscard]] uint32_t calls(std::size_t m) const { return calls_[m].load(std::memory_order_relaxed); }
   /// The index of a new call of module `m` in this step: 0 for its first.
@@ -146,7 +152,10 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     };
     try {
       if (input.host) md_with_input(*input.host, input.model_input);
-      if (is_forward) add_std_less_bias(module, t, base_md, own);
+      if (is_forward) {
+        add_std_less_bias(module, t, base_md, own);
+        add_norm_signals(module, base_md, input.norm, own);
+      }
     } catch (...) {
     }
     const Metadata& md = own ? *own : base_md;
@@ -290,6 +299,33 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     }
   }
 
+  /// A normalization module's own output: its weight's RMS ("norm_weight_rms", a host weight
+  /// of any shape) and, for a BatchNorm's training call, the running statistics' error.
+  void add_norm_signals(std::size_t module, const Metadata& base_md, const std::optional<NormError>& norm,
+                        std::optional<Metadata>& own) const {
+    if (module >= modules.size() || base_md.count("activation") != 0 || base_md.count("op") != 0) return;
+    const Module& mod = modules[module];
+    if (mod.type_name.find("Norm") == std::string::npos) return;
+    const auto number = [&](const char* key, double v) {
+      char buf[40];
+      std::snprintf(buf, sizeof buf, "%.17g", v);
+      if (!own) own = base_md;
+      own->emplace(key, buf);
+    };
+    if (norm) {
+      number("norm_stats_error", norm->error);
+      own->emplace("norm_samples", std::to_string(norm->samples));
+    }
+    for (const Param& p : mod.params) {
+      if (p.name != "weight") continue;
+      const at::Tensor w(p.impl.lock());
+      if (!w.defined() || w.numel() == 0 || !w.is_cpu() || !w.is_floating_point()) return;
+      const Moments m = compute_moments(w.detach(), /*signs=*/false);
+      if (m.finite == m.count) number("norm_weight_rms", std::sqrt(m.sum_squares() / static_cast<double>(m.finite)));
+      return;
+    }
+  }
+
   void note_order(std::size_t m) {
     std::lock_guard<std::mutex> lock(order_mutex_);
     if (seen_.size() < modules.size()) seen_.assign(modules.size(), 0);
@@ -347,6 +383,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   std::vector<std::optional<WeakImpl>> hooked_;  // per parameter: the gradient a hook delivered last
   DeliveryNames names_;
   std::unique_ptr<std::atomic<uint32_t>[]> calls_;
+  std::unique_ptr<NormHistory[]> norm_history_;
   DeferredQueue deferred_;
 };
 

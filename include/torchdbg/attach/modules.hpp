@@ -11,6 +11,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -49,6 +50,10 @@ struct ModuleTable {
     /// Attached only so that its tensors are recognised (an unselected out_proj): no
     /// gradients, no name of its own.
     bool hidden = false;
+    /// A BatchNorm (its `aten::batch_norm` calls are measured, see norm_stats.hpp) and its
+    /// num_batches_tracked buffer, if it has one.
+    bool batch_norm = false;
+    std::optional<WeakImpl> batches_tracked;
   };
 
   static Kind kind_of_module(std::string_view type) {
@@ -130,8 +135,12 @@ struct ModuleTable {
       info.params.push_back({p.key(), weak_of(t), Metadata{{"parameter", p.key()}}});
       own(t);
     }
-    for (const auto& b : buffers)
-      if (b.value().defined()) own(b.value());
+    info.batch_norm = info.type_name.find("BatchNorm") != std::string::npos;
+    for (const auto& b : buffers) {
+      if (!b.value().defined()) continue;
+      own(b.value());
+      if (b.key() == "num_batches_tracked") info.batches_tracked = weak_of(b.value());
+    }
     modules.push_back(std::move(info));
     return true;
   }

@@ -134,6 +134,7 @@ class ObserverState {
     std::shared_ptr<const DeliveryInfo> from;
     uint64_t delivery = 0;  // Alias, FedAlias: the delivery it views (Derived::delivery)
     bool changed = false;   // Alias, FedAlias: what it views changed in place since delivered
+    std::optional<NormCapture> norm;  // Forward: a BatchNorm's running statistics before its update
   };
   /// Backward: an autograd node. Update: an in-place update of a module's own tensor or an
   /// optimizer's arithmetic. Decided: what each session that sees the operator makes of it.
