@@ -676,14 +676,17 @@ TEST_CASE("causal rules: a normalization's collapsing weight explains its consta
   constant.last_step = 40;
   auto dead = incident(FailureKind::DeadUnits, "bn/relu", 24, P::Forward, 4);
   dead.last_step = 40;
+  // its own weight's gradient, and a loss spike in the step it began
   r.incidents = {collapse, dead, constant, incident(FailureKind::VanishingGradient, "fc0", 33, P::Backward, 1),
-                 incident(FailureKind::ExplodingActivation, "head", 30, P::Forward, 6)};
+                 incident(FailureKind::ExplodingActivation, "head", 30, P::Forward, 6),
+                 incident(FailureKind::ExplodingGradient, "bn", 23, P::Backward, 3),
+                 incident(FailureKind::LossSpike, "loss", 20, P::Loss, 1 << 30)};
   const auto d = torchdbg::diagnose(r);
   REQUIRE(d.hypotheses.size() == 1);
   CHECK(d.hypotheses[0].kind == FailureKind::NormWeightCollapse);
   CHECK(d.hypotheses[0].layer == "bn");
   CHECK(d.hypotheses[0].step == 20);
-  CHECK(d.hypotheses[0].causal_chain.size() == 5);
+  CHECK(d.hypotheses[0].causal_chain.size() == 7);
   CHECK(d.hypotheses[0].description.find("6% of its peak") != std::string::npos);
   // Without the collapse, the constant output is a root of its own.
   torchdbg::HealthReport alone;

@@ -1362,17 +1362,21 @@ TEST_CASE("property: stale BatchNorm running statistics and a normalization weig
           "[health]") {
   namespace nn = torch::nn;
   enum class Arch { MlpBn, CnnBn, MlpLn };
-  enum class Mode { Healthy, Stale, Collapse };
+  enum class Mode { Healthy, Stale, Collapse, StaleThenCollapse };
   std::mt19937 gen(909);
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(gen); };
   int64_t runs = 0;
-  for (int trial = 0; trial < 18; ++trial) {
+  for (int trial = 0; trial < 24; ++trial) {
     const auto arch = static_cast<Arch>(trial % 3);
-    const auto mode = static_cast<Mode>((trial / 3) % 3);
-    if (arch == Arch::MlpLn && mode == Mode::Stale) continue;  // no running statistics
+    const auto mode = static_cast<Mode>((trial / 3) % 4);
+    if (arch == Arch::MlpLn && (mode == Mode::Stale || mode == Mode::StaleThenCollapse))
+      continue;  // no running statistics
     const int64_t batch = std::array<int64_t, 3>{4, 8, 32}[static_cast<std::size_t>(pick(0, 2))];
     const int64_t width = 8 * pick(2, 4);
     const bool adam = pick(0, 1) == 1;
+    // network slimming: an L1 term on the normalization's weight, an operator on it outside
+    // the forward (delivered as another call of the layer, without the statistics' measure)
+    const bool slimming = pick(0, 1) == 1;
     torch::manual_seed(static_cast<uint64_t>(trial) * 7 + 1);
     nn::Sequential model;
     std::string target;  // the normalization the failure is induced at
@@ -1390,7 +1394,8 @@ TEST_CASE("property: stale BatchNorm running statistics and a normalization weig
       target = "1";
     }
     INFO("trial " << trial << " arch " << static_cast<int>(arch) << " mode " << static_cast<int>(mode) << " batch "
-                  << batch << " width " << width << " adam " << adam << " target " << target);
+                  << batch << " width " << width << " adam " << adam << " target " << target << " slimming "
+                  << slimming);
     std::unique_ptr<torch::optim::Optimizer> opt;
     if (adam)
       opt = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3));
@@ -1410,7 +1415,8 @@ TEST_CASE("property: stale BatchNorm running statistics and a normalization weig
     int64_t collapsed_at = -1;  // the first step whose forward saw the weight under 10% of its peak
     for (int64_t step = 0; step < 110; ++step) {
       hooks.set_step(step);
-      if (mode == Mode::Stale && step == onset) {  // buffers from another model, then frozen
+      if ((mode == Mode::Stale || mode == Mode::StaleThenCollapse) && step == onset) {
+        // buffers from another model, then frozen
         torch::NoGradGuard g;
         auto rm = norm->named_buffers()["running_mean"], rv = norm->named_buffers()["running_var"];
         rm.add_(rv.sqrt() * 3.0);
@@ -1424,10 +1430,13 @@ TEST_CASE("property: stale BatchNorm running statistics and a normalization weig
       opt->zero_grad();
       const int64_t from = (step * batch) % 256;
       auto loss = nn::functional::cross_entropy(model->forward(X.narrow(0, from, batch)), Y.narrow(0, from, batch));
+      if (slimming) loss = loss + 1e-5 * w.abs().sum();
       hooks.set_loss(loss.item<double>());
       loss.backward();
       opt->step();
-      if (mode == Mode::Collapse && step >= onset) {  // weight decay run wild on the norm's weight
+      const int64_t shrink_from = mode == Mode::StaleThenCollapse ? onset + 10 : onset;
+      if ((mode == Mode::Collapse || mode == Mode::StaleThenCollapse) && step >= shrink_from) {
+        // weight decay run wild on the norm's weight
         torch::NoGradGuard g;
         w.mul_(0.5);
       }
@@ -1444,15 +1453,21 @@ TEST_CASE("property: stale BatchNorm running statistics and a normalization weig
       continue;
     }
     REQUIRE(d.top() != nullptr);
+    int64_t stale = 0;
+    for (const auto& inc : m.incidents()) stale += inc.kind == FailureKind::NormStatistics ? 1 : 0;
     if (mode == Mode::Stale) {
       CHECK(d.top()->kind == FailureKind::NormStatistics);
       CHECK(d.top()->step == onset);
+      CHECK(stale == 1);  // one finding for the whole run, slimming or not
     } else {
       REQUIRE(collapsed_at > onset);
+      // and the collapse on top of it (the running statistics' finding comes back once the
+      // output is constant and the collapse no longer judged)
+      if (mode == Mode::StaleThenCollapse) CHECK(stale >= 1);
       CHECK(d.top()->kind == FailureKind::NormWeightCollapse);
       CHECK(d.top()->step == collapsed_at);
     }
     CHECK(d.top()->layer == target);
   }
-  CHECK(runs == 16);
+  CHECK(runs == 20);
 }

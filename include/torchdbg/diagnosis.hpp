@@ -465,7 +465,7 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
   std::map<int64_t, std::size_t> layer_failure_in_step;  // the first layer failure of each step
   std::map<K, std::size_t> first_of;
   std::map<int64_t, std::size_t>
-      blockers;  // dead/saturated incidents by forward order (first per order)
+      blockers;  // dead/saturated/constant/collapsed incidents by forward order (first per order)
   std::map<int64_t, std::size_t> vanishing_group;  // step -> root vanishing incident of that step
   std::map<int64_t, std::size_t> exploding_group;  // step -> root exploding-gradient incident
   // A cause must still be going on, or have ended at most kRecent steps before the incident
@@ -521,6 +521,9 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
   // A normalization's collapsing weight at the same module, begun by the step: what its
   // output's other findings come from.
   std::map<std::string, std::size_t> collapsed_norm;
+  // The first layer that began to pass nothing on (a collapsed weight, a constant output) in
+  // each step's forward.
+  std::map<int64_t, std::size_t> collapsed_in_step;
   auto collapse_at = [&](const Incident& x) -> std::optional<std::size_t> {
     auto it = collapsed_norm.find(x.module);
     if (it == collapsed_norm.end() || inc[it->second].step > x.step) return std::nullopt;
@@ -571,6 +574,9 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
             auto it = explode_origin.find(x.step);
             if (it != explode_origin.end() && it->second != i) c = it->second;
           }
+          // A normalization whose weight collapsed: its own weight's gradient (d loss / d w
+          // no longer shrinks with w) and what flows through it.
+          if (!c) c = collapse_at(x);
           break;
         }
         case K::VanishingGradient: {
@@ -630,6 +636,8 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
           // of the kind: the first layer failure (a state the model has been in).
           if (x.kind != K::LossPlateau && last_acute_layer_failure)
             c = last_acute_layer_failure;
+          else if (x.kind != K::LossPlateau && collapsed_in_step.count(x.step))
+            c = collapsed_in_step[x.step];  // a layer that stopped passing its input on
           else if (x.kind != K::LossPlateau && layer_failure_in_step.count(x.step))
             c = layer_failure_in_step[x.step];
           else if (first_layer_failure && inc[*first_layer_failure].step <= x.step)
@@ -660,12 +668,18 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
       last_acute_layer_failure = i;
     if (x.module != "loss" && failure_tier(x.kind) == 2 && !layer_failure_in_step.count(x.step))
       layer_failure_in_step[x.step] = i;
+    // A module and its activation share one order: a normalization's collapsing weight takes
+    // the place of the dead or saturated units after it, which it explains.
     if ((x.kind == K::DeadUnits || x.kind == K::Saturation || x.kind == K::ConstantOutput ||
          x.kind == K::NormWeightCollapse) &&
-        !blockers.count(x.order))
+        (!blockers.count(x.order) ||
+         (x.kind == K::NormWeightCollapse && inc[blockers[x.order]].kind != K::NormWeightCollapse)))
       blockers[x.order] = i;
     if (x.kind == K::NormWeightCollapse && !collapsed_norm.count(x.module))
       collapsed_norm[x.module] = i;
+    if ((x.kind == K::NormWeightCollapse || x.kind == K::ConstantOutput) &&
+        x.phase == Phase::Forward && !collapsed_in_step.count(x.step))
+      collapsed_in_step[x.step] = i;
     if (x.kind == K::VanishingGradient && !cause[i] && !vanishing_group.count(x.step))
       vanishing_group[x.step] = i;
     if (x.kind == K::ExplodingActivation && x.phase == Phase::Forward &&

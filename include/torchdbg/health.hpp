@@ -160,6 +160,7 @@ struct ActivationInfo {
   /// ActivationSignals::norm_stats_error).
   std::optional<double> norm_stats_error;
   int64_t norm_samples = 0;
+  double norm_momentum = 0.1;  ///< the update's momentum ("norm_momentum")
   /// A normalization layer's weight RMS (attach's "norm_weight_rms").
   std::optional<double> norm_weight_rms;
   /// Elements above 0 per index of the unit dimension, reduced where the tensor lives when
@@ -754,6 +755,9 @@ class BasicHealthMonitor {
     double spread_gain = detail::kNaN;       // the gain on the output's spread across the batch
     double spread_base = detail::kNaN;       // and its baseline (updated with gain_base)
     double norm_weight_peak = detail::kNaN;  // a normalization's highest weight RMS so far
+    double norm_stats_prev = detail::kNaN;   // its previous running statistics' error
+    int64_t norm_stats_prev_step = 0;
+    std::optional<FailureKind> act_found;  // the finding behind the current state
     std::vector<std::vector<int64_t>> unit_ring;
     std::vector<int64_t> sample_ring, step_ring;
     std::size_t unit_head = 0;
@@ -1443,11 +1447,13 @@ auto BasicHealthMonitor<Mutex>::activation_info(const Metadata& metadata) -> Act
   info.input_call = integer("input_call").value_or(-1);
   info.input_count = integer("input_count").value_or(-1);
   info.norm_samples = integer("norm_samples").value_or(0);
+  std::optional<double> norm_momentum;
   for (auto [key, value] :
        {std::pair<const char*, std::optional<double>*>{"input_rms", &info.input_rms},
         std::pair<const char*, std::optional<double>*>{"std_less_bias", &info.std_less_bias},
         std::pair<const char*, std::optional<double>*>{"norm_stats_error", &info.norm_stats_error},
-        std::pair<const char*, std::optional<double>*>{"norm_weight_rms", &info.norm_weight_rms}}) {
+        std::pair<const char*, std::optional<double>*>{"norm_weight_rms", &info.norm_weight_rms},
+        std::pair<const char*, std::optional<double>*>{"norm_momentum", &norm_momentum}}) {
     if (auto it = metadata.find(key); it != metadata.end()) {
       try {
         *value = std::stod(it->second);
@@ -1455,6 +1461,7 @@ auto BasicHealthMonitor<Mutex>::activation_info(const Metadata& metadata) -> Act
       }
     }
   }
+  if (norm_momentum) info.norm_momentum = *norm_momentum;
   for (auto [key, count] : {std::pair<const char*, int64_t*>{"input_nan", &info.input_nan},
                             std::pair<const char*, int64_t*>{"input_inf", &info.input_inf}}) {
     if (auto it = metadata.find(key); it != metadata.end()) {
@@ -1727,6 +1734,11 @@ void BasicHealthMonitor<Mutex>::on_activation(Layer& L, const at::Tensor& y, con
   if (info.norm_stats_error) {
     sig.norm_stats_error = *info.norm_stats_error;
     sig.norm_samples = info.norm_samples;
+    sig.norm_momentum = info.norm_momentum;
+    sig.norm_stats_previous = L.norm_stats_prev;
+    sig.norm_stats_previous_step = L.norm_stats_prev_step;
+    L.norm_stats_prev = *info.norm_stats_error;
+    L.norm_stats_prev_step = step;
   }
   if (info.norm_weight_rms && std::isfinite(*info.norm_weight_rms)) {
     L.norm_weight_peak = std::isfinite(L.norm_weight_peak)
@@ -1766,7 +1778,24 @@ void BasicHealthMonitor<Mutex>::on_activation(Layer& L, const at::Tensor& y, con
   const ActivationHealth before = L.act;
   const bool first = !L.seen_fwd;
   L.seen_fwd = true;
-  if (state == before && !first) {
+  // A call that does not carry the measure behind the current finding (a BatchNorm's other
+  // calls: eval, an operator on its weight outside the forward) neither confirms nor ends it.
+  if (!found && !first &&
+      ((L.act_found == FailureKind::NormStatistics && !info.norm_stats_error) ||
+       (L.act_found == FailureKind::NormWeightCollapse && !info.norm_weight_rms)))
+    return;
+  // A finding of another kind in the same state (a collapsing weight at a layer whose running
+  // statistics are already off) is a transition of its own; a weight near 0 and the constant
+  // output it makes are one failure.
+  const auto one_failure = [](FailureKind a, FailureKind b) {
+    const auto collapse = [](FailureKind f) {
+      return f == FailureKind::ConstantOutput || f == FailureKind::NormWeightCollapse;
+    };
+    return a == b || (collapse(a) && collapse(b));
+  };
+  const bool same =
+      state == before && (!found || !L.act_found || one_failure(*L.act_found, found->kind));
+  if (same && !first) {
     if (found) {
       if (new_step) ++L.act_persist;
       if (L.act_incident)
@@ -1778,6 +1807,7 @@ void BasicHealthMonitor<Mutex>::on_activation(Layer& L, const at::Tensor& y, con
   L.act_since = step;
   L.act_persist = 1;
   L.act_incident.reset();
+  L.act_found = found ? std::optional<FailureKind>(found->kind) : std::nullopt;
   if (state == ActivationHealth::Normal && first) return;  // a healthy start is no event
   SemanticEvent e;
   e.type = state == ActivationHealth::Normal                     ? EventType::ActivationRecovered

@@ -189,7 +189,11 @@ struct ActivationSignals {
   /// normalized output (0: the running statistics are the batch's); NaN where not measured
   /// (eval mode, no running statistics, device batches, the running statistics' warm-up).
   double norm_stats_error = std::nan("");
-  int64_t norm_samples = 0;  ///< the batch's samples behind `norm_stats_error`
+  int64_t norm_samples = 0;     ///< the batch's samples behind `norm_stats_error`
+  double norm_momentum = 0.1;   ///< the momentum the running statistics are updated with
+  /// The layer's previous `norm_stats_error` and its step (NaN: none).
+  double norm_stats_previous = std::nan("");
+  int64_t norm_stats_previous_step = 0;
   /// A normalization layer's weight RMS (attach's "norm_weight_rms") and the highest seen for
   /// the layer so far (this one included); NaN: not measured.
   double norm_weight_rms = std::nan("");
@@ -464,8 +468,9 @@ struct NormStatisticsRuleOptions {
   /// The running statistics' error (ActivationSignals::norm_stats_error) above which they are
   /// off: an eval-mode output a whole standard deviation away from the training-mode one.
   TORCH_ARG(double, limit) = 1.0;
-  /// ... and above this many times the error that sampling alone makes, sqrt(1.5 / samples)
-  /// (a batch's mean and variance scatter around the running ones).
+  /// ... and above this many times the error that sampling alone makes (a batch's mean and
+  /// variance scatter around the running ones, which scatter too: sqrt(1.5 / samples x
+  /// (1 + m / (2 - m))) for momentum m).
   TORCH_ARG(double, noise_factor) = 4.0;
   /// Batches with fewer samples are not judged.
   TORCH_ARG(int64_t, min_samples) = 4;
@@ -475,23 +480,26 @@ struct NormStatisticsRuleOptions {
 /// normalizes in training: the model in eval mode computes something else than it was
 /// trained to (frozen or stale running statistics, a momentum of 0, buffers loaded from
 /// another model). Judged from the running statistics' warm-up on (1% weight left to their
-/// initial values).
+/// initial values), on two calls in a row (one batch far out is sampling, not staleness); the
+/// finding dates from the first. Running statistics a NaN batch poisoned are infinitely off.
 class NormStatisticsRule : public HealthRule {
  public:
   explicit NormStatisticsRule(NormStatisticsRuleOptions o = {}) : o_(o) {}
   std::string name() const override { return "norm_statistics"; }
   std::optional<Finding> check_activation(const ActivationSignals& s) override {
-    if (!std::isfinite(s.norm_stats_error) || s.norm_samples < std::max<int64_t>(o_.min_samples(), 2))
+    if (std::isnan(s.norm_stats_error) || s.norm_samples < std::max<int64_t>(o_.min_samples(), 2))
       return std::nullopt;
-    const double noise = std::sqrt(1.5 / static_cast<double>(s.norm_samples));
+    const double m = std::clamp(s.norm_momentum, 0.0, 1.0);
+    const double noise = std::sqrt(1.5 / static_cast<double>(s.norm_samples) * (1.0 + m / (2.0 - m)));
     const double limit = std::max(o_.limit(), o_.noise_factor() * noise);
-    if (!(s.norm_stats_error > limit)) return std::nullopt;
+    if (!(s.norm_stats_error > limit && s.norm_stats_previous > limit)) return std::nullopt;
     Finding f;
     f.kind = FailureKind::NormStatistics;
     f.value = s.norm_stats_error;
     f.threshold = limit;
     f.margin = detail::decade_margin(f.value, f.threshold);
     f.details = {{"norm_stats_error", s.norm_stats_error}, {"samples", s.norm_samples}};
+    f.since = s.norm_stats_previous_step;
     f.reason = "running statistics " + detail::fmt_num(s.norm_stats_error) +
                " standard deviations (RMS over channels) from the batch's: eval mode normalizes "
                "differently";
@@ -522,7 +530,8 @@ class NormWeightCollapseRule : public HealthRule {
     if (!std::isfinite(s.norm_weight_rms) || !(s.norm_weight_peak > 0.0)) return std::nullopt;
     const double ratio = s.norm_weight_rms / s.norm_weight_peak;
     if (!(ratio < o_.fraction())) return std::nullopt;
-    if (s.stats.std <= o_.constant_ratio() * s.rms || s.batch_spread <= o_.constant_ratio() * s.rms)
+    if (s.stats.numel >= 2 &&
+        (s.stats.std <= o_.constant_ratio() * s.rms || s.batch_spread <= o_.constant_ratio() * s.rms))
       return std::nullopt;  // constant already
     Finding f;
     f.kind = FailureKind::NormWeightCollapse;

@@ -330,11 +330,21 @@ class Attribution : protected ObserverState {
     if (const auto& nbt = core.modules[m].batches_tracked) {
       const at::Tensor n(nbt->lock());
       if (!n.defined() || !n.is_cpu() || n.numel() != 1) return std::nullopt;
-      DeliveringScope scope;
-      try {
-        tracked = n.item<int64_t>();
-      } catch (...) {
-        return std::nullopt;
+      switch (n.scalar_type()) {  // a model moved to another dtype may have converted it
+        case at::kLong:
+          tracked = *n.data_ptr<int64_t>();
+          break;
+        case at::kInt:
+          tracked = *n.data_ptr<int32_t>();
+          break;
+        case at::kDouble:
+          tracked = static_cast<int64_t>(*n.data_ptr<double>());
+          break;
+        case at::kFloat:
+          tracked = static_cast<int64_t>(*n.data_ptr<float>());
+          break;
+        default:
+          return std::nullopt;
       }
     }
     DeliveringScope scope;  // its copies are no forward operators

@@ -315,6 +315,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     if (norm) {
       number("norm_stats_error", norm->error);
       own->emplace("norm_samples", std::to_string(norm->samples));
+      number("norm_momentum", norm->momentum);
     }
     for (const Param& p : mod.params) {
       if (p.name != "weight") continue;
