@@ -1471,3 +1471,134 @@ TEST_CASE("property: stale BatchNorm running statistics and a normalization weig
   }
   CHECK(runs == 20);
 }
+
+namespace {
+
+// A module zero-initialized on purpose: LoRA (a frozen base plus B(A(x)), B = 0), a residual
+// block whose last normalization's weight is 0 (zero_init_residual), a zero convolution
+// (ControlNet: weight and bias 0).
+struct ZeroInitBlockImpl : torch::nn::Module {
+  int kind = 0;
+  torch::nn::Linear base{nullptr}, a{nullptr}, b{nullptr}, l1{nullptr}, l2{nullptr};
+  torch::nn::AnyModule n1, n2;
+  torch::nn::Conv1d ctrl{nullptr}, zero{nullptr};
+  torch::Tensor zero_weight;  // the weight that starts at 0
+  ZeroInitBlockImpl(int kind_, int64_t d, int64_t rank, bool layer_norm) : kind(kind_) {
+    namespace nn = torch::nn;
+    torch::NoGradGuard g;
+    if (kind == 0) {
+      base = register_module("base", nn::Linear(d, d));
+      a = register_module("lora_a", nn::Linear(nn::LinearOptions(d, rank).bias(false)));
+      b = register_module("lora_b", nn::Linear(nn::LinearOptions(rank, d).bias(false)));
+      for (auto& p : base->parameters()) p.set_requires_grad(false);
+      zero_weight = b->weight;
+    } else if (kind == 1) {
+      l1 = register_module("l1", nn::Linear(d, d));
+      l2 = register_module("l2", nn::Linear(d, d));
+      if (layer_norm) {
+        n1 = nn::AnyModule(nn::LayerNorm(nn::LayerNormOptions({d})));
+        n2 = nn::AnyModule(nn::LayerNorm(nn::LayerNormOptions({d})));
+      } else {
+        n1 = nn::AnyModule(nn::BatchNorm1d(d));
+        n2 = nn::AnyModule(nn::BatchNorm1d(d));
+      }
+      register_module("n1", n1.ptr());
+      register_module("n2", n2.ptr());
+      zero_weight = n2.ptr()->named_parameters()["weight"];
+    } else {
+      ctrl = register_module("ctrl", nn::Conv1d(nn::Conv1dOptions(1, 4, 3).padding(1)));
+      zero = register_module("zero_conv", nn::Conv1d(nn::Conv1dOptions(4, 1, 1)));
+      zero->bias.zero_();
+      zero_weight = zero->weight;
+    }
+    zero_weight.zero_();
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (kind == 0) return base->forward(x) + b->forward(a->forward(x));
+    if (kind == 1)
+      return torch::relu(x + n2.forward(l2->forward(torch::relu(n1.forward(l1->forward(x))))));
+    return x + zero->forward(torch::relu(ctrl->forward(x.unsqueeze(1)))).squeeze(1);
+  }
+};
+TORCH_MODULE(ZeroInitBlock);
+
+}  // namespace
+
+TEST_CASE("property: modules zero-initialized on purpose raise nothing while their weights move; frozen at 0, their "
+          "constant output is named first",
+          "[health]") {
+  namespace nn = torch::nn;
+  std::mt19937 gen(4242);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(gen); };
+  for (int trial = 0; trial < 18; ++trial) {
+    const int kind = trial % 3;
+    const bool frozen = (trial / 3) % 2 == 1;
+    const int64_t d = 8 * pick(1, 4), batch = std::array<int64_t, 3>{4, 8, 32}[static_cast<std::size_t>(pick(0, 2))];
+    const int optimizer = static_cast<int>(pick(0, 2));  // SGD, Adam, AdamW
+    const bool layer_norm = pick(0, 1) == 1;
+    const int64_t blocks = pick(1, 2);
+    torch::manual_seed(static_cast<uint64_t>(trial) * 13 + 5);
+    nn::Sequential model;
+    model->push_back(nn::Linear(6, d));
+    std::vector<ZeroInitBlock> zi;
+    for (int64_t k = 0; k < blocks; ++k) {
+      zi.push_back(ZeroInitBlock(kind, d, pick(1, 4), layer_norm));
+      model->push_back(zi.back());
+    }
+    model->push_back(nn::Linear(d, 3));
+    if (frozen) {  // the whole zero convolution: its bias alone would train into a constant output at once
+      zi.front()->zero_weight.set_requires_grad(false);
+      if (kind == 2) zi.front()->zero->bias.set_requires_grad(false);
+    }
+    INFO("trial " << trial << " kind " << kind << " frozen " << frozen << " d " << d << " batch " << batch
+                  << " optimizer " << optimizer << " layer_norm " << layer_norm << " blocks " << blocks);
+    std::vector<torch::Tensor> params;
+    for (auto& p : model->parameters())
+      if (p.requires_grad()) params.push_back(p);
+    std::unique_ptr<torch::optim::Optimizer> opt;
+    if (optimizer == 0)
+      opt = std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05));
+    else if (optimizer == 1)
+      opt = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3));
+    else
+      opt = std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+    auto X = torch::randn({256, 6});
+    auto Y = (X.narrow(1, 0, 3).argmax(1));
+    torchdbg::HookManager hooks;
+    HealthMonitor m;
+    auto installed = m.install(hooks);
+    auto session = torchdbg::attach(*model, hooks);
+    bool stayed_zero = true;  // the reference: the first zero-initialized weight, read with torch
+    for (int64_t step = 0; step < 40; ++step) {
+      hooks.set_step(step);
+      opt->zero_grad();
+      const int64_t from = (step * batch) % 256;
+      auto loss = nn::functional::cross_entropy(model->forward(X.narrow(0, from, batch)), Y.narrow(0, from, batch));
+      hooks.set_loss(loss.item<double>());
+      loss.backward();
+      opt->step();
+      stayed_zero = stayed_zero && zi.front()->zero_weight.abs().max().item<double>() == 0.0;
+    }
+    m.flush();
+    std::string incidents;
+    for (const auto& inc : m.incidents())
+      incidents += std::string(torchdbg::to_string(inc.kind)) + "@" + inc.layer + "(" + std::to_string(inc.step) + ") ";
+    INFO("incidents: " << incidents);
+    REQUIRE(stayed_zero == frozen);
+    if (!frozen) {
+      CHECK(m.incidents().empty());
+      continue;
+    }
+    const auto d0 = torchdbg::diagnose(m.report());
+    REQUIRE(d0.top() != nullptr);
+    CHECK(d0.top()->kind == FailureKind::ConstantOutput);
+    const std::string where = std::string("1.") + (kind == 0 ? "lora_b" : kind == 1 ? "n2" : "zero_conv");
+    CHECK(d0.top()->layer == where);
+    CHECK(d0.top()->step == m.options().baseline_warmup());  // judged once the warm-up is over
+    for (const auto& inc : m.incidents())  // exactly 0 for the whole warm-up, then one step more
+      if (inc.kind == FailureKind::ConstantOutput && inc.layer == where)
+        CHECK(inc.details.value("zero_steps", int64_t{0}) == m.options().baseline_warmup() + 1);
+    for (const auto& inc : m.incidents())  // nothing before: those steps were its warm-up
+      CHECK(inc.step >= m.options().baseline_warmup());
+  }
+}

@@ -371,6 +371,12 @@ TORCHDBG_INLINE std::string describe_root(const Incident& i, std::size_t related
                                                : std::string("the activation")) +
              ").";
     case FailureKind::ConstantOutput:
+      if (i.details.contains("zero_steps") && i.details["zero_steps"].is_number_integer())
+        return "'" + i.layer + "' has output exactly 0 since its first call (" +
+               std::to_string(i.details["zero_steps"].get<int64_t>()) +
+               " steps by step " + step +
+               "): a zero-initialized module whose weights do not move (frozen, or no gradient "
+               "reaches them), so nothing flows through it.";
       return "'" + i.layer + "' outputs a (nearly) constant value from step " + step + ".";
     case FailureKind::NormStatistics:
       return "the running statistics of " + at + " are " + num3(i.value) +

@@ -1,0 +1,348 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+// The health monitor's judgement of each observation, without its lock and callbacks: the
+// signals a layer shows (health/signals.hpp) go to the rules (health/rules.hpp), and their
+// findings become states, events and incidents in the ledger (health/ledger.hpp). Internal to
+// the monitor.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "torchdbg/detail/compiled.hpp"
+#include "torchdbg/health/gradients.hpp"
+#include "torchdbg/health/input_watch.hpp"
+#include "torchdbg/health/ledger.hpp"
+#include "torchdbg/health/options.hpp"
+#include "torchdbg/health/records.hpp"
+#include "torchdbg/health/rules.hpp"
+#include "torchdbg/health/signals.hpp"
+#include "torchdbg/tensor_stats.hpp"
+
+namespace torchdbg::detail {
+
+/// One monitor's state and judgement: the current step, the signals, the rules, the input
+/// watch, the ledger and the loss's state. Not thread-safe: the monitor's lock guards it.
+class HealthCore {
+ public:
+  using Layer = HealthLayer;
+
+  /// Validates `options` and compiles its patterns (throws torchdbg::Error on a bad one); the
+  /// rules are the built-in ones, then `options.rules()`.
+  explicit HealthCore(const HealthOptions& options);
+  HealthCore(const HealthCore&) = delete;  // the ledger's snapshot points at this one
+  HealthCore& operator=(const HealthCore&) = delete;
+
+  // ---- steps
+  [[nodiscard]] bool has_step() const noexcept { return have_step_; }
+  [[nodiscard]] int64_t step() const noexcept { return cur_step_; }
+  /// `step` begins: the step's forward and backward bookkeeping starts again.
+  void begin_step(int64_t step);
+  /// The current step is over (flush): the next observation begins one again.
+  void end_step() noexcept { have_step_ = false; }
+
+  // ---- observations (the caller holds the monitor's lock)
+  /// A forward output of `L` (and, with attach's metadata, the model's input it came from).
+  void activation(Layer& L, const at::Tensor& y, const TensorStats& s, int64_t step,
+                  const ActivationInfo& info, Pauses& pauses);
+  /// A gradient of one of `L`'s parameters.
+  void gradient(Layer& L, const TensorStats& s) { grads_.add(L, signals_.index_of(L), s); }
+  /// Judges the gradients received since the last backward pass was judged.
+  void gradients(Pauses& pauses);
+  /// The backward pass under way threw: its gradients are forgotten.
+  void abandon_backward() { grads_.abandon(signals_.records()); }
+  void loss(int64_t step, double loss, Pauses& pauses);
+
+  // ---- rules
+  void add_rule(HealthRulePtr rule) { rules_.push_back(std::move(rule)); }
+  [[nodiscard]] const std::vector<HealthRulePtr>& rules() const noexcept { return rules_; }
+  [[nodiscard]] uint64_t rule_errors() const noexcept { return rule_errors_; }
+
+  // ---- state
+  HealthSignals& signals() noexcept { return signals_; }
+  [[nodiscard]] const HealthSignals& signals() const noexcept { return signals_; }
+  [[nodiscard]] const HealthLedger& ledger() const noexcept { return ledger_; }
+  [[nodiscard]] LossHealth loss_health() const noexcept { return loss_state_; }
+  /// A copy of everything diagnose() needs.
+  [[nodiscard]] HealthReport report() const;
+  /// Forgets all state, events and incidents (options and rules stay).
+  void clear();
+
+ private:
+  /// The first finding of the rules for `sig` (`check` calls the rule's method for it). A rule
+  /// that throws judges nothing and is counted in rule_errors().
+  template <typename Signals, typename Check>
+  std::optional<Finding> judge(const Signals& sig, Check check, const HealthRule*& by) {
+    for (const auto& rule : rules_) {
+      try {
+        std::optional<Finding> f = check(*rule, sig);
+        if (f) {
+          by = rule.get();
+          return f;
+        }
+      } catch (...) {
+        ++rule_errors_;
+      }
+    }
+    return std::nullopt;
+  }
+
+  const HealthOptions& options_;
+  std::vector<HealthRulePtr> rules_;
+  uint64_t rule_errors_ = 0;
+  HealthSignals signals_;
+  GradientTracker grads_;
+  HealthLedger ledger_;
+  InputWatch input_;
+  bool have_step_ = false;
+  int64_t cur_step_ = 0;
+  LossHealth loss_state_ = LossHealth::Healthy;
+  Track loss_track_;
+};
+
+#if TORCHDBG_DEFINITIONS
+
+namespace health_core {
+TORCHDBG_INLINE const HealthOptions& validated(const HealthOptions& o) {
+  validate(o);
+  return o;
+}
+}  // namespace health_core
+
+TORCHDBG_INLINE HealthCore::HealthCore(const HealthOptions& options)
+    : options_(health_core::validated(options)),
+      rules_(builtin_health_rules(options_)),
+      signals_(options_),
+      grads_(options_),
+      ledger_(options_, [this] { return report(); }),
+      input_(options_) {
+  for (std::size_t i = 0; i < options_.rules().size(); ++i) {
+    if (!options_.rules()[i])
+      throw Error("torchdbg: HealthOptions::rules[" + std::to_string(i) + "] is null");
+    rules_.push_back(options_.rules()[i]);
+  }
+}
+
+TORCHDBG_INLINE void HealthCore::begin_step(int64_t step) {
+  have_step_ = true;
+  cur_step_ = step;
+  signals_.begin_step();
+  grads_.begin_step();
+}
+
+TORCHDBG_INLINE void HealthCore::activation(Layer& L, const at::Tensor& y, const TensorStats& s,
+                                            int64_t step, const ActivationInfo& info,
+                                            Pauses& pauses) {
+  // The model's input as attach saw it with this output: NaN/Inf there is the data's failure,
+  // and no output after it in the step is an origin.
+  if (info.input_observed && input_.observe(L.name, step, info, ledger_, pauses))
+    signals_.mark_forward_non_finite();
+  bool new_step = false;
+  const ActivationSignals sig = signals_.measure_activation(L, y, s, step, info, new_step);
+  const HealthRule* by = nullptr;
+  const std::optional<Finding> found = judge(
+      sig, [](HealthRule& r, const auto& x) { return r.check_activation(x); }, by);
+  ActivationHealth state = ActivationHealth::Normal;
+  if (found) {
+    switch (found->kind) {
+      case FailureKind::NonFiniteOutput:
+        state = ActivationHealth::NonFinite;
+        break;
+      case FailureKind::DeadUnits:
+        state = ActivationHealth::Dead;
+        break;
+      case FailureKind::Saturation:
+        state = ActivationHealth::Saturated;
+        break;
+      default:
+        state = ActivationHealth::Anomalous;
+        break;
+    }
+  }
+  if (state == ActivationHealth::Normal) signals_.learn_activation(L);
+
+  const ActivationHealth before = L.act;
+  const bool first = !L.seen_fwd;
+  L.seen_fwd = true;
+  // A call that does not carry the measure behind the current finding (a BatchNorm's other
+  // calls: eval, an operator on its weight outside the forward) neither confirms nor ends it.
+  if (!found && !first &&
+      ((L.act_found == FailureKind::NormStatistics && !info.norm_stats_error) ||
+       (L.act_found == FailureKind::NormWeightCollapse && !info.norm_weight_rms)))
+    return;
+  // A finding of another kind in the same state (a collapsing weight at a layer whose running
+  // statistics are already off) is a transition of its own; a weight near 0 and the constant
+  // output it makes are one failure.
+  const auto one_failure = [](FailureKind a, FailureKind b) {
+    const auto collapse = [](FailureKind f) {
+      return f == FailureKind::ConstantOutput || f == FailureKind::NormWeightCollapse;
+    };
+    return a == b || (collapse(a) && collapse(b));
+  };
+  const bool same = !first && state == before &&
+                    (!found || !L.act_found || one_failure(*L.act_found, found->kind));
+  if (!ledger_.advance(L.act_track, same, found, step, new_step)) return;
+  L.act = state;
+  L.act_found = found ? std::optional<FailureKind>(found->kind) : std::nullopt;
+  if (state == ActivationHealth::Normal && first) return;  // a healthy start is no event
+  const EventType type =
+      state == ActivationHealth::Normal                         ? EventType::ActivationRecovered
+      : state == ActivationHealth::NonFinite                    ? EventType::NonFiniteActivation
+      : state == ActivationHealth::Dead                         ? EventType::DeadUnits
+      : state == ActivationHealth::Saturated                    ? EventType::Saturation
+      : found && found->kind == FailureKind::NormStatistics     ? EventType::NormStatsDrift
+      : found && found->kind == FailureKind::NormWeightCollapse ? EventType::NormWeightCollapse
+                                                                : EventType::ActivationAnomaly;
+  nlohmann::json metadata = {{"rms", json_num(L.rms)}};
+  if (std::isfinite(L.gain)) metadata["gain"] = L.gain;
+  SemanticEvent e = ledger_.event(type, L.subject(), step, first ? "unobserved" : to_string(before),
+                                  to_string(state), found, std::move(metadata));
+  if (!L.act_kind.empty()) e.metadata["activation"] = L.act_kind;
+  const uint64_t id = ledger_.emit(std::move(e));
+  if (found && found->incident)
+    ledger_.record_finding(*found, *by, L.subject(), step, Phase::Forward, id, pauses,
+                           L.act_track.incident);
+}
+
+TORCHDBG_INLINE void HealthCore::gradients(Pauses& pauses) {
+  if (!grads_.pending()) return;
+  const int64_t step = cur_step_;
+  std::vector<Layer>& layers = signals_.records();
+  GradientTracker::GradientPass pass = grads_.begin(layers, step);
+  pass.zero_initialized_order = signals_.zero_initialized_order();
+  for (std::size_t k = 0; k < pass.mods.size(); ++k) {
+    Layer& L = layers[pass.mods[k]];
+    const GradientTracker::GradientMeasure g = grads_.measure(layers, pass, k);
+    const HealthRule* by = nullptr;
+    const std::optional<Finding> found = judge(
+        g.sig, [](HealthRule& r, const auto& x) { return r.check_gradient(x); }, by);
+    GradientHealth state = GradientHealth::Healthy;
+    if (found) {
+      switch (found->kind) {
+        case FailureKind::NonFiniteGradient:
+          state = GradientHealth::NonFinite;
+          break;
+        case FailureKind::ExplodingGradient:
+          state = GradientHealth::Exploding;
+          break;
+        case FailureKind::VanishingGradient:
+          state = GradientHealth::Vanishing;
+          break;
+        default:
+          state = GradientHealth::Anomalous;
+          break;
+      }
+    }
+    if (state == GradientHealth::Healthy) grads_.learn(L);
+    const GradientHealth before = L.grad;
+    const bool first = !L.seen_bwd;
+    L.seen_bwd = true;
+    if (!ledger_.advance(L.grad_track, !first && state == before, found, step)) continue;
+    L.grad = state;
+    if (state == GradientHealth::Healthy && first) continue;
+    const EventType type = state == GradientHealth::Healthy     ? EventType::GradientRecovered
+                           : state == GradientHealth::NonFinite ? EventType::NonFiniteGradient
+                           : state == GradientHealth::Exploding ? EventType::ExplodingGradient
+                           : state == GradientHealth::Vanishing ? EventType::VanishingGradient
+                                                                : EventType::GradientAnomaly;
+    nlohmann::json metadata = {{"norm", json_num(L.g_norm)}};
+    if (std::isfinite(g.amplification)) metadata["amplification"] = g.amplification;
+    if (g.base_ready) metadata["baseline"] = g.sig.baseline;
+    if (pass.max_norm > 0.0) metadata["relative_to_max"] = L.g_norm / pass.max_norm;
+    const uint64_t id = ledger_.emit(ledger_.event(type, L.subject(), step,
+                                                   first ? "unobserved" : to_string(before),
+                                                   to_string(state), found, std::move(metadata)));
+    if (found && found->incident) {
+      nlohmann::json extra = nlohmann::json::object();
+      if (std::isfinite(g.amplification)) extra["amplification"] = g.amplification;
+      if (std::isfinite(g.usual_amplification))
+        extra["amplification_vs_usual"] = g.usual_amplification;
+      ledger_.record_finding(*found, *by, L.subject(), step, Phase::Backward, id, pauses,
+                             L.grad_track.incident, &extra);
+    }
+  }
+}
+
+TORCHDBG_INLINE void HealthCore::loss(int64_t step, double loss, Pauses& pauses) {
+  const LossSignals sig = signals_.measure_loss(step, loss);
+  const HealthRule* by = nullptr;
+  const std::optional<Finding> found = judge(
+      sig, [](HealthRule& r, const auto& x) { return r.check_loss(x); }, by);
+  signals_.learn_loss(loss);
+  LossHealth state = LossHealth::Healthy;
+  if (found) {
+    switch (found->kind) {
+      case FailureKind::LossDivergence:
+        state = LossHealth::Diverging;
+        break;
+      case FailureKind::LossSpike:
+        state = LossHealth::Spike;
+        break;
+      case FailureKind::LossPlateau:
+        state = LossHealth::Plateau;
+        break;
+      default:
+        state = LossHealth::Anomalous;
+        break;
+    }
+  }
+  const LossHealth before = loss_state_;
+  if (!ledger_.advance(loss_track_, state == before, found, step)) return;
+  loss_state_ = state;
+  const EventType type = state == LossHealth::Healthy     ? EventType::LossRecovered
+                         : state == LossHealth::Diverging ? EventType::LossDiverged
+                         : state == LossHealth::Spike     ? EventType::LossSpike
+                         : state == LossHealth::Plateau   ? EventType::LossPlateau
+                                                          : EventType::LossAnomaly;
+  const Subject who{"loss", "loss", HealthLayer::kUnordered * 2, {}};  // after every layer
+  nlohmann::json metadata = {
+      {"loss", std::isfinite(loss) ? nlohmann::json(loss) : nlohmann::json(std::to_string(loss))}};
+  const uint64_t id = ledger_.emit(ledger_.event(type, who, step, to_string(before),
+                                                 to_string(state), found, std::move(metadata)));
+  if (found && found->incident)
+    ledger_.record_finding(*found, *by, who, step, Phase::Loss, id, pauses, loss_track_.incident);
+}
+
+TORCHDBG_INLINE HealthReport HealthCore::report() const {
+  HealthReport r;
+  r.step = cur_step_;
+  r.layers = signals_.layers();
+  r.incidents = ledger_.incidents();
+  // A module's order is the forward position of its first output (activations follow it).
+  std::unordered_map<std::string, int64_t> module_order;
+  for (const auto& L : signals_.records()) {
+    auto it = module_order.find(L.module);
+    if (it == module_order.end() || L.order < it->second) module_order[L.module] = L.order;
+  }
+  for (auto& inc : r.incidents) {
+    auto it = module_order.find(inc.module);
+    if (it != module_order.end() && inc.module != "loss") inc.order = it->second;
+  }
+  r.events = ledger_.events().to_vector();
+  r.events_total = ledger_.event_count();
+  r.loss = loss_state_;
+  r.last_loss = signals_.last_loss();
+  return r;
+}
+
+TORCHDBG_INLINE void HealthCore::clear() {
+  signals_.clear();
+  grads_.clear();
+  ledger_.clear();
+  input_.clear();
+  rule_errors_ = 0;
+  loss_state_ = LossHealth::Healthy;
+  loss_track_ = Track{};
+  have_step_ = false;
+}
+
+#endif  // TORCHDBG_DEFINITIONS
+
+}  // namespace torchdbg::detail

@@ -1,0 +1,406 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+// The health monitor's options and the states it reports (health/monitor.hpp).
+
+#include <ATen/ATen.h>
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "torchdbg/detail/compiled.hpp"
+#include "torchdbg/error.hpp"
+#include "torchdbg/health/rules.hpp"
+#include "torchdbg/hook_context.hpp"
+
+namespace torchdbg {
+
+enum class ActivationHealth { Normal, Saturated, Dead, Anomalous, NonFinite };
+/// `Anomalous`: a user rule's finding (FailureKind::Custom).
+enum class GradientHealth { Healthy, Vanishing, Exploding, NonFinite, Anomalous };
+enum class LossHealth { Healthy, Diverging, Spike, Plateau, Anomalous };
+
+inline const char* to_string(ActivationHealth h) noexcept {
+  switch (h) {
+    case ActivationHealth::Normal:
+      return "normal";
+    case ActivationHealth::Saturated:
+      return "saturated";
+    case ActivationHealth::Dead:
+      return "dead";
+    case ActivationHealth::Anomalous:
+      return "anomalous";
+    case ActivationHealth::NonFinite:
+      return "non_finite";
+  }
+  return "?";
+}
+inline const char* to_string(GradientHealth h) noexcept {
+  switch (h) {
+    case GradientHealth::Healthy:
+      return "healthy";
+    case GradientHealth::Vanishing:
+      return "vanishing";
+    case GradientHealth::Exploding:
+      return "exploding";
+    case GradientHealth::NonFinite:
+      return "non_finite";
+    case GradientHealth::Anomalous:
+      return "anomalous";
+  }
+  return "?";
+}
+inline const char* to_string(LossHealth h) noexcept {
+  switch (h) {
+    case LossHealth::Healthy:
+      return "healthy";
+    case LossHealth::Diverging:
+      return "diverging";
+    case LossHealth::Spike:
+      return "spike";
+    case LossHealth::Plateau:
+      return "plateau";
+    case LossHealth::Anomalous:
+      return "anomalous";
+  }
+  return "?";
+}
+
+/// Where in a step something was seen, in the order a training step runs: the forward pass,
+/// then the loss, then the backward pass.
+enum class Phase { Forward, Loss, Backward };
+
+inline const char* to_string(Phase p) noexcept {
+  switch (p) {
+    case Phase::Forward:
+      return "forward";
+    case Phase::Loss:
+      return "loss";
+    case Phase::Backward:
+      return "backward";
+  }
+  return "?";
+}
+
+/// What is known about a forward output besides the tensor (attach fills it from metadata).
+struct ActivationInfo {
+  std::string_view
+      activation;  ///< the function that produced it ("relu", "tanh"); empty for a module output
+  std::string_view op;              ///< an elementwise op that produced it ("log")
+  std::string_view module_type;     ///< the module's class ("torch::nn::BatchNorm2dImpl")
+  std::string_view pre_activation;  ///< the unobserved activation this output feeds ("tanh")
+  /// RMS of this call's data input when attach measured it ("input_rms": an input no
+  /// delivery produced, such as the model's input or noise).
+  std::optional<double> input_rms;
+  /// The delivery whose output is this call's data input, and its call in the step (attach's
+  /// "input_from", "input_call"): the input's scale is that output's RMS, when the monitor
+  /// observed it in this step.
+  std::string_view input_from;
+  int64_t input_call = -1;
+  /// The module's call in the step (attach's "call"); unset for outputs not from attach,
+  /// whose input scale is then taken as the previous output's (a plain sequential model).
+  std::optional<int64_t> call;
+  /// NaN and ±Inf elements of the model's input, on the step's first module output (attach's
+  /// "input_nan"/"input_inf"); `input_observed` when the input was looked at at all.
+  int64_t input_nan = 0;
+  int64_t input_inf = 0;
+  bool input_observed = false;
+  /// Finite elements of the model's input (attach's "input_count"); -1: not known.
+  int64_t input_count = -1;
+  /// A batch of one's output std with its Linear's or Conv's bias taken out (attach's
+  /// "std_less_bias"): what its weights made of the input, judged instead of the spread
+  /// across the batch that one sample lacks.
+  std::optional<double> std_less_bias;
+  /// A BatchNorm's training call: its running statistics' error against the batch, and the
+  /// batch's samples (attach's "norm_stats_error", "norm_samples"; see
+  /// ActivationSignals::norm_stats_error).
+  std::optional<double> norm_stats_error;
+  int64_t norm_samples = 0;
+  double norm_momentum = 0.1;  ///< the update's momentum ("norm_momentum")
+  /// A normalization layer's weight RMS (attach's "norm_weight_rms").
+  std::optional<double> norm_weight_rms;
+  /// Elements above 0 per index of the unit dimension, reduced where the tensor lives when
+  /// attach queued it (`install`'s prefetch); null: the monitor counts them itself.
+  const std::vector<double>* unit_counts = nullptr;
+  /// Elements outside the saturation bounds, prefetched the same way; null: counted here.
+  const std::vector<double>* saturated_count = nullptr;
+};
+
+/// What the monitor does when a failure listed in `HealthOptions::pause_on` starts.
+enum class OnFailure { Record, Pause };
+
+/// (layer regex, activation) pairs: see HealthOptions::pre_activations.
+using PreActivations = std::vector<std::pair<std::string, std::string>>;
+/// (layer regex, failure) pairs: see HealthOptions::expected.
+using ExpectedFailures = std::vector<std::pair<std::string, FailureKind>>;
+
+/// Thresholds and capacities of the health monitor, with defaults in one place.
+///
+/// ```cpp
+/// HealthOptions().saturated_fraction(0.3).dead_window(4).on_failure(OnFailure::Pause)
+/// ```
+struct HealthOptions {
+  /// Evaluate every `interval` steps (the monitor's hook is every_n_steps(interval)).
+  TORCH_ARG(int64_t, interval) = 1;
+  /// Regexes (searched in layer names) of the layers to watch; empty: all.
+  TORCH_ARG(std::vector<std::string>, layers);
+
+  // ---- activations
+  /// The dimension that holds units (features/channels): 1 for [N, C, ...] and [N, F].
+  TORCH_ARG(int64_t, unit_dim) = 1;
+  /// tanh (and softsign) outputs with |y| above this are saturated.
+  TORCH_ARG(double, tanh_saturation) = 0.97;
+  /// sigmoid outputs below `sigmoid_low` or above `sigmoid_high` are saturated.
+  TORCH_ARG(double, sigmoid_low) = 0.01;
+  TORCH_ARG(double, sigmoid_high) = 0.99;
+  /// A layer is saturated when more than this fraction of its outputs are.
+  TORCH_ARG(double, saturated_fraction) = 0.25;
+  /// A ReLU-family unit is dead when active (> 0) in fewer than this fraction of the samples
+  /// of the window: the layer's most recent outputs covering at least `dead_window_samples`
+  /// samples per unit (at most `dead_window` outputs are kept).
+  TORCH_ARG(double, dead_activity) = 0.01;
+  /// A layer is dead when more than this fraction of its units are.
+  TORCH_ARG(double, dead_fraction) = 0.5;
+  TORCH_ARG(int64_t, dead_window_samples) = 64;
+  TORCH_ARG(int64_t, dead_window) = 16;
+  /// Output std below this fraction of its RMS (with >= 2 elements): near-constant.
+  TORCH_ARG(double, constant_ratio) = 1e-6;
+  /// The model's input (the data) whose RMS is this many times above, or below 1/this of,
+  /// its own baseline, and beyond 4 of the baseline's standard deviations, is bad data
+  /// (FailureKind::BadInput, layer "input"): unnormalized or rescaled batches. The baseline
+  /// starts at the median of the first `baseline_warmup` steps, then follows healthy steps;
+  /// a scale kept for 4 x `baseline_warmup` steps becomes the new one. Each attach session's
+  /// input (its step's first call on floating data, 16 elements or more) has its own
+  /// baseline. 0 turns the check off.
+  TORCH_ARG(double, input_scale_jump) = 10.0;
+  /// A BatchNorm whose running statistics are this far from its batch's (the eval-mode
+  /// output's RMS error in normalized units, over channels; also above 4x its sampling noise)
+  /// has stale running statistics (FailureKind::NormStatistics, NormStatisticsRule).
+  TORCH_ARG(double, norm_stats_limit) = 1.0;
+  /// A normalization layer whose weight RMS fell below this fraction of the highest it had
+  /// has a collapsing weight (FailureKind::NormWeightCollapse, NormWeightCollapseRule).
+  TORCH_ARG(double, norm_weight_collapse) = 0.1;
+  /// Output std above this multiple of its input's RMS: an exploding activation
+  /// (normalization layers excepted); an output that is mostly its bias (small inputs) is
+  /// judged on its spread across the batch instead (ExplodingActivationRule). Once the
+  /// layer's gain baseline (an EMA of its healthy gains) is known, the limit is
+  /// min(max(this, 3 x baseline), max(2, 10 x baseline)): a layer whose healthy gain grew may
+  /// exceed it, and a 10x jump over the history counts below it (ExplodingActivationRuleOptions).
+  TORCH_ARG(double, activation_gain) = 10.0;
+  /// Layers (regex, whole name) whose observed output is the pre-activation of an
+  /// unobserved activation ("tanh", "sigmoid" or "relu"): bounds are applied to the
+  /// pre-activation (|x| > atanh(tanh_saturation), ...). Metadata {"pre_activation": "tanh"}
+  /// on a delivery does the same.
+  TORCH_ARG(PreActivations, pre_activations);
+
+  // ---- gradients (per layer: the L2 norm over the layer's parameters)
+  /// Norm below this: vanishing.
+  TORCH_ARG(double, vanishing_norm) = 1e-7;
+  /// Norm below this fraction of the step's largest layer norm: vanishing.
+  TORCH_ARG(double, vanishing_ratio) = 1e-4;
+  /// Norm above this: exploding.
+  TORCH_ARG(double, exploding_norm) = 1e3;
+  /// Norm above `gradient_jump` times the layer's baseline: exploding; below baseline /
+  /// `gradient_collapse`: vanishing. Also the adjacent-layer ratio that marks where an
+  /// explosion starts.
+  TORCH_ARG(double, gradient_jump) = 100.0;
+  TORCH_ARG(double, gradient_collapse) = 1e4;
+  /// Healthy evaluations before a baseline (an EMA of log norm or of the gain) is used.
+  TORCH_ARG(int64_t, baseline_warmup) = 5;
+  TORCH_ARG(double, baseline_momentum) = 0.9;
+
+  // ---- loss
+  /// Loss above `loss_spike_factor` times the mean of the last `loss_window` losses: spike.
+  TORCH_ARG(double, loss_spike_factor) = 10.0;
+  /// That mean is taken as at least this fraction of the first loss (LossSpikeRuleOptions).
+  TORCH_ARG(double, loss_spike_floor) = 0.1;
+  TORCH_ARG(int64_t, loss_window) = 20;
+  /// Relative improvement between the halves of the last `plateau_window` losses below
+  /// `plateau_tolerance`: plateau.
+  TORCH_ARG(int64_t, plateau_window) = 200;
+  TORCH_ARG(double, plateau_tolerance) = 1e-3;
+
+  // ---- rules
+  /// Rules evaluated after the built-in ones (health/rules.hpp): their findings become
+  /// states, events and incidents like the built-in rules' (FailureKind::Custom, or a
+  /// built-in kind). The built-in rules take their thresholds from the options above.
+  TORCH_ARG(std::vector<HealthRulePtr>, rules);
+
+  /// Failures that layers show by design, each (layer regex, whole name; kind): a GAN
+  /// generator's tanh output saturates to make images in [-1, 1].
+  ///
+  /// ```cpp
+  /// HealthOptions().expected({{"generator\\.out/tanh", FailureKind::Saturation}})
+  /// ```
+  ///
+  /// The layer's state is still tracked and reported, and its events carry
+  /// {"expected": true}; they are no alarms, and no incident or pause comes of them.
+  TORCH_ARG(ExpectedFailures, expected);
+
+  // ---- events, confidence, policy
+  /// Consecutive evaluations in a state after which persistence counts fully in confidence.
+  TORCH_ARG(int64_t, persistence_steps) = 3;
+  TORCH_ARG(std::size_t, event_capacity) = 10000;
+  TORCH_ARG(std::size_t, incident_capacity) = 4096;
+  /// Layers tracked at most (further names are counted in `ignored_layers`).
+  TORCH_ARG(std::size_t, max_layers) = 4096;
+  TORCH_ARG(OnFailure, on_failure) = OnFailure::Record;
+  TORCH_ARG(std::vector<FailureKind>, pause_on) = std::vector<FailureKind>{
+      FailureKind::BadInput,          FailureKind::NonFiniteOutput,
+      FailureKind::NonFiniteGradient, FailureKind::ExplodingActivation,
+      FailureKind::ExplodingGradient, FailureKind::LossDivergence};
+};
+
+/// The built-in rules with the thresholds in `o`, in the order they are evaluated: an
+/// output's non-finite values, dead units, saturation, an exploding activation, a constant
+/// output, a normalization's collapsing weight, a BatchNorm's stale running statistics; a
+/// gradient's non-finite values, explosion, vanishing; the loss's divergence,
+/// spike, plateau.
+inline std::vector<HealthRulePtr> builtin_health_rules(const HealthOptions& o) {
+  return {
+      std::make_shared<NonFiniteOutputRule>(),
+      std::make_shared<DeadUnitsRule>(DeadUnitsRuleOptions().fraction(o.dead_fraction())),
+      std::make_shared<SaturationRule>(SaturationRuleOptions().fraction(o.saturated_fraction())),
+      std::make_shared<ExplodingActivationRule>(
+          ExplodingActivationRuleOptions().gain(o.activation_gain())),
+      std::make_shared<ConstantOutputRule>(ConstantOutputRuleOptions().ratio(o.constant_ratio())),
+      std::make_shared<NormWeightCollapseRule>(NormWeightCollapseRuleOptions()
+                                                   .fraction(o.norm_weight_collapse())
+                                                   .constant_ratio(o.constant_ratio())),
+      std::make_shared<NormStatisticsRule>(NormStatisticsRuleOptions().limit(o.norm_stats_limit())),
+      std::make_shared<NonFiniteGradientRule>(),
+      std::make_shared<ExplodingGradientRule>(
+          ExplodingGradientRuleOptions().norm(o.exploding_norm()).jump(o.gradient_jump())),
+      std::make_shared<VanishingGradientRule>(VanishingGradientRuleOptions()
+                                                  .norm(o.vanishing_norm())
+                                                  .ratio(o.vanishing_ratio())
+                                                  .collapse(o.gradient_collapse())),
+      std::make_shared<LossDivergenceRule>(),
+      std::make_shared<LossSpikeRule>(LossSpikeRuleOptions()
+                                          .factor(o.loss_spike_factor())
+                                          .window(o.loss_window())
+                                          .floor(o.loss_spike_floor())),
+      std::make_shared<LossPlateauRule>(
+          LossPlateauRuleOptions().window(o.plateau_window()).tolerance(o.plateau_tolerance()))};
+}
+
+namespace detail {
+
+/// Throws torchdbg::Error naming the first option out of its range.
+TORCHDBG_INLINE void validate(const HealthOptions& o);
+
+/// What attach's metadata tells about a forward output (its prefetched counts aside).
+TORCHDBG_INLINE ActivationInfo activation_info(const Metadata& metadata);
+
+#if TORCHDBG_DEFINITIONS
+
+TORCHDBG_INLINE void validate(const HealthOptions& o) {
+  auto positive = [](double v, const char* name) {
+    if (!(v > 0.0))
+      throw Error(std::string("torchdbg: HealthOptions::") + name + " must be > 0, got " +
+                  std::to_string(v));
+  };
+  auto fraction = [](double v, const char* name) {
+    if (!(v >= 0.0 && v <= 1.0))
+      throw Error(std::string("torchdbg: HealthOptions::") + name + " must be in [0, 1], got " +
+                  std::to_string(v));
+  };
+  detail::require_at_least<int64_t>(o.interval(), 1, "HealthOptions::interval");
+  detail::require_at_least<int64_t>(o.dead_window_samples(), 1,
+                                    "HealthOptions::dead_window_samples");
+  detail::require_at_least<int64_t>(o.dead_window(), 1, "HealthOptions::dead_window");
+  detail::require_at_least<int64_t>(o.loss_window(), 2, "HealthOptions::loss_window");
+  detail::require_at_least<int64_t>(o.plateau_window(), 4, "HealthOptions::plateau_window");
+  detail::require_at_least<int64_t>(o.persistence_steps(), 1, "HealthOptions::persistence_steps");
+  if (o.event_capacity() == 0)
+    throw Error("torchdbg: HealthOptions::event_capacity must be >= 1, got 0");
+  if (o.max_layers() == 0) throw Error("torchdbg: HealthOptions::max_layers must be >= 1, got 0");
+  fraction(o.tanh_saturation(), "tanh_saturation");
+  fraction(o.sigmoid_low(), "sigmoid_low");
+  fraction(o.sigmoid_high(), "sigmoid_high");
+  fraction(o.saturated_fraction(), "saturated_fraction");
+  fraction(o.dead_activity(), "dead_activity");
+  fraction(o.dead_fraction(), "dead_fraction");
+  fraction(o.baseline_momentum(), "baseline_momentum");
+  fraction(o.norm_weight_collapse(), "norm_weight_collapse");
+  positive(o.norm_stats_limit(), "norm_stats_limit");
+  positive(o.activation_gain(), "activation_gain");
+  if (!(o.input_scale_jump() == 0.0 || o.input_scale_jump() > 1.0))
+    throw Error("torchdbg: HealthOptions::input_scale_jump must be 0 (off) or > 1, got " +
+                std::to_string(o.input_scale_jump()));
+  positive(o.vanishing_ratio(), "vanishing_ratio");
+  positive(o.exploding_norm(), "exploding_norm");
+  positive(o.gradient_jump(), "gradient_jump");
+  positive(o.gradient_collapse(), "gradient_collapse");
+  positive(o.loss_spike_factor(), "loss_spike_factor");
+  if (!(o.loss_spike_floor() >= 0.0))
+    throw Error("torchdbg: HealthOptions::loss_spike_floor must be >= 0, got " +
+                std::to_string(o.loss_spike_floor()));
+  positive(o.plateau_tolerance(), "plateau_tolerance");
+  if (o.sigmoid_low() >= o.sigmoid_high())
+    throw Error("torchdbg: HealthOptions::sigmoid_low must be below sigmoid_high");
+}
+
+TORCHDBG_INLINE ActivationInfo activation_info(const Metadata& metadata) {
+  auto md = [&](std::string_view k) {
+    auto it = metadata.find(k);
+    return it == metadata.end() ? std::string_view{} : std::string_view(it->second);
+  };
+  ActivationInfo info;
+  info.activation = md("activation");
+  info.op = md("op");
+  info.module_type = md("module_type");
+  info.pre_activation = md("pre_activation");
+  info.input_from = md("input_from");
+  const auto integer = [&](std::string_view k) -> std::optional<int64_t> {
+    auto it = metadata.find(k);
+    if (it == metadata.end()) return std::nullopt;
+    try {
+      return std::stoll(it->second);
+    } catch (...) {
+      return std::nullopt;
+    }
+  };
+  info.call = integer("call");
+  info.input_call = integer("input_call").value_or(-1);
+  info.input_count = integer("input_count").value_or(-1);
+  info.norm_samples = integer("norm_samples").value_or(0);
+  std::optional<double> norm_momentum;
+  for (auto [key, value] :
+       {std::pair<const char*, std::optional<double>*>{"input_rms", &info.input_rms},
+        std::pair<const char*, std::optional<double>*>{"std_less_bias", &info.std_less_bias},
+        std::pair<const char*, std::optional<double>*>{"norm_stats_error", &info.norm_stats_error},
+        std::pair<const char*, std::optional<double>*>{"norm_weight_rms", &info.norm_weight_rms},
+        std::pair<const char*, std::optional<double>*>{"norm_momentum", &norm_momentum}}) {
+    if (auto it = metadata.find(key); it != metadata.end()) {
+      try {
+        *value = std::stod(it->second);
+      } catch (...) {
+      }
+    }
+  }
+  if (norm_momentum) info.norm_momentum = *norm_momentum;
+  for (auto [key, count] : {std::pair<const char*, int64_t*>{"input_nan", &info.input_nan},
+                            std::pair<const char*, int64_t*>{"input_inf", &info.input_inf}}) {
+    if (auto it = metadata.find(key); it != metadata.end()) {
+      try {
+        *count = std::max<int64_t>(0, std::stoll(it->second));
+        info.input_observed = true;
+      } catch (...) {
+      }
+    }
+  }
+  return info;
+}
+
+#endif  // TORCHDBG_DEFINITIONS
+
+}  // namespace detail
+
+}  // namespace torchdbg
