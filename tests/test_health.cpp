@@ -1475,13 +1475,15 @@ TEST_CASE("property: stale BatchNorm running statistics and a normalization weig
 namespace {
 
 // A module zero-initialized on purpose: LoRA (a frozen base plus B(A(x)), B = 0), a residual
-// block whose last normalization's weight is 0 (zero_init_residual), a zero convolution
-// (ControlNet: weight and bias 0).
+// block whose last normalization's weight is 0 (zero_init_residual; Linear or Conv2d with
+// BatchNorm2d), a zero convolution (ControlNet: weight and bias 0), an adaLN-Zero gate (a
+// Linear with weight and bias 0 whose output gates a branch that runs after it).
 struct ZeroInitBlockImpl : torch::nn::Module {
   int kind = 0;
-  torch::nn::Linear base{nullptr}, a{nullptr}, b{nullptr}, l1{nullptr}, l2{nullptr};
+  torch::nn::Linear base{nullptr}, a{nullptr}, b{nullptr}, l1{nullptr}, l2{nullptr}, ada{nullptr};
   torch::nn::AnyModule n1, n2;
   torch::nn::Conv1d ctrl{nullptr}, zero{nullptr};
+  torch::nn::Conv2d c1{nullptr}, c2{nullptr};
   torch::Tensor zero_weight;  // the weight that starts at 0
   ZeroInitBlockImpl(int kind_, int64_t d, int64_t rank, bool layer_norm) : kind(kind_) {
     namespace nn = torch::nn;
@@ -1505,11 +1507,25 @@ struct ZeroInitBlockImpl : torch::nn::Module {
       register_module("n1", n1.ptr());
       register_module("n2", n2.ptr());
       zero_weight = n2.ptr()->named_parameters()["weight"];
-    } else {
+    } else if (kind == 2) {
       ctrl = register_module("ctrl", nn::Conv1d(nn::Conv1dOptions(1, 4, 3).padding(1)));
       zero = register_module("zero_conv", nn::Conv1d(nn::Conv1dOptions(4, 1, 1)));
       zero->bias.zero_();
       zero_weight = zero->weight;
+    } else if (kind == 3) {
+      c1 = register_module("c1", nn::Conv2d(nn::Conv2dOptions(4, 4, 3).padding(1)));
+      c2 = register_module("c2", nn::Conv2d(nn::Conv2dOptions(4, 4, 3).padding(1)));
+      n1 = nn::AnyModule(nn::BatchNorm2d(4));
+      n2 = nn::AnyModule(nn::BatchNorm2d(4));
+      register_module("n1", n1.ptr());
+      register_module("n2", n2.ptr());
+      zero_weight = n2.ptr()->named_parameters()["weight"];
+    } else {
+      ada = register_module("ada", nn::Linear(d, d));
+      l1 = register_module("ff1", nn::Linear(d, d));
+      l2 = register_module("ff2", nn::Linear(d, d));
+      ada->bias.zero_();
+      zero_weight = ada->weight;
     }
     zero_weight.zero_();
   }
@@ -1517,10 +1533,30 @@ struct ZeroInitBlockImpl : torch::nn::Module {
     if (kind == 0) return base->forward(x) + b->forward(a->forward(x));
     if (kind == 1)
       return torch::relu(x + n2.forward(l2->forward(torch::relu(n1.forward(l1->forward(x))))));
-    return x + zero->forward(torch::relu(ctrl->forward(x.unsqueeze(1)))).squeeze(1);
+    if (kind == 2) return x + zero->forward(torch::relu(ctrl->forward(x.unsqueeze(1)))).squeeze(1);
+    if (kind == 3) {
+      const auto im = x.view({x.size(0), 4, 2, x.size(1) / 8});
+      return torch::relu(im + n2.forward(c2->forward(torch::relu(n1.forward(c1->forward(im))))))
+          .view({x.size(0), x.size(1)});
+    }
+    const auto gate = ada->forward(x);
+    return x + gate * l2->forward(torch::gelu(l1->forward(x)));
   }
 };
 TORCH_MODULE(ZeroInitBlock);
+
+// A Linear whose gradient is cut to exactly 0 behind it (a real, total vanishing gradient).
+struct CutLinearImpl : torch::nn::Module {
+  torch::nn::Linear lin{nullptr};
+  bool cut = false;
+  CutLinearImpl(int64_t in, int64_t out, bool cut_) : cut(cut_) { lin = register_module("lin", torch::nn::Linear(in, out)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto y = lin->forward(x);
+    if (cut && y.requires_grad()) y.register_hook([](torch::Tensor g) { return g * 0; });
+    return y;
+  }
+};
+TORCH_MODULE(CutLinear);
 
 }  // namespace
 
@@ -1530,27 +1566,36 @@ TEST_CASE("property: modules zero-initialized on purpose raise nothing while the
   namespace nn = torch::nn;
   std::mt19937 gen(4242);
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(gen); };
-  for (int trial = 0; trial < 18; ++trial) {
-    const int kind = trial % 3;
-    const bool frozen = (trial / 3) % 2 == 1;
+  for (int trial = 0; trial < 45; ++trial) {
+    const int kind = trial % 5;
+    const int mode = (trial / 5) % 3;  // healthy, frozen at 0, a real vanishing gradient before them
+    const bool frozen = mode == 1, cut = mode == 2;
+    const bool zero_head = !frozen && pick(0, 1) == 1;  // a zero-initialized head as well (DiT)
     const int64_t d = 8 * pick(1, 4), batch = std::array<int64_t, 3>{4, 8, 32}[static_cast<std::size_t>(pick(0, 2))];
     const int optimizer = static_cast<int>(pick(0, 2));  // SGD, Adam, AdamW
     const bool layer_norm = pick(0, 1) == 1;
     const int64_t blocks = pick(1, 2);
     torch::manual_seed(static_cast<uint64_t>(trial) * 13 + 5);
     nn::Sequential model;
-    model->push_back(nn::Linear(6, d));
+    model->push_back(CutLinear(6, d, cut));
     std::vector<ZeroInitBlock> zi;
     for (int64_t k = 0; k < blocks; ++k) {
       zi.push_back(ZeroInitBlock(kind, d, pick(1, 4), layer_norm));
       model->push_back(zi.back());
     }
-    model->push_back(nn::Linear(d, 3));
-    if (frozen) {  // the whole zero convolution: its bias alone would train into a constant output at once
+    auto head = nn::Linear(d, 3);
+    if (zero_head) {
+      torch::NoGradGuard g;
+      head->weight.zero_();
+      head->bias.zero_();
+    }
+    model->push_back(head);
+    if (frozen) {  // the whole module: a bias alone would train into a constant output at once
       zi.front()->zero_weight.set_requires_grad(false);
       if (kind == 2) zi.front()->zero->bias.set_requires_grad(false);
+      if (kind == 4) zi.front()->ada->bias.set_requires_grad(false);
     }
-    INFO("trial " << trial << " kind " << kind << " frozen " << frozen << " d " << d << " batch " << batch
+    INFO("trial " << trial << " kind " << kind << " mode " << mode << " zero_head " << zero_head << " d " << d << " batch " << batch
                   << " optimizer " << optimizer << " layer_norm " << layer_norm << " blocks " << blocks);
     std::vector<torch::Tensor> params;
     for (auto& p : model->parameters())
@@ -1585,20 +1630,29 @@ TEST_CASE("property: modules zero-initialized on purpose raise nothing while the
       incidents += std::string(torchdbg::to_string(inc.kind)) + "@" + inc.layer + "(" + std::to_string(inc.step) + ") ";
     INFO("incidents: " << incidents);
     REQUIRE(stayed_zero == frozen);
-    if (!frozen) {
+    if (mode == 0) {
       CHECK(m.incidents().empty());
+      continue;
+    }
+    if (cut) {  // named, dated from step 0 although zero-initialized modules were at 0 then
+      const auto d0 = torchdbg::diagnose(m.report());
+      REQUIRE(d0.top() != nullptr);
+      CHECK(d0.top()->kind == FailureKind::VanishingGradient);
+      CHECK(d0.top()->layer == "0.lin");
+      CHECK(d0.top()->step == 0);
       continue;
     }
     const auto d0 = torchdbg::diagnose(m.report());
     REQUIRE(d0.top() != nullptr);
     CHECK(d0.top()->kind == FailureKind::ConstantOutput);
-    const std::string where = std::string("1.") + (kind == 0 ? "lora_b" : kind == 1 ? "n2" : "zero_conv");
+    const std::string where =
+        std::string("1.") + std::array<const char*, 5>{"lora_b", "n2", "zero_conv", "n2", "ada"}[static_cast<std::size_t>(kind)];
     CHECK(d0.top()->layer == where);
-    CHECK(d0.top()->step == m.options().baseline_warmup());  // judged once the warm-up is over
+    CHECK(d0.top()->step == 0);  // exactly 0 from its first call on, judged once the warm-up is over
     for (const auto& inc : m.incidents())  // exactly 0 for the whole warm-up, then one step more
       if (inc.kind == FailureKind::ConstantOutput && inc.layer == where)
         CHECK(inc.details.value("zero_steps", int64_t{0}) == m.options().baseline_warmup() + 1);
-    for (const auto& inc : m.incidents())  // nothing before: those steps were its warm-up
-      CHECK(inc.step >= m.options().baseline_warmup());
+    for (const auto& inc : m.incidents())  // nothing detected before: those steps were its warm-up
+      CHECK(inc.details.value("detected_step", inc.step) >= m.options().baseline_warmup());
   }
 }

@@ -373,10 +373,13 @@ TORCHDBG_INLINE std::string describe_root(const Incident& i, std::size_t related
     case FailureKind::ConstantOutput:
       if (i.details.contains("zero_steps") && i.details["zero_steps"].is_number_integer())
         return "'" + i.layer + "' has output exactly 0 since its first call (" +
-               std::to_string(i.details["zero_steps"].get<int64_t>()) +
-               " steps by step " + step +
+               std::to_string(i.details["zero_steps"].get<int64_t>()) + " steps from step " + step +
                "): a zero-initialized module whose weights do not move (frozen, or no gradient "
                "reaches them), so nothing flows through it.";
+      if (i.details.contains("input_zero"))
+        return "'" + i.layer + "' outputs exactly 0 from step " + step +
+               ": its input is exactly 0, so nothing reaches it (and no gradient reaches its "
+               "weights).";
       return "'" + i.layer + "' outputs a (nearly) constant value from step " + step + ".";
     case FailureKind::NormStatistics:
       return "the running statistics of " + at + " are " + num3(i.value) +
@@ -530,6 +533,8 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
   // The first layer that began to pass nothing on (a collapsed weight, a constant output) in
   // each step's forward.
   std::map<int64_t, std::size_t> collapsed_in_step;
+  // The first zero-initialized module found stuck at 0 (its constant output's `zero_steps`).
+  std::optional<std::size_t> stuck_zero;
   auto collapse_at = [&](const Incident& x) -> std::optional<std::size_t> {
     auto it = collapsed_norm.find(x.module);
     if (it == collapsed_norm.end() || inc[it->second].step > x.step) return std::nullopt;
@@ -586,8 +591,11 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
           break;
         }
         case K::VanishingGradient: {
+          // Behind a gate (a zero-initialized module) stuck at 0, wherever it is in the forward.
+          if (x.details.contains("gated") && stuck_zero && inc[*stuck_zero].step <= x.step)
+            c = stuck_zero;
           auto b = blockers.lower_bound(x.order);
-          if (b != blockers.end()) c = b->second;
+          if (!c && b != blockers.end()) c = b->second;
           if (!c) {
             auto g = vanishing_group.find(x.step);
             if (g != vanishing_group.end()) c = g->second;
@@ -676,13 +684,17 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
       layer_failure_in_step[x.step] = i;
     // A module and its activation share one order: a normalization's collapsing weight takes
     // the place of the dead or saturated units after it, which it explains.
-    if ((x.kind == K::DeadUnits || x.kind == K::Saturation || x.kind == K::ConstantOutput ||
-         x.kind == K::NormWeightCollapse) &&
+    // A zero-initialized module stuck at 0 blocks only what is gated behind it (stuck_zero): a
+    // LoRA branch or a residual branch runs beside the path the rest of the gradient takes.
+    const bool stuck = x.kind == K::ConstantOutput && x.details.contains("zero_steps");
+    if ((x.kind == K::DeadUnits || x.kind == K::Saturation ||
+         (x.kind == K::ConstantOutput && !stuck) || x.kind == K::NormWeightCollapse) &&
         (!blockers.count(x.order) ||
          (x.kind == K::NormWeightCollapse && inc[blockers[x.order]].kind != K::NormWeightCollapse)))
       blockers[x.order] = i;
     if (x.kind == K::NormWeightCollapse && !collapsed_norm.count(x.module))
       collapsed_norm[x.module] = i;
+    if (stuck && !stuck_zero) stuck_zero = i;
     if ((x.kind == K::NormWeightCollapse || x.kind == K::ConstantOutput) &&
         x.phase == Phase::Forward && !collapsed_in_step.count(x.step))
       collapsed_in_step[x.step] = i;

@@ -30,7 +30,7 @@ class GradientTracker {
     std::vector<std::size_t> mods;
     double max_norm = 0.0;
     std::optional<std::size_t> nf_origin;  // the first non-finite gradient in backward order
-    int64_t zero_initialized_order = -1;   // HealthSignals::zero_initialized_order
+    bool zero_initialized_in_step = false;  // HealthSignals::zero_initialized_in_step
   };
   /// One module's gradient signals and the context its event and incident carry.
   struct GradientMeasure {
@@ -151,7 +151,17 @@ TORCHDBG_INLINE auto GradientTracker::measure(std::vector<HealthLayer>& layers,
   g.sig.max_norm = pass.max_norm;
   g.sig.baseline = base;
   g.sig.origin = pass.nf_origin && *pass.nf_origin == pass.mods[k];
-  g.sig.before_zero_initialized = L.order < pass.zero_initialized_order;
+  // An exactly-zero gradient while a module zero-initialized on purpose is still at 0 is that
+  // module's doing: the layer is behind a gate, and its gradient grows with the gate's weights.
+  if (L.g_norm == 0.0 && L.g_nonfinite == 0) {
+    if (L.zero_grad_since < 0) L.zero_grad_since = pass.step;
+    if (pass.zero_initialized_in_step) L.gated = true;
+  } else {
+    L.zero_grad_since = -1;
+  }
+  g.sig.zero_initialized_in_step = pass.zero_initialized_in_step;
+  g.sig.gated = L.gated;
+  g.sig.zero_since = L.zero_grad_since;
   return g;
 }
 

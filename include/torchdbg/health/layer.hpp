@@ -45,6 +45,9 @@ struct HealthLayer {
   int64_t norm_stats_prev_step = 0;
   bool output_nonzero = false;  // an output (finite, RMS > 0) was seen
   int64_t zero_steps = 0;       // steps exactly 0 since the first call (ActivationSignals)
+  int64_t zero_first = 0;        // the first of those steps
+  bool gated = false;            // GradientSignals::gated
+  int64_t zero_grad_since = -1;  // the first step of the current run of exactly-zero gradients
   std::optional<FailureKind> act_found;  // the finding behind the current state
   UnitWindow units;
   int64_t dead_since = 0;  // the step of the first output of the dead units' inactive run

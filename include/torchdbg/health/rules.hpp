@@ -205,10 +205,13 @@ struct ActivationSignals {
   /// Steps in which the output (or a normalization's weight) has been exactly 0 since the
   /// layer's first call; 0 once it was not.
   int64_t zero_steps = 0;
+  int64_t zero_since = 0;  ///< the first of those steps
   /// ... for at most `HealthOptions::baseline_warmup` steps: a module zero-initialized on
   /// purpose whose weights have yet to move (LoRA's B, a zero convolution, the last
   /// normalization of a residual branch).
   bool zero_initialized = false;
+  /// The call's data input is exactly 0 (attach's `input_rms`): nothing reaches the module.
+  bool input_zero = false;
 };
 
 /// One module's gradient in one backward pass: the L2 norm over its parameters' gradients.
@@ -222,9 +225,15 @@ struct GradientSignals {
   double baseline = std::nan("");  ///< EMA (in log10) of its healthy norms once warmed up
   /// The first non-finite gradient in backward order: the backward origin.
   bool origin = false;
-  /// The module comes before a zero-initialized one (ActivationSignals::zero_initialized) in
-  /// the step's forward: an exactly-zero gradient is that module's doing.
-  bool before_zero_initialized = false;
+  /// A module zero-initialized on purpose (ActivationSignals::zero_initialized) produced an
+  /// output in this step: an exactly-zero gradient is its doing.
+  bool zero_initialized_in_step = false;
+  /// The module's gradient was once exactly 0 behind such a module: it sits behind a gate
+  /// (LoRA's A, a residual branch, an adaLN-Zero block) and grows with the gate's weights, so a
+  /// nonzero norm is judged against its own history only.
+  bool gated = false;
+  /// The first step of the current run of exactly-zero gradients (-1: the norm is not 0).
+  int64_t zero_since = -1;
 };
 
 /// The loss of one step with the recent finite losses before it (oldest first; at least the
@@ -469,8 +478,12 @@ class ConstantOutputRule : public HealthRule {
     f.details = {{"std", st.std}};
     if (!everywhere) f.details["batch_spread"] = s.batch_spread;
     f.reason = everywhere ? "near-constant output" : "the same output for every sample";
-    if (s.zero_steps > 0) {
+    if (s.input_zero && !(s.rms > 0.0)) {
+      f.details["input_zero"] = true;
+      f.reason = "exactly 0: its input is exactly 0 (nothing reaches it)";
+    } else if (s.zero_steps > 0) {
       f.details["zero_steps"] = s.zero_steps;
+      f.since = s.zero_since;  // exactly 0 from then on
       f.reason = "exactly 0 since its first call, " + std::to_string(s.zero_steps) +
                  " steps: a zero-initialized module whose weights do not move (frozen, or no "
                  "gradient reaches them)";
@@ -628,14 +641,21 @@ class VanishingGradientRule : public HealthRule {
   std::string name() const override { return "vanishing_gradient"; }
   std::optional<Finding> check_gradient(const GradientSignals& s) override {
     // Nothing flows back through a module zero-initialized on purpose until its weights move.
-    if (s.norm == 0.0 && s.before_zero_initialized) return std::nullopt;
+    if (s.norm == 0.0 && s.zero_initialized_in_step) return std::nullopt;
     const bool base = std::isfinite(s.baseline);
-    if (!(s.norm < o_.norm() || s.norm < o_.ratio() * s.max_norm || (base && s.norm < s.baseline / o_.collapse())))
+    const bool own_history_only = s.gated && s.norm > 0.0;
+    if (own_history_only ? !(base && s.norm < s.baseline / o_.collapse())
+                         : !(s.norm < o_.norm() || s.norm < o_.ratio() * s.max_norm ||
+                             (base && s.norm < s.baseline / o_.collapse())))
       return std::nullopt;
     Finding f;
     f.kind = FailureKind::VanishingGradient;
     f.value = s.norm;
-    f.threshold = std::max({o_.norm(), o_.ratio() * s.max_norm, base ? s.baseline / o_.collapse() : 0.0});
+    f.threshold = own_history_only ? s.baseline / o_.collapse()
+                                   : std::max({o_.norm(), o_.ratio() * s.max_norm,
+                                               base ? s.baseline / o_.collapse() : 0.0});
+    if (s.zero_since >= 0) f.since = s.zero_since;  // exactly 0 since then
+    if (s.gated) f.details["gated"] = true;
     f.margin = s.norm > 0.0 ? detail::decade_margin(f.threshold, s.norm) : 1.0;
     return f;
   }

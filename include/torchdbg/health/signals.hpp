@@ -53,8 +53,9 @@ class HealthSignals {
   void begin_step();
   /// Something non-finite came before the next outputs in this step's forward (the input).
   void mark_forward_non_finite() { fwd_nonfinite_ = true; }
-  /// The forward position of the step's last zero-initialized output (-1: none).
-  [[nodiscard]] int64_t zero_initialized_order() const noexcept { return zero_init_order_; }
+  /// Whether a module zero-initialized on purpose (ActivationSignals::zero_initialized) has
+  /// produced an output in this step.
+  [[nodiscard]] bool zero_initialized_in_step() const noexcept { return zero_init_in_step_; }
 
   /// Measures a forward output of `L` (its order, scale, gain, dead and saturated units,
   /// normalization internals); `new_step`: its first output in `step`.
@@ -99,7 +100,7 @@ class HealthSignals {
   int64_t fwd_seq_ = 0;
   std::optional<double> prev_rms_;
   bool fwd_nonfinite_ = false;
-  int64_t zero_init_order_ = -1;
+  bool zero_init_in_step_ = false;
   std::vector<double> losses_;
   std::optional<double> first_loss_, last_loss_, step_loss_;
 };
@@ -176,7 +177,7 @@ TORCHDBG_INLINE void HealthSignals::begin_step() {
   fwd_seq_ = 0;
   prev_rms_.reset();
   fwd_nonfinite_ = false;
-  zero_init_order_ = -1;
+  zero_init_in_step_ = false;
   step_loss_.reset();
 }
 
@@ -331,17 +332,21 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
     sig.norm_weight_peak = L.norm_weight_peak;
   }
   // Zero-initialized on purpose: exactly 0 since the first call (the output, or a
-  // normalization's weight whose bias alone comes out), for the first `baseline_warmup` steps.
-  const bool zero = (L.rms == 0.0 && !L.output_nonzero) || sig.norm_weight_peak == 0.0;
+  // normalization's weight whose bias alone comes out), for the first `baseline_warmup` steps;
+  // an output that is 0 because its input is (nothing reaches it) is not.
+  sig.input_zero = info.input_rms && *info.input_rms == 0.0;
+  const bool zero =
+      ((L.rms == 0.0 && !L.output_nonzero) || sig.norm_weight_peak == 0.0) && !sig.input_zero;
   if (L.rms > 0.0) L.output_nonzero = true;
   if (!zero) {
     L.zero_steps = 0;
   } else if (new_step) {
-    ++L.zero_steps;
+    if (L.zero_steps++ == 0) L.zero_first = step;
   }
   sig.zero_steps = L.zero_steps;
+  sig.zero_since = L.zero_first;
   sig.zero_initialized = zero && L.zero_steps <= options_.baseline_warmup();
-  if (sig.zero_initialized) zero_init_order_ = std::max(zero_init_order_, pos);
+  if (sig.zero_initialized) zero_init_in_step_ = true;
   return sig;
 }
 
@@ -390,7 +395,7 @@ TORCHDBG_INLINE void HealthSignals::clear() {
   fwd_seq_ = 0;
   prev_rms_.reset();
   fwd_nonfinite_ = false;
-  zero_init_order_ = -1;
+  zero_init_in_step_ = false;
   losses_.clear();
   last_loss_.reset();
   first_loss_.reset();
