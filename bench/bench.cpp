@@ -6,8 +6,11 @@
 // from one run). Prints one line per model and mode and writes the same figures as JSON.
 //
 //   torchdbg_bench [--threads N] [--rounds R] [--steps S] [--rss-steps N] [--json FILE] [--models
-//   mlp,cnn,tiny,one] [--modes detached,full,every10,idle] [--no-health] [--device cpu|cuda]
-//   [--default-malloc]
+//   mlp,cnn,transformer,gru,tiny,one] [--modes detached,full,every10,idle] [--no-health]
+//   [--device cpu|cuda] [--default-malloc]
+//
+// It first prints the machine (CPU model, threads, copy bandwidth): every figure is this
+// machine's.
 //
 // glibc's mmap and trim thresholds are fixed (32 MiB, 1 GiB) unless --default-malloc: with
 // its dynamic threshold, the baseline steps' allocation cost depends on what the monitored
@@ -31,8 +34,11 @@
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
+#include <thread>
 #include <torchdbg/torchdbg.hpp>
+#include <type_traits>
 #include <vector>
 
 #include "bench_util.hpp"
@@ -70,6 +76,79 @@ struct OneLinear : torch::nn::Module {
   torch::nn::Linear fc;
 };
 
+/// A 2-block transformer language model written as users write one: token and position
+/// embeddings, per block LayerNorm, q/k/v/o Linears with the heads as views, a causal
+/// softmax, LayerNorm, a GELU feed-forward, residual adds, a vocabulary head. Many small
+/// operators, each Linear a module of its own.
+struct TransformerLm : torch::nn::Module {
+  static constexpr int64_t kVocab = 256, kSeq = 64, kDim = 128, kHeads = 4, kBlocks = 2;
+  struct Block : torch::nn::Module {
+    Block()
+        : ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})))),
+          q(register_module("q", torch::nn::Linear(kDim, kDim))),
+          k(register_module("k", torch::nn::Linear(kDim, kDim))),
+          v(register_module("v", torch::nn::Linear(kDim, kDim))),
+          o(register_module("o", torch::nn::Linear(kDim, kDim))),
+          ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})))),
+          ff1(register_module("ff1", torch::nn::Linear(kDim, 4 * kDim))),
+          ff2(register_module("ff2", torch::nn::Linear(4 * kDim, kDim))) {}
+    torch::Tensor forward(torch::Tensor x, const torch::Tensor& mask) {
+      const int64_t b = x.size(0), t = x.size(1), hd = kDim / kHeads;
+      auto h = ln1(x);
+      auto split = [&](torch::Tensor y) { return y.view({b, t, kHeads, hd}).transpose(1, 2); };
+      auto qh = split(q(h)), kh = split(k(h)), vh = split(v(h));
+      auto att = torch::matmul(qh, kh.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
+      att = torch::softmax(att.masked_fill(mask, -1e9), -1);
+      auto y = torch::matmul(att, vh).transpose(1, 2).contiguous().view({b, t, kDim});
+      x = x + o(y);
+      return x + ff2(torch::gelu(ff1(ln2(x))));
+    }
+    torch::nn::LayerNorm ln1;
+    torch::nn::Linear q, k, v, o;
+    torch::nn::LayerNorm ln2;
+    torch::nn::Linear ff1, ff2;
+  };
+  TransformerLm()
+      : tok(register_module("tok", torch::nn::Embedding(kVocab, kDim))),
+        pos(register_module("pos", torch::nn::Embedding(kSeq, kDim))),
+        ln(register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})))),
+        head(register_module("head", torch::nn::Linear(kDim, kVocab))) {
+    for (int64_t i = 0; i < kBlocks; ++i)
+      blocks.push_back(register_module("block" + std::to_string(i), std::make_shared<Block>()));
+  }
+  torch::Tensor forward(torch::Tensor ids) {
+    const int64_t t = ids.size(1);
+    auto mask = torch::ones({t, t}, torch::kBool).triu(1);
+    auto x = tok(ids) + pos(torch::arange(t, ids.options()));
+    for (auto& b : blocks) x = b->forward(x, mask);
+    return head(ln(x)).view({-1, kVocab});  // [batch * seq, vocab] for cross_entropy
+  }
+  static torch::Tensor input(int64_t batch) { return torch::randint(0, kVocab, {batch, kSeq}); }
+  static torch::Tensor target(int64_t batch) { return torch::randint(0, kVocab, {batch * kSeq}); }
+  torch::nn::Embedding tok, pos;
+  std::vector<std::shared_ptr<Block>> blocks;
+  torch::nn::LayerNorm ln;
+  torch::nn::Linear head;
+};
+
+/// A GRUCell unrolled over 32 time steps and a Linear head on the last state: one module
+/// called 32 times a step, each call a delivery of its own.
+struct UnrolledGru : torch::nn::Module {
+  static constexpr int64_t kSteps = 32, kIn = 32, kHidden = 128;
+  UnrolledGru()
+      : cell(register_module("cell", torch::nn::GRUCell(kIn, kHidden))),
+        head(register_module("head", torch::nn::Linear(kHidden, 10))) {}
+  torch::Tensor forward(const torch::Tensor& x) {  // [batch, time, features]
+    auto h = torch::zeros({x.size(0), kHidden}, x.options());
+    for (int64_t t = 0; t < x.size(1); ++t) h = cell(x.select(1, t), h);
+    return head(h);
+  }
+  static torch::Tensor input(int64_t batch) { return torch::randn({batch, kSteps, kIn}); }
+  static torch::Tensor target(int64_t batch) { return torch::randint(0, 10, {batch}); }
+  torch::nn::GRUCell cell;
+  torch::nn::Linear head;
+};
+
 struct Cnn : torch::nn::Module {
   Cnn() {
     const int64_t ch[] = {3, 32, 64, 128, 128};
@@ -99,7 +178,8 @@ struct Args {
   int steps = 5;
   int rss_steps = 10000;
   std::string json = "torchdbg_bench.json";
-  std::string models = "mlp,cnn,tiny,one";  // tiny: the per-delivery cost; one: the fixed cost
+  // tiny: the per-delivery cost; one: the fixed cost
+  std::string models = "mlp,cnn,transformer,gru,tiny,one";
   std::string modes = "detached,full,every10,idle";
   bool health = true;  // --no-health: statistics hooks only, to see the health monitor's share
   std::string device = "cpu";
@@ -139,6 +219,17 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
+/// Whether `name` is one of the comma-separated `list`'s entries.
+bool model_listed(const std::string& list, const std::string& name) {
+  std::size_t start = 0;
+  while (start <= list.size()) {
+    const std::size_t end = std::min(list.find(',', start), list.size());
+    if (list.compare(start, end - start, name) == 0) return true;
+    start = end + 1;
+  }
+  return false;
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
@@ -176,6 +267,11 @@ struct Monitor {
   }
 };
 
+template <typename Model, typename = void>
+struct HasInput : std::false_type {};
+template <typename Model>
+struct HasInput<Model, std::void_t<decltype(Model::input(1))>> : std::true_type {};
+
 template <typename Model>
 struct Trainer {
   std::shared_ptr<Model> model = std::make_shared<Model>();
@@ -185,8 +281,13 @@ struct Trainer {
   Trainer(std::vector<int64_t> shape, int64_t batch, torch::Device dev = torch::kCPU) : device(dev) {
     shape.insert(shape.begin(), batch);
     model->to(device);
-    x = torch::randn(shape).to(device);
-    y = torch::randint(0, 10, {batch}).to(device);
+    if constexpr (HasInput<Model>::value) {  // token ids, sequences: the model makes its batch
+      x = Model::input(batch).to(device);
+      y = Model::target(batch).to(device);
+    } else {
+      x = torch::randn(shape).to(device);
+      y = torch::randint(0, 10, {batch}).to(device);
+    }
   }
   double step() {
     const auto t0 = Clock::now();
@@ -356,23 +457,54 @@ double median_seconds(int reps, F&& f) {
   return median(s);
 }
 
+/// Copy bandwidth in GB/s on 64 MiB of float32 (a copy reads and writes every byte: both count).
+double copy_bandwidth_gbs() {
+  auto t = torch::randn({(64ll << 20) / 4});
+  auto dst = torch::empty_like(t);
+  const double s = median_seconds(7, [&] { dst.copy_(t); });
+  return 2.0 * static_cast<double>(t.numel()) * 4.0 / s / 1e9;
+}
+
+/// The machine every figure of this run belongs to: CPU model, cores, the threads the bench
+/// uses, copy bandwidth, the kernel's vector width, LibTorch's version. Printed first.
+nlohmann::json bench_machine(const Args& a) {
+  std::string cpu = "unknown CPU";
+  std::ifstream f("/proc/cpuinfo");
+  for (std::string line; std::getline(f, line);) {
+    if (line.rfind("model name", 0) == 0) {
+      const auto colon = line.find(':');
+      if (colon != std::string::npos) cpu = line.substr(line.find_first_not_of(' ', colon + 1));
+      break;
+    }
+  }
+  const unsigned cores = std::thread::hardware_concurrency();
+  const double copy_gbs = copy_bandwidth_gbs();
+  const std::string torch_version = fmt::format("{}.{}.{}", TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR,
+                                                TORCH_VERSION_PATCH);
+  fmt::print("machine: {}, {} hardware threads, {} intra-op thread(s), copy bandwidth {:.1f} GB/s, kernel {}, "
+             "LibTorch {}\n",
+             cpu, cores, a.threads, copy_gbs, torchdbg::detail::block_kernels().name, torch_version);
+  std::fflush(stdout);
+  return {{"cpu", cpu},
+          {"hardware_threads", cores},
+          {"threads", a.threads},
+          {"copy_gbs", copy_gbs},
+          {"vector_width", torchdbg::detail::block_kernels().name},
+          {"libtorch", torch_version}};
+}
+
 nlohmann::json bench_kernel() {
   const int64_t n = (64ll << 20) / 4;  // 64 MiB of float32
   auto t = torch::randn({n});
-  auto dst = torch::empty_like(t);
-  std::vector<double> copy_s, stat_s;
+  std::vector<double> stat_s;
   for (int i = 0; i < 7; ++i) {
-    auto t0 = Clock::now();
-    dst.copy_(t);
-    copy_s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-    t0 = Clock::now();
+    const auto t0 = Clock::now();
     auto m = torchdbg::detail::compute_moments(t);
     stat_s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
     if (m.count != n) std::abort();
   }
   const double bytes = static_cast<double>(n) * 4.0;
-  // A copy reads and writes every byte: bandwidth counts both; the kernel only reads.
-  const double copy_gbs = 2.0 * bytes / median(copy_s) / 1e9;
+  const double copy_gbs = copy_bandwidth_gbs();  // the kernel only reads
   const double stat_gbs = bytes / median(stat_s) / 1e9;
   fmt::print("stats kernel float32 64MiB: {:.2f} GB/s ({:.0f}% of copy bandwidth)\n", stat_gbs,
              100.0 * stat_gbs / copy_gbs);
@@ -448,12 +580,14 @@ int main(int argc, char** argv) {
                            {"steps_per_round", a.steps},
                            {"device", a.device},
                            {"fixed_malloc", a.fixed_malloc}};
-    if (a.models.find("mlp") != std::string::npos)
-      report["mlp"] = bench_model<Mlp>("mlp", {784}, 128, a);
-    if (a.models.find("cnn") != std::string::npos)
-      report["cnn"] = bench_model<Cnn>("cnn", {3, 32, 32}, 32, a);
-    if (a.models.find("tiny") != std::string::npos) report["delivery"] = bench_delivery(a);
-    if (a.models.find("one") != std::string::npos) report["fixed"] = bench_fixed(a);
+    report["machine"] = bench_machine(a);
+    const auto wants = [&](const char* m) { return model_listed(a.models, m); };
+    if (wants("mlp")) report["mlp"] = bench_model<Mlp>("mlp", {784}, 128, a);
+    if (wants("cnn")) report["cnn"] = bench_model<Cnn>("cnn", {3, 32, 32}, 32, a);
+    if (wants("transformer")) report["transformer"] = bench_model<TransformerLm>("transformer", {}, 8, a);
+    if (wants("gru")) report["gru"] = bench_model<UnrolledGru>("gru", {}, 32, a);
+    if (wants("tiny")) report["delivery"] = bench_delivery(a);
+    if (wants("one")) report["fixed"] = bench_fixed(a);
     report["kernel"] = bench_kernel();
     if (a.rss_steps > 0) report["rss"] = bench_rss(a);
     std::ofstream(a.json) << report.dump(2) << "\n";

@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -1930,4 +1931,132 @@ TEST_CASE("property: a BatchNorm's training calls report their running statistic
   CHECK(md["0"].empty());
   REQUIRE(md["2"].count("norm_weight_rms") == 1);
   CHECK_CLOSE(std::stod(md["2"]["norm_weight_rms"]), 0.25, 1e-9);
+}
+
+namespace {
+/// Counts the operators a second RecordFunction observer sees, by name.
+struct OpCounter {
+  static std::map<std::string, int>& counts() {
+    static std::map<std::string, int> c;
+    return c;
+  }
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  at::CallbackHandle handle = at::addGlobalCallback(
+      at::RecordFunctionCallback(
+          [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+            std::lock_guard<std::mutex> lock(mutex());
+            ++counts()[fn.name()];
+            return nullptr;
+          },
+          nullptr)
+          .scopes({at::RecordScope::FUNCTION}));
+  OpCounter() { counts().clear(); }
+  ~OpCounter() { at::removeCallback(handle); }
+  int of(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mutex());
+    return counts()[name];
+  }
+};
+
+/// A GRUCell unrolled over time, an LSTM, a BatchNorm'd Conv2d, a LayerNorm and an attention:
+/// composite operators that run many operators inside them.
+struct CompositeNet : torch::nn::Module {
+  CompositeNet()
+      : cell(register_module("cell", torch::nn::GRUCell(6, 8))),
+        lstm(register_module("lstm", torch::nn::LSTM(torch::nn::LSTMOptions(8, 8).batch_first(true)))),
+        conv(register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 2, 3).padding(1)))),
+        bn(register_module("bn", torch::nn::BatchNorm2d(2))),
+        ln(register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})))),
+        att(register_module("att", torch::nn::MultiheadAttention(8, 2))),
+        head(register_module("head", torch::nn::Linear(8, 3))) {}
+  torch::Tensor forward(const torch::Tensor& x) {  // [batch, time, 6]
+    auto h = torch::zeros({x.size(0), 8});
+    std::vector<torch::Tensor> hs;
+    for (int64_t t = 0; t < x.size(1); ++t) hs.push_back(h = cell(x.select(1, t), h));
+    auto seq = std::get<0>(lstm(torch::stack(hs, 1)));                              // [b, t, 8]
+    auto img = bn(conv(seq.unsqueeze(1))).mean(1);                                  // [b, t, 8]
+    auto q = ln(img).transpose(0, 1);                                               // [t, b, 8]
+    return head(std::get<0>(att(q, q, q)).mean(0));
+  }
+  torch::nn::GRUCell cell;
+  torch::nn::LSTM lstm;
+  torch::nn::Conv2d conv;
+  torch::nn::BatchNorm2d bn;
+  torch::nn::LayerNorm ln;
+  torch::nn::MultiheadAttention att;
+  torch::nn::Linear head;
+};
+}  // namespace
+
+TEST_CASE("the operators inside a decided composite operator are not boxed for the observer; "
+          "deliveries and other observers are unchanged",
+          "[attach]") {
+  // Same seeds, two runs: torchdbg alone (it turns RecordFunction off inside gru_cell, lstm,
+  // batch_norm, ... on this thread), and beside another observer (which must then see every
+  // operator, so nothing is turned off). Every delivered tensor must be equal.
+  const auto run = [](bool other_observer, std::map<std::string, int>* seen) {
+    torch::manual_seed(11);
+    auto net = std::make_shared<CompositeNet>();
+    torch::optim::SGD opt(net->parameters(), 0.05);
+    HookManager hooks;
+    Recorder rec;
+    rec.install(hooks);
+    std::optional<OpCounter> counter;
+    if (other_observer) counter.emplace();
+    auto session = torchdbg::attach(*net, hooks);
+    for (int64_t step = 0; step < 4; ++step) {
+      hooks.set_step(step);
+      opt.zero_grad();
+      auto loss = net->forward(torch::randn({3, 5, 6})).pow(2).mean();
+      CHECK(at::isRecordFunctionEnabled());
+      loss.backward();
+      opt.step();
+      CHECK(at::isRecordFunctionEnabled());
+    }
+    if (seen != nullptr && counter)
+      for (const char* name : {"aten::sigmoid_", "aten::tanh_", "aten::sigmoid", "aten::tanh", "aten::native_batch_norm", "aten::native_layer_norm",
+                               "aten::addmm", "aten::bmm"})
+        (*seen)[name] = counter->of(name);
+    return rec;
+  };
+  std::map<std::string, int> with_torchdbg;
+  const Recorder alone = run(false, nullptr);
+  const Recorder beside = run(true, &with_torchdbg);
+  REQUIRE(alone.fwd.size() == 4);
+  REQUIRE(alone.fwd.size() == beside.fwd.size());
+  for (const auto& [step, layers] : alone.fwd) {
+    INFO("step " << step);
+    REQUIRE(beside.fwd.at(step).size() == layers.size());
+    CHECK(layers.count("cell") == 1);
+    CHECK(layers.at("cell").size() == 5);  // one delivery per call
+    for (const auto& [name, tensors] : layers) {
+      INFO(name);
+      const auto& other = beside.fwd.at(step).at(name);
+      REQUIRE(other.size() == tensors.size());
+      for (std::size_t i = 0; i < tensors.size(); ++i) CHECK(torch::equal(tensors[i], other[i]));
+    }
+  }
+  CHECK(alone.bwd.size() == beside.bwd.size());
+  // The other observer saw as many of gru_cell's, lstm's, batch_norm's, ... inner operators
+  // with torchdbg attached as it sees without torchdbg.
+  std::map<std::string, int> without;
+  {
+    torch::manual_seed(11);
+    auto net = std::make_shared<CompositeNet>();
+    torch::optim::SGD opt(net->parameters(), 0.05);
+    OpCounter counter;
+    for (int64_t step = 0; step < 4; ++step) {
+      opt.zero_grad();
+      auto loss = net->forward(torch::randn({3, 5, 6})).pow(2).mean();
+      loss.backward();
+      opt.step();
+    }
+    for (const auto& [name, n] : with_torchdbg) without[name] = counter.of(name);
+  }
+  CHECK(with_torchdbg == without);
+  CHECK(without.at("aten::native_layer_norm") > 0);
+  CHECK(without.at("aten::native_batch_norm") > 0);
 }

@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "torchdbg/attach/core.hpp"
@@ -83,9 +84,45 @@ class ObserverState {
     std::shared_ptr<const DeliveryInfo> from;
     std::optional<AttachCore::InputMoments> input;
   };
+  /// How many operators ran inside each decided operator the last time (keyed by its name's
+  /// address, which the operator's schema owns), for ForwardObserver::quiet_inside. Bounded:
+  /// a new operator beyond kSize replaces the oldest entry.
+  class InnerOps {
+   public:
+    void begin(const void* key) {
+      running_ = 0;
+      key_ = key;
+    }
+    void count() { ++running_; }
+    void end(const void* key) {
+      if (key != key_) return;
+      key_ = nullptr;
+      for (auto& e : entries_)
+        if (e.first == key) {
+          e.second = running_;
+          return;
+        }
+      entries_[next_] = {key, running_};
+      next_ = (next_ + 1) % kSize;
+    }
+    [[nodiscard]] uint32_t last(const void* key) const {
+      for (const auto& e : entries_)
+        if (e.first == key) return e.second;
+      return 0;
+    }
+
+   private:
+    static constexpr std::size_t kSize = 32;
+    std::array<std::pair<const void*, uint32_t>, kSize> entries_{};
+    std::size_t next_ = 0;
+    const void* key_ = nullptr;
+    uint32_t running_ = 0;
+  };
+
   struct Tls {
     int backward_depth = 0;
     int skip_depth = 0;
+    InnerOps inner_ops;
     /// The output of each session's module call not delivered yet (its operators may go on:
     /// `x @ w + b`); several sessions attached to one model each have theirs.
     std::vector<Pending> pending;
@@ -142,6 +179,7 @@ class ObserverState {
   /// scalar, cross_entropy's log_softmax) are its own and not looked at.
   struct OpCtx : at::ObserverContext {
     enum Kind { Backward, Update, Decided } kind = Backward;
+    bool quiet_inside = false;  // RecordFunction is off on this thread until it ends
     Decision first;              // the first session's
     std::vector<Decision> more;  // further sessions' (several attached to one model)
     std::size_t count = 0;
