@@ -163,6 +163,77 @@ TEST_CASE("non-contiguous and expanded tensors are read through their strides", 
   check_summary(torchdbg::compute_stats(expanded), expanded);
 }
 
+TEST_CASE("property: a strided float, half or bfloat16 tensor read through its strides gives its copy's moments, bit for bit",
+          "[stats]") {
+  using torchdbg::detail::compute_moments;
+  std::mt19937_64 g(20261203);
+  const auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); };
+  const std::vector<torch::ScalarType> dtypes = {torch::kFloat, torch::kHalf, torch::kBFloat16};
+  int gathered = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const auto dtype = dtypes[static_cast<std::size_t>(trial % 3)];
+    // A batch-first sequence and one time step of it (a recurrent cell's input), a transposed
+    // matrix, or a sliced block; sizes cross the kernel's 2048-element blocks and its lanes.
+    const int64_t a = pick(1, 70), b = pick(1, 90), c = pick(1, 3000 / std::max<int64_t>(1, a));
+    const uint64_t seed = g();
+    torch::manual_seed(seed);
+    torch::Tensor x = torch::randn({a, b, c}) * std::pow(10.0, static_cast<double>(pick(-6, 6)));
+    if (pick(0, 1) == 1) x = x.abs();  // non-negative blocks take their own kernel
+    if (pick(0, 2) == 0 && x.numel() > 3) {
+      auto flat = x.view(-1);
+      flat[pick(0, x.numel() - 1)] = kNaN;
+      flat[pick(0, x.numel() - 1)] = pick(0, 1) == 1 ? kInf : -kInf;
+    }
+    x = x.to(dtype);
+    torch::Tensor v;
+    std::string what;
+    switch (pick(0, 3)) {
+      case 0: {
+        const int64_t t = pick(0, b - 1);
+        v = x.select(1, t);
+        what = "x.select(1, " + std::to_string(t) + ")";
+        break;
+      }
+      case 1:
+        v = x.transpose(0, 2);
+        what = "x.transpose(0, 2)";
+        break;
+      case 2: {
+        const int64_t step = pick(1, 3);
+        v = x.slice(2, 0, c, step).slice(0, pick(0, a - 1));
+        what = "x.slice(2, 0, c, step).slice(0, ...)";
+        break;
+      }
+      default:
+        v = x.permute({1, 0, 2}).slice(1, 0, std::max<int64_t>(1, a / 2));
+        what = "x.permute({1, 0, 2}).slice(1, 0, a / 2)";
+        break;
+    }
+    const bool signs = pick(0, 1) == 1;
+    INFO("trial " << trial << " seed " << seed << " dtype " << dtype << " x " << x.sizes() << " " << what
+                  << " shape " << v.sizes() << " strides " << v.strides() << " signs " << signs);
+    gathered += torchdbg::detail::gather_moments(v) ? 1 : 0;
+    const auto got = compute_moments(v, signs);
+    const auto want = compute_moments(v.contiguous(), signs);
+    CHECK(got.count == want.count);
+    CHECK(got.finite == want.finite);
+    CHECK(got.nan == want.nan);
+    CHECK(got.pos_inf == want.pos_inf);
+    CHECK(got.neg_inf == want.neg_inf);
+    CHECK(got.signs == want.signs);
+    CHECK(got.zeros == want.zeros);
+    CHECK(got.negatives == want.negatives);
+    CHECK(got.positives == want.positives);
+    CHECK(got.mean == want.mean);  // exact: the same blocks in the same order
+    CHECK(got.m2 == want.m2);
+    CHECK(got.min == want.min);
+    CHECK(got.max == want.max);
+    CHECK(got.abs_sum == want.abs_sum);
+    CHECK(got.abs_max == want.abs_max);
+  }
+  CHECK(gathered > 200);  // most views take the gathered path
+}
+
 TEST_CASE("large tensors split across threads give the single-thread result", "[stats]") {
   torchdbg_test::SeededRng rng(4);
   const int prev = torch::get_num_threads();

@@ -26,6 +26,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -876,8 +877,67 @@ inline at::Tensor readable(const at::Tensor& t) {
   return c;
 }
 
-/// The one-pass summary of any tensor. CPU tensors are read in place (a strided tensor is
-/// first made contiguous, an overlapping one piece by piece); other devices reduce on the
+/// Whether compute_moments reads the CPU tensor `t` through its strides into a block buffer
+/// instead of a contiguous copy: float32, half or bfloat16 data that is not contiguous and
+/// small enough to be read by one thread (accumulate_parallel's single chunk), so the blocks
+/// are the copy's blocks in the same order and the result is the copy's, bit for bit.
+inline bool gather_moments(const at::Tensor& t) {
+  const auto st = t.scalar_type();
+  return (st == at::kFloat || st == at::kHalf || st == at::kBFloat16) && t.numel() > 0 &&
+         t.numel() < 2 * kParallelGrain && t.dim() >= 1 && !t.is_contiguous() && !t._is_zerotensor();
+}
+
+/// Moments of a strided CPU tensor (gather_moments): its elements in row-major order,
+/// kFloatBlock at a time, widened to float in a buffer on the stack; no allocation, no
+/// operator call (a row of a batch-first sequence, `x.select(1, t)`, costs its elements only).
+template <typename T>
+Moments accumulate_gathered(const at::Tensor& t, bool signs) {
+  const T* base = static_cast<const T*>(t.data_ptr());
+  if (base == nullptr)
+    throw Error("torchdbg: cannot read a tensor of " + std::to_string(t.numel()) + " elements without data");
+  const int64_t nd = t.dim();
+  const int64_t inner = t.size(nd - 1), step = t.stride(nd - 1);
+  const int64_t rows = t.numel() / inner;
+  c10::SmallVector<int64_t, 8> index(static_cast<std::size_t>(nd), 0);
+  float buf[kFloatBlock];
+  int64_t fill = 0, offset = 0;
+  Moments total;
+  bool non_negative = false;
+  for (int64_t row = 0; row < rows; ++row) {
+    const T* src = base + offset;
+    for (int64_t j = 0; j < inner;) {
+      const int64_t take = std::min(inner - j, kFloatBlock - fill);
+      if constexpr (std::is_same_v<T, float>) {
+        if (step == 1) {
+          std::memcpy(buf + fill, src + j, static_cast<std::size_t>(take) * sizeof(float));
+        } else {
+          for (int64_t k = 0; k < take; ++k) buf[fill + k] = src[(j + k) * step];
+        }
+      } else {
+        for (int64_t k = 0; k < take; ++k) buf[fill + k] = static_cast<float>(src[(j + k) * step]);
+      }
+      fill += take;
+      j += take;
+      if (fill == kFloatBlock) {
+        total.merge(float_block_moments(buf, fill, signs, non_negative));
+        fill = 0;
+      }
+    }
+    for (int64_t d = nd - 2; d >= 0; --d) {  // the next row's offset
+      const auto u = static_cast<std::size_t>(d);
+      offset += t.stride(d);
+      if (++index[u] < t.size(d)) break;
+      offset -= t.stride(d) * t.size(d);
+      index[u] = 0;
+    }
+  }
+  if (fill > 0) total.merge(float_block_moments(buf, fill, signs, non_negative));
+  return total;
+}
+
+/// The one-pass summary of any tensor. CPU tensors are read in place (a small strided float,
+/// half or bfloat16 tensor through its strides, another strided one made contiguous first, an
+/// overlapping one piece by piece); other devices reduce on the
 /// device and copy 14 doubles back. Expanded dimensions are read once (collapse_repeats).
 /// `signs` false: the zero/negative/positive counts and the absolute sum may be skipped
 /// (float32, half and bfloat16 CPU data without NaN/Inf: about twice as fast);
@@ -900,6 +960,12 @@ inline Moments compute_moments(const at::Tensor& t, bool signs = true) {
   }
   if (!t.device().is_cpu()) return unpack_moments(pack_moments(t).to(at::kCPU));
   const Repeated r = collapse_repeats(t);
+  if (gather_moments(r.base)) {
+    const Moments g = r.base.scalar_type() == at::kFloat ? accumulate_gathered<float>(r.base, signs)
+                      : r.base.scalar_type() == at::kHalf ? accumulate_gathered<c10::Half>(r.base, signs)
+                                                           : accumulate_gathered<c10::BFloat16>(r.base, signs);
+    return repeated(g, r.repeats);
+  }
   Moments m;  // merging into the empty summary gives the first piece's own
   for_each_piece(r.base, [&](const at::Tensor& c) {
     m.merge(dispatch_dtype(c.scalar_type(), [&](auto tag) {
