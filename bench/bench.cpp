@@ -338,6 +338,34 @@ Paired paired_overhead(const std::vector<double>& base, const std::vector<double
   return p;
 }
 
+/// The copy bandwidth bench_machine measured (GB/s), for the read-floor arithmetic.
+double g_copy_gbs = 0.0;
+
+/// Bytes of the tensors the full monitor reads in one step: every forward and backward
+/// delivery's tensor, counted by a hook on a manager of its own (one untimed step).
+template <typename Model>
+double delivered_bytes_per_step(Trainer<Model>& tr) {
+  torchdbg::HookManager counter;
+  double bytes = 0.0;
+  counter.register_callback("bytes", [&](const torchdbg::HookContext& c) {
+    bytes += static_cast<double>(c.tensor().numel()) * static_cast<double>(c.tensor().element_size());
+  });
+  counter.register_hook(torchdbg::HookConfig()
+                            .name("forward bytes")
+                            .trigger(torchdbg::HookTrigger::every_forward())
+                            .direction(torchdbg::CallDirection::Forward)
+                            .actions({torchdbg::HookAction::custom_callback("bytes")}));
+  counter.register_hook(torchdbg::HookConfig()
+                            .name("backward bytes")
+                            .trigger(torchdbg::HookTrigger::every_backward())
+                            .direction(torchdbg::CallDirection::Backward)
+                            .actions({torchdbg::HookAction::custom_callback("bytes")}));
+  auto session = torchdbg::attach(*tr.model, counter);
+  counter.set_step(0);
+  tr.step();
+  return bytes;
+}
+
 template <typename Model>
 nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, int64_t batch,
                            const Args& a, bool print = true, bool quick_start = false) {
@@ -384,6 +412,15 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
     const double median_steps = 100.0 * (m - b) / b;
     const double overhead = mode == "every10" ? paired.percent : median_steps;
     const double copies_per_step = static_cast<double>(copies) / static_cast<double>(mon.size());
+    if (print && mode == "full" && !tr.device.is_cuda() && g_copy_gbs > 0.0) {
+      // The floor of reading every delivered tensor once from memory, at copy bandwidth (data
+      // still in cache reads faster: the floor is at most this).
+      const double bytes = delivered_bytes_per_step(tr);
+      const double floor_us = bytes / (g_copy_gbs * 1e9) * 1e6;
+      fmt::print("read floor {}: {:.2f} MB delivered per step / {:.1f} GB/s = {:.0f} us, {:.1f}% of the {:.0f} us step\n",
+                 name, bytes / 1e6, g_copy_gbs, floor_us, 100.0 * floor_us / b, b);
+      out["read_floor"] = {{"bytes_per_step", bytes}, {"floor_us", floor_us}, {"percent", 100.0 * floor_us / b}};
+    }
     if (print) {
       fmt::print("overhead {} {}: {:.1f}%\n", name, mode, overhead);
       fmt::print("  paired windows {} {}: {:.1f}% (median of {} windows of {} steps)\n", name, mode,
@@ -479,6 +516,7 @@ nlohmann::json bench_machine(const Args& a) {
   }
   const unsigned cores = std::thread::hardware_concurrency();
   const double copy_gbs = copy_bandwidth_gbs();
+  g_copy_gbs = copy_gbs;
   const std::string torch_version = fmt::format("{}.{}.{}", TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR,
                                                 TORCH_VERSION_PATCH);
   fmt::print("machine: {}, {} hardware threads, {} intra-op thread(s), copy bandwidth {:.1f} GB/s, kernel {}, "

@@ -360,13 +360,14 @@ class Attribution : protected ObserverState {
   static std::optional<AttachCore::InputMoments> input_moments(const AttachCore& core, const at::Tensor& x,
                                                                bool model_input) {
     DeliveringScope scope;
+    at::NoGradGuard no_grad;  // a strided input's copy records no autograd node
     try {
       AttachCore::InputMoments in;
       in.model_input = model_input;
       if (core.defers(x)) {
         in.packed = pack_moments(x.detach());  // no sync: comes with the batch
       } else {
-        in.host = compute_moments(x.detach(), /*signs=*/false);  // the RMS only
+        in.host = compute_moments(x, /*signs=*/false);  // the RMS only; reads the data, records nothing
       }
       return in;
     } catch (...) {

@@ -11,7 +11,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <functional>
 #include <limits>
 #include <map>
@@ -31,6 +30,7 @@
 #include "torchdbg/attach/options.hpp"
 #include "torchdbg/attach/pass_end.hpp"
 #include "torchdbg/attach/pass_ledger.hpp"
+#include "torchdbg/detail/text.hpp"
 #include "torchdbg/hook_context.hpp"
 #include "torchdbg/tensor_stats.hpp"
 
@@ -264,9 +264,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       md.emplace("input_count", std::to_string(m.finite));
     }
     if (m.finite <= 0) return;
-    char buf[40];
-    std::snprintf(buf, sizeof buf, "%.17g", std::sqrt(m.sum_squares() / static_cast<double>(m.finite)));
-    md.emplace("input_rms", buf);
+    md.emplace("input_rms", number_text(std::sqrt(m.sum_squares() / static_cast<double>(m.finite))));
   }
 
   /// A batch of one has no spread across the batch to tell a module's bias from what its
@@ -291,10 +289,8 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       at::NoGradGuard no_grad;
       const Moments m = compute_moments(t.detach() - bias.detach().view(shape), /*signs=*/false);
       if (m.finite != m.count || m.finite == 0) return;
-      char buf[40];
-      std::snprintf(buf, sizeof buf, "%.17g", std::sqrt(m.variance()));
       if (!own) own = base_md;
-      own->emplace("std_less_bias", buf);
+      own->emplace("std_less_bias", number_text(std::sqrt(m.variance())));
       return;
     }
   }
@@ -307,10 +303,8 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     const Module& mod = modules[module];
     if (mod.type_name.find("Norm") == std::string::npos) return;
     const auto number = [&](const char* key, double v) {
-      char buf[40];
-      std::snprintf(buf, sizeof buf, "%.17g", v);
       if (!own) own = base_md;
-      own->emplace(key, buf);
+      own->emplace(key, number_text(v));
     };
     if (norm) {
       number("norm_stats_error", norm->error);

@@ -37,9 +37,10 @@ template struct RecordFunctionInputsValid<&at::RecordFunction::inputs_valid_>;
 #endif
 
 /// Marks this thread as running torchdbg's own work (deliveries, hooks, statistics): the
-/// forward observer ignores the operators run meanwhile. (RecordFunction stays on: turning it
-/// off per scope copies its thread-local state in LibTorch 1.13, which costs more than the
-/// boxing it saves.)
+/// forward observer ignores the operators run meanwhile. (RecordFunction stays on: the
+/// statistics read tensor data without operators, so a delivery runs few, and turning it off
+/// and on copies LibTorch's thread-local RecordFunction state, about 2.5K instructions each
+/// way in 1.13.)
 class DeliveringScope {
  public:
   DeliveringScope() { ++depth(); }

@@ -2,6 +2,7 @@
 // SPDX-License-Identifier: MIT
 #pragma once
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
@@ -51,6 +52,14 @@ inline std::string valid_utf8(std::string_view s) {
     }
   }
   return out;
+}
+
+/// `v` as the shortest text that reads back (std::stod, strtod) as exactly `v`: "0.1",
+/// "1.2345678901234567e-300", "inf", "nan". What a delivery's metadata carries for a number.
+inline std::string number_text(double v) {
+  char buf[40];
+  const auto r = fmt::format_to_n(buf, sizeof buf, "{}", v);
+  return std::string(buf, r.out);
 }
 
 /// The JSON text of `j` (compact, or indented by `indent`). Strings that are not valid UTF-8
