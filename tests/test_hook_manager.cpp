@@ -2,11 +2,15 @@
 // SPDX-License-Identifier: MIT
 #include <torchdbg/hook_manager.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
+#include <random>
 #include <thread>
 
 #include "helpers.hpp"
@@ -60,6 +64,68 @@ TEST_CASE("hooks run in registration order", "[manager]") {
   REQUIRE(all.size() == 3);
   CHECK(all[0].second.name() == "c");
   CHECK(all[2].second.name() == "b");
+}
+
+TEST_CASE("property: hooks run by priority, then registration, a prepended hook first; removal keeps the order", "[manager]") {
+  // Reference: one deque per priority (prepend pushes to the front), read from the highest.
+  std::mt19937 rng(29);
+  for (int trial = 0; trial < 150; ++trial) {
+    HookManager hooks;
+    std::vector<std::string> order;
+    std::map<int, std::deque<std::string>, std::greater<int>> reference;
+    std::vector<std::pair<torchdbg::HookId, std::string>> live;
+    const int ops = 1 + static_cast<int>(rng() % 14);
+    for (int op = 0; op < ops; ++op) {
+      if (!live.empty() && rng() % 4 == 0) {  // remove one
+        const std::size_t k = rng() % live.size();
+        REQUIRE(hooks.remove_hook(live[k].first));
+        for (auto& [prio, names] : reference) names.erase(std::remove(names.begin(), names.end(), live[k].second), names.end());
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+        continue;
+      }
+      const std::string name = "h" + std::to_string(op);
+      const int priority = static_cast<int>(rng() % 5) - 2;
+      const bool prepend = rng() % 3 == 0;
+      hooks.register_callback(name, [&order, name](const torchdbg::HookContext&) { order.push_back(name); });
+      live.emplace_back(hooks.register_hook(callback_hook(name, name).priority(priority).prepend(prepend)), name);
+      if (prepend) {
+        reference[priority].push_front(name);
+      } else {
+        reference[priority].push_back(name);
+      }
+    }
+    std::vector<std::string> expected;
+    for (const auto& [prio, names] : reference) expected.insert(expected.end(), names.begin(), names.end());
+    order.clear();
+    const auto results = hooks.execute_hooks("layer", torch::ones({2}), true);
+    INFO("trial " << trial);
+    CHECK(order == expected);
+    REQUIRE(results.size() == expected.size());
+    std::vector<std::string> listed;
+    for (const auto& [id, config] : hooks.get_all_hooks()) listed.push_back(config.name());
+    CHECK(listed == expected);
+    for (std::size_t i = 0; i < results.size(); ++i) CHECK(hooks.get_hook(results[i].first)->name() == expected[i]);
+  }
+}
+
+TEST_CASE("a hook given a higher priority acts before the hooks that read its effect", "[manager]") {
+  HookManager hooks;
+  std::vector<bool> paused_seen;
+  hooks.register_callback("reader", [&](const torchdbg::HookContext&) { paused_seen.push_back(hooks.is_paused()); });
+  hooks.register_hook(callback_hook("reader", "reader"));
+  const auto pauser = hooks.register_hook(HookConfig().name("pauser").actions({HookAction::pause_training("stop")}));
+  hooks.execute_hooks("x", torch::ones({1}), true);  // registration order: the reader runs first
+  REQUIRE(paused_seen == std::vector<bool>{false});
+  hooks.resume_training();
+  hooks.remove_hook(pauser);
+  hooks.register_hook(HookConfig().name("pauser").priority(1).actions({HookAction::pause_training("stop")}));
+  hooks.execute_hooks("x", torch::ones({1}), true);
+  CHECK(paused_seen == std::vector<bool>{false, true});
+  hooks.resume_training();
+  hooks.register_hook(callback_hook("reader", "reader").prepend(true).priority(1));  // before the pauser
+  paused_seen.clear();
+  hooks.execute_hooks("x", torch::ones({1}), true);
+  CHECK(paused_seen == std::vector<bool>{false, true});
 }
 
 TEST_CASE("an invalid regex is rejected at registration with the pattern named", "[manager]") {

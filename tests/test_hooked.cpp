@@ -4,6 +4,10 @@
 
 #include <torch/torch.h>
 
+#include <deque>
+#include <map>
+#include <random>
+
 #include "helpers.hpp"
 
 using torchdbg::ExactHook;
@@ -132,6 +136,65 @@ TEST_CASE("backward hooks see and may replace gradients", "[hooked]") {
   CHECK(net->fc1->weight.grad().abs().sum().item<double>() == 0.0);
   CHECK(x.grad().abs().sum().item<double>() == 0.0);
   CHECK(net->fc2->weight.grad().abs().sum().item<double>() > 0.0);
+}
+
+TEST_CASE("property: exact hooks run by priority, then registration, prepended first; each sees the replacements before it", "[hooked]") {
+  // Reference: one deque per priority (prepend pushes to the front), read from the highest;
+  // affine hooks applied in that order to the plain tensor, reading hooks see the running value.
+  std::mt19937 rng(34);
+  struct Spec {
+    bool reader;
+    double a, b;
+  };
+  for (int trial = 0; trial < 40; ++trial) {
+    torchdbg_test::SeededRng seed(100 + static_cast<uint64_t>(trial));
+    auto net = std::make_shared<Net>();
+    const auto x = torch::randn({3, 4}, torch::requires_grad());
+    const HookDirection dir = trial % 2 == 0 ? HookDirection::Fwd : HookDirection::BwdPre;
+    std::vector<torch::Tensor> seen(16);
+    std::vector<Spec> specs;
+    std::map<int, std::deque<int>, std::greater<int>> reference;
+    torchdbg::ModuleHookHandle handles;
+    // The first hook to run reads the untouched tensor (priority above every other).
+    handles = std::move(handles) + torchdbg::register_module_hook(net->fc1.ptr(),
+                  torchdbg::reading_hook([&seen](const ModuleCall&, const torch::Tensor& t) { seen[15] = t.clone(); }, dir)
+                      .with_priority(100), "fc1");
+    const int n = 1 + static_cast<int>(rng() % 8);
+    for (int i = 0; i < n; ++i) {
+      const Spec sp{rng() % 3 == 0, 0.5 + (rng() % 100) / 100.0, (static_cast<int>(rng() % 21) - 10) / 10.0};
+      specs.push_back(sp);
+      ExactHook h = sp.reader ? torchdbg::reading_hook([&seen, i](const ModuleCall&, const torch::Tensor& t) { seen[static_cast<std::size_t>(i)] = t.clone(); }, dir)
+                              : torchdbg::setting_hook([sp](const torch::Tensor& t) { return t * sp.a + sp.b; }, dir);
+      h.priority = static_cast<int>(rng() % 3) - 1;
+      if (rng() % 3 == 0) h = h.prepended();
+      if (h.prepend) {
+        reference[h.priority].push_front(i);
+      } else {
+        reference[h.priority].push_back(i);
+      }
+      handles = std::move(handles) + torchdbg::register_module_hook(net->fc1.ptr(), h, "fc1");
+    }
+    const auto out = net->forward(x);
+    out.pow(2).sum().backward();
+    INFO("trial " << trial << (dir == HookDirection::Fwd ? " fwd" : " bwd_pre"));
+    REQUIRE(seen[15].defined());
+    torch::Tensor v = seen[15].to(torch::kDouble);
+    for (const auto& [prio, ids] : reference) {
+      for (int i : ids) {
+        const Spec& sp = specs[static_cast<std::size_t>(i)];
+        if (sp.reader) {
+          REQUIRE(seen[static_cast<std::size_t>(i)].defined());
+          CHECK(torch::allclose(seen[static_cast<std::size_t>(i)].to(torch::kDouble), v, 1e-5, 1e-5));
+        } else {
+          v = v * sp.a + sp.b;
+        }
+      }
+    }
+    if (dir == HookDirection::Fwd) {  // the final value is what fc2 received
+      torch::NoGradGuard ng;
+      CHECK(torch::allclose(out, net->fc2->forward(torch::relu(v.to(torch::kFloat))), 1e-4, 1e-4));
+    }
+  }
 }
 
 TEST_CASE("run_until stops the forward after the module and returns its output", "[hooked]") {

@@ -251,6 +251,14 @@ struct HookConfig {
   /// `.trigger(HookTrigger::every_n_steps(10)).direction(CallDirection::Forward)` inspects
   /// forward outputs every 10th step without also running on that step's gradients.
   TORCH_ARG(CallDirection, direction) = CallDirection::Both;
+  /// Execution order: a hook with a higher priority runs before one with a lower priority;
+  /// hooks of equal priority run in registration order (see prepend). A replacing hook's
+  /// effect is seen by every hook after it, so `.priority(10)` puts a hook ahead of the
+  /// default 0 and `.priority(-10)` behind it.
+  TORCH_ARG(int, priority) = 0;
+  /// Runs before the hooks of the same priority registered so far, as PyTorch's and tdhook's
+  /// `prepend=True`: of several prepended hooks the latest runs first.
+  TORCH_ARG(bool, prepend) = false;
 
  public:
   HookConfig& add_action(HookAction a) {

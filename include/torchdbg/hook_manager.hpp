@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/arg.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -69,7 +70,8 @@ struct PauseInfo {
 /// }
 /// ```
 ///
-/// Hooks run in registration order. A hook whose layer patterns do not match the call's
+/// Hooks run by `HookConfig::priority` (higher first), then in registration order, a
+/// prepended hook before those of its priority registered earlier. A hook whose layer patterns do not match the call's
 /// layer, or that is disabled, is left out of the results; one that matches but whose
 /// trigger is not due, or that reached max_executions, gives a skipped result. Nothing a
 /// hook does escapes `execute_hooks`: exceptions, bad input and missing callbacks become
@@ -165,7 +167,7 @@ class BasicHookManager {
 
   [[nodiscard]] std::optional<HookConfig> get_hook(const HookId& id) const;
 
-  /// Every hook in registration order.
+  /// Every hook, in the order they run (priority, then registration; see HookConfig).
   [[nodiscard]] std::vector<std::pair<HookId, HookConfig>> get_all_hooks() const;
 
   [[nodiscard]] std::optional<HookStats> get_hook_stats(const HookId& id) const;
@@ -338,6 +340,7 @@ class BasicHookManager {
   struct Entry {
     HookId id;
     HookConfig config;
+    int64_t position = 0;  // among equal priorities: prepended hooks negative, appended positive
     std::vector<detail::Pattern> patterns;
     uint64_t limit = std::numeric_limits<uint64_t>::max();
     std::atomic<bool> enabled{true};
@@ -446,7 +449,8 @@ class BasicHookManager {
 
   HookManagerOptions options_;
   mutable Mutex mutex_;  // hooks_, callbacks_ and prefetches_
-  std::shared_ptr<const HookList> hooks_;
+  std::shared_ptr<const HookList> hooks_;  // in execution order
+  int64_t front_position_ = 0, back_position_ = 0;
   std::shared_ptr<const PrefetchList> prefetches_ = std::make_shared<const PrefetchList>();
   std::unordered_map<std::string, std::shared_ptr<const Callback>> callbacks_;
   std::unordered_set<std::string> moment_callbacks_;  // registered with CallbackStats::Moments
@@ -498,8 +502,14 @@ auto BasicHookManager<Mutex>::register_hook(HookConfig config) -> HookId {
     do {
       e->id = HookId::generate();
     } while (find_locked(e->id) != nullptr);
+    e->position = e->config.prepend() ? --front_position_ : ++back_position_;
     auto next = std::make_shared<HookList>(*hooks_);
-    next->push_back(e);
+    const auto runs_before = [](const std::shared_ptr<Entry>& a, const std::shared_ptr<Entry>& b) {
+      if (a->config.priority() != b->config.priority())
+        return a->config.priority() > b->config.priority();
+      return a->position < b->position;
+    };
+    next->insert(std::upper_bound(next->begin(), next->end(), e, runs_before), e);
     hooks_ = std::move(next);
   }
   notify(Change::After);

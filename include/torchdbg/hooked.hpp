@@ -29,6 +29,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <exception>
@@ -81,9 +82,31 @@ struct HookTensors {
 /// An exact hook: returns a replacement for the direction's tensor, or nullopt to keep it.
 using ExactHookFn = std::function<std::optional<at::Tensor>(const ModuleCall&, const HookTensors&)>;
 
+/// One exact hook. A module's hooks of one direction run by `priority` (higher first), then
+/// in registration order; a `prepend`ed hook runs before those of its priority registered so
+/// far (PyTorch's and tdhook's `prepend=True`). A replacement is what every later hook sees.
+///
+/// ```cpp
+/// auto h = register_module_hook(model, "fc1", setting_hook(fix).with_priority(10));
+/// ```
 struct ExactHook {
   HookDirection direction = HookDirection::Fwd;
   ExactHookFn fn;
+  int priority = 0;
+  bool prepend = false;
+
+  /// This hook with `priority` set.
+  [[nodiscard]] ExactHook with_priority(int p) const {
+    ExactHook h = *this;
+    h.priority = p;
+    return h;
+  }
+  /// This hook, to run before the same priority's hooks registered so far.
+  [[nodiscard]] ExactHook prepended() const {
+    ExactHook h = *this;
+    h.prepend = true;
+    return h;
+  }
 };
 
 /// Thrown by a stopping hook to end the forward pass after a module; `run_until` catches it.
@@ -149,6 +172,7 @@ class ExactHookRegistry {
     uint64_t id;
     std::string path;
     ExactHook hook;
+    int64_t position = 0;  // among equal priorities: prepended negative, appended positive
   };
   using List = std::vector<Entry>;
 
@@ -184,7 +208,13 @@ class ExactHookRegistry {
     const uint64_t id = ++seq_;
     auto& slot = hooks_[m.get()];
     auto next = std::make_shared<List>(slot.list ? *slot.list : List{});
-    next->push_back(Entry{id, std::move(path), std::move(hook)});
+    const int64_t position = hook.prepend ? --front_position_ : ++back_position_;
+    Entry e{id, std::move(path), std::move(hook), position};
+    const auto runs_before = [](const Entry& a, const Entry& b) {
+      if (a.hook.priority != b.hook.priority) return a.hook.priority > b.hook.priority;
+      return a.position < b.position;
+    };
+    next->insert(std::upper_bound(next->begin(), next->end(), e, runs_before), std::move(e));
     slot.list = std::move(next);
     slot.owner = m;
     owner_of_[id] = m.get();
@@ -240,7 +270,8 @@ class ExactHookRegistry {
   std::mutex mutex_;
   std::atomic<std::size_t> count_{0};
   uint64_t seq_ = 0;
-  std::unordered_map<const torch::nn::Module*, Slot> hooks_;
+  int64_t front_position_ = 0, back_position_ = 0;
+  std::unordered_map<const torch::nn::Module*, Slot> hooks_;  // each list in execution order
   std::unordered_map<uint64_t, const torch::nn::Module*> owner_of_;
   std::unordered_map<const torch::nn::Module*, std::weak_ptr<torch::nn::Module>> hookable_;
   std::unordered_map<const torch::nn::Module*, std::weak_ptr<torch::nn::SequentialImpl>> forwarded_;
