@@ -707,3 +707,55 @@ TEST_CASE("causal rules: a normalization's collapsing weight explains its consta
   CHECK(ds.hypotheses[1].layer == "bn9");
   CHECK(ds.hypotheses[1].description.find("eval mode") != std::string::npos);
 }
+
+TEST_CASE("a diagnosis and its hypotheses print one line, best first", "[diagnosis]") {
+  Scenario sc;
+  sc.seed = 1;
+  sc.width = 32;
+  sc.depth = 5;
+  sc.onset = 8;
+  sc.steps = 14;
+  sc.lr = 0.01;
+  sc.induce = [](ScenarioNet& n) { n.fcs[3]->weight.mul_(300.0); };
+  const Outcome o = run(sc);
+  const auto* top = o.diagnosis.top();
+  REQUIRE(top != nullptr);
+  const std::string text = fmt::format("{}", o.diagnosis);
+  std::ostringstream os;
+  os << o.diagnosis;
+  CHECK(os.str() == text);
+  INFO(text);
+  CHECK(text.rfind(fmt::format("Diagnosis(step {}, {} layers, ", o.diagnosis.step, o.diagnosis.layers_observed), 0) == 0);
+  CHECK(text.find(fmt::format("{} at \"{}\" from step {}", torchdbg::to_string(top->kind), top->layer, top->step)) != std::string::npos);
+  CHECK(text.find('\n') == std::string::npos);
+  CHECK(fmt::format("{}", *top).rfind(std::string("Hypothesis(") + torchdbg::to_string(top->kind) + " at \"" + top->layer + "\"", 0) == 0);
+
+  torchdbg::Diagnosis d;
+  d.step = 25;
+  d.layers_observed = 1;
+  CHECK(fmt::format("{}", d) == "Diagnosis(step 25, 1 layer, healthy)");
+  torchdbg::Hypothesis plateau;
+  plateau.kind = FailureKind::LossPlateau;
+  plateau.layer = "loss";
+  d.hypotheses.push_back(plateau);
+  CHECK(fmt::format("{}", d) == "Diagnosis(step 25, 1 layer, healthy, 1 note)");
+  d.hypotheses.clear();
+  for (int i = 0; i < 5; ++i) {
+    torchdbg::Hypothesis h;
+    h.kind = i == 0 ? FailureKind::ExplodingGradient : FailureKind::DeadUnits;
+    h.layer = "fc" + std::to_string(i);
+    h.observed = i == 1 ? "fc1/relu" : h.layer;
+    h.step = 20 + i;
+    h.confidence = 0.9 - 0.1 * i;
+    h.causal_chain.resize(i == 0 ? 4 : 1);
+    d.hypotheses.push_back(h);
+  }
+  d.layers_observed = 9;
+  CHECK(fmt::format("{}", d) ==
+        "Diagnosis(step 25, 9 layers, 5 hypotheses: exploding_gradient at \"fc0\" from step 20 (confidence 0.9); "
+        "dead_units at \"fc1\" from step 21 (confidence 0.8); dead_units at \"fc2\" from step 22 (confidence 0.7); "
+        "and 2 more)");
+  CHECK(fmt::format("{}", d.hypotheses[0]) == "Hypothesis(exploding_gradient at \"fc0\", step 20, confidence 0.9, explains 3 findings)");
+  d.hypotheses[1].rank = 2;
+  CHECK(fmt::format("{}", d.hypotheses[1]) == "Hypothesis(dead_units at \"fc1\" (observed \"fc1/relu\"), step 21, confidence 0.8, rank 2)");
+}

@@ -3,6 +3,7 @@
 #include <array>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <thread>
 #include <torchdbg/attach.hpp>
 #include <torchdbg/diagnosis.hpp>
@@ -1655,4 +1656,45 @@ TEST_CASE("property: modules zero-initialized on purpose raise nothing while the
     for (const auto& inc : m.incidents())  // nothing detected before: those steps were its warm-up
       CHECK(inc.details.value("detected_step", inc.step) >= m.options().baseline_warmup());
   }
+}
+
+TEST_CASE("layer health and incidents print one line with the measured values", "[health]") {
+  HealthMonitor m;
+  auto y = torch::tanh(torch::randn({64, 32}) * 10);
+  const double ref = (y.abs() > 0.97).to(torch::kDouble).mean().item<double>();
+  m.observe_activation("fc1/tanh", y, 3, act("tanh"));
+  const auto l = m.layer("fc1/tanh");
+  REQUIRE(l.has_value());
+  const std::string text = fmt::format("{}", *l);
+  std::ostringstream os;
+  os << *l;
+  CHECK(os.str() == text);
+  CHECK(text.rfind("LayerHealth(\"fc1/tanh\", order 0, module \"fc1\", activation saturated since 3 (tanh, rms ", 0) == 0);
+  CHECK(text.find(", saturated " + fmt::format("{:.4g}", ref) + ")") != std::string::npos);
+  const auto inc = m.incidents().at(0);
+  CHECK(fmt::format("{}", inc) == fmt::format("Incident(saturation at \"fc1/tanh\" (module \"fc1\"), step 3, value {:.4g}, "
+                                              "threshold {:.4g}, confidence {:.4g})",
+                                              inc.value, inc.threshold, inc.confidence));
+  CHECK(std::abs(inc.value - ref) < 1e-12);
+
+  torchdbg::LayerHealth g;
+  g.name = "fc2";
+  g.module = "fc2";
+  g.order = 4;
+  g.has_gradient = true;
+  g.gradient = torchdbg::GradientHealth::Exploding;
+  g.gradient_since = 7;
+  g.gradient_norm = 1.5e6;
+  CHECK(fmt::format("{}", g) == "LayerHealth(\"fc2\", order 4, gradient exploding since 7 (norm 1.5e+06))");
+  torchdbg::Incident i;
+  i.kind = torchdbg::FailureKind::ExplodingGradient;
+  i.layer = i.module = "enc\n\"x\"";
+  i.step = 20;
+  i.last_step = 23;
+  i.value = 12346.0;
+  i.threshold = 100;
+  i.confidence = 0.95;
+  i.rank = 1;
+  CHECK(fmt::format("{}", i) ==
+        R"(Incident(exploding_gradient at "enc\n\"x\"", steps 20-23, value 1.235e+04, threshold 100, confidence 0.95, rank 1))");
 }

@@ -4,6 +4,7 @@
 
 #include <regex>
 #include <set>
+#include <sstream>
 
 #include "helpers.hpp"
 
@@ -101,4 +102,47 @@ TEST_CASE("hook results carry status and message", "[config]") {
   s.executions = 4;
   s.total_time_us = 10.0;
   CHECK(s.mean_time_us() == 2.5);
+}
+
+namespace {
+template <typename T>
+std::string streamed(const T& x) {
+  std::ostringstream os;
+  os << x;
+  return os.str();
+}
+}  // namespace
+
+TEST_CASE("a hook's configuration and statistics print one stable line, the same with fmt and ostream", "[config]") {
+  const auto c = HookConfig()
+                     .name("fc snapshots")
+                     .trigger(HookTrigger::every_n_steps(100))
+                     .actions({HookAction::inspect_tensor(), HookAction::save_snapshot("out")})
+                     .layer_patterns({"^fc[0-9]+$"})
+                     .direction(torchdbg::CallDirection::Forward)
+                     .max_executions(10);
+  const std::string expected =
+      R"(HookConfig("fc snapshots", every 100 steps, [inspect_tensor, save_snapshot(out)], layers ["^fc[0-9]+$"], forward, max 10))";
+  CHECK(fmt::format("{}", c) == expected);
+  CHECK(streamed(c) == expected);
+  CHECK(fmt::format("{}", HookConfig()) == "HookConfig(\"hook\", every forward, [])");
+  CHECK(fmt::format("{}", HookConfig().priority(-2).prepend(true).enabled(false).direction(torchdbg::CallDirection::Backward)) ==
+        "HookConfig(\"hook\", every forward, [], backward, priority -2, prepend, disabled)");
+  // Odd names stay on one line, escaped and quoted.
+  const auto odd = fmt::format("{}", HookConfig().name("a\"b\nc\\d").layer_patterns({"x\ty"}));
+  CHECK(odd == R"(HookConfig("a\"b\nc\\d", every forward, [], layers ["x\ty"]))");
+  CHECK(odd.find('\n') == std::string::npos);
+  // String format specs apply to the whole text.
+  const std::string plain = fmt::format("{}", HookConfig());
+  CHECK(fmt::format("{:>40}", HookConfig()) == std::string(40 - plain.size(), ' ') + plain);
+
+  torchdbg::HookStats st;
+  CHECK(fmt::format("{}", st) == "HookStats(0 executions, 0 errors, 0 skipped, never ran)");
+  st.executions = 1;
+  st.errors = 1;
+  st.skipped = 7;
+  st.last_step = 41;
+  st.total_time_us = 1234.0;
+  CHECK(fmt::format("{}", st) == "HookStats(1 execution, 1 error, 7 skipped, last step 41, 1.234 ms, 1234 us each)");
+  CHECK(streamed(st) == fmt::format("{}", st));
 }

@@ -11,6 +11,7 @@
 #include <limits>
 #include <map>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "helpers.hpp"
@@ -674,4 +675,40 @@ TEST_CASE("huge layer names and backtracking patterns match in linear time, with
   CHECK_FALSE(torchdbg::detail::compile_pattern("enc", "p").full_match("encoder"));
   // Invalid UTF-8 in a name is matched byte by byte, never an error.
   CHECK_NOTHROW(torchdbg::detail::compile_pattern("^fc", "p").search(std::string("fc\xff\xfe", 4)));
+}
+
+TEST_CASE("the manager prints its step, hooks in order with their runs, alerts and pause in one line", "[manager]") {
+  HookManager hooks;
+  CHECK(fmt::format("{}", hooks) == "HookManager(step 0, 0 hooks, 0 alerts, running)");
+  const auto inspect = hooks.create_tensor_inspection_hook({"fc"});
+  hooks.register_callback("boom", [](const torchdbg::HookContext&) { throw std::runtime_error("boom"); });
+  hooks.register_hook(callback_hook("boom", "boom").priority(1));
+  hooks.set_step(7);
+  for (int i = 0; i < 3; ++i) hooks.execute_hooks("fc1", torch::randn({4, 4}), true);
+  hooks.execute_hooks("conv", torch::randn({4, 4}), true);
+  const auto stats = hooks.get_all_stats();
+  REQUIRE(stats.size() == 2);
+  CHECK(stats[0].second.executions == 4);  // boom matches every layer and runs first
+  CHECK(stats[0].second.errors == 4);
+  CHECK(hooks.get_hook_stats(inspect)->executions == 3);
+  CHECK(fmt::format("{}", hooks) ==
+        "HookManager(step 7, 2 hooks [\"boom\" 4 runs, 4 errors, \"tensor_inspection\" 3 runs], 0 alerts, running)");
+  hooks.set_hook_enabled(inspect, false);
+  hooks.warn("me", "a warning");
+  hooks.pause_training("loss\nexploded", "fc2", 7, "torchdbg.health");
+  const std::string paused = fmt::format("{}", hooks);
+  CHECK(paused ==
+        "HookManager(step 7, 2 hooks [\"boom\" 4 runs, 4 errors, \"tensor_inspection\" 3 runs (disabled)], 1 alert, "
+        "paused at step 7 in \"fc2\": \"loss\\nexploded\")");
+  std::ostringstream os;
+  os << hooks;
+  CHECK(os.str() == paused);
+  hooks.resume_training();
+  hooks.set_enabled(false);
+  for (int i = 0; i < 9; ++i) hooks.register_hook(HookConfig().name("h" + std::to_string(i)).priority(-1));
+  const std::string many = fmt::format("{}", hooks);
+  CHECK(many.find("\"h5\" 0 runs, and 3 more], 1 alert, disabled, running)") != std::string::npos);
+  torchdbg::HookManagerSt st;
+  st.set_step(3);
+  CHECK(fmt::format("{}", st) == "HookManagerSt(step 3, 0 hooks, 0 alerts, running)");
 }

@@ -2,6 +2,7 @@
 // SPDX-License-Identifier: MIT
 #include <limits>
 #include <random>
+#include <regex>
 #include <sstream>
 #include <torchdbg/tensor_stats.hpp>
 
@@ -1133,4 +1134,44 @@ TEST_CASE("sparse COO tensors: stored values with duplicates summed and implicit
   for (auto n : b.distribution->bin_counts) big_total += n;
   CHECK(big_total == int64_t{1} << 27);
   CHECK(b.distribution->quantile_values == int64_t{1} << 20);
+}
+
+TEST_CASE("property: printed statistics read back as the reference's, to 4 significant digits", "[stats]") {
+  std::mt19937 rng(33);
+  const std::regex form(
+      R"(TensorStats\((\w+) \[([0-9, ]*)\] cpu, mean (\S+), std (\S+), min (\S+), max (\S+), nan (\d+), inf (\d+)\))");
+  const auto close = [](const std::string& text, double ref) {
+    if (std::isnan(ref)) return text == "nan";
+    const double v = std::stod(text);
+    return std::abs(v - ref) <= 5e-4 * std::abs(ref) + 1e-300;
+  };
+  for (int trial = 0; trial < 60; ++trial) {
+    torchdbg_test::SeededRng seed(500 + static_cast<uint64_t>(trial));
+    const int64_t rows = 1 + static_cast<int64_t>(rng() % 40), cols = 1 + static_cast<int64_t>(rng() % 30);
+    const double scale = std::pow(10.0, static_cast<double>(rng() % 13) - 6.0);
+    auto t = torch::randn({rows, cols}, torch::kDouble) * scale + scale * 0.3;
+    if (rng() % 3 == 0) t = with_non_finite(torch::randn({rows + 9, 2}) * scale);
+    if (rng() % 3 == 0) t = t.t();  // non-contiguous
+    if (rng() % 4 == 0) t = t.to(rng() % 2 ? torch::kHalf : torch::kBFloat16);
+    const auto s = torchdbg::compute_stats(t);
+    const std::string text = fmt::format("{}", s);
+    std::ostringstream os;
+    os << s;
+    CHECK(os.str() == text);
+    std::smatch m;
+    INFO(text);
+    REQUIRE(std::regex_match(text, m, form));
+    CHECK(m[1] == c10::toString(t.scalar_type()));
+    CHECK(m[2] == fmt::format("{}", fmt::join(t.sizes(), ", ")));
+    const Reference r = reference(t);
+    CHECK(close(m[3], r.mean));
+    CHECK(close(m[4], r.std));
+    CHECK(close(m[5], r.min));
+    CHECK(close(m[6], r.max));
+    CHECK(std::stoll(m[7]) == r.nan);
+    CHECK(std::stoll(m[8]) == r.pos_inf + r.neg_inf);
+  }
+  CHECK(fmt::format("{}", torchdbg::compute_stats(torch::empty({0, 5}))) == "TensorStats(Float [0, 5] cpu, empty)");
+  CHECK(fmt::format("{}", torchdbg::compute_stats(torch::full({3}, kNaN))) ==
+        "TensorStats(Float [3] cpu, mean nan, std nan, min nan, max nan, nan 3, inf 0)");
 }

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "torchdbg/detail/compiled.hpp"
+#include "torchdbg/detail/print.hpp"
 #include "torchdbg/health.hpp"
 
 namespace torchdbg {
@@ -167,6 +168,47 @@ struct Diagnosis {
   static std::string pct(double v);
   static std::string describe_link(const CausalLink& c);
 };
+
+/// One line, e.g. `Hypothesis(exploding_gradient at "fc2", step 20, confidence 0.95, explains
+/// 3 findings)`; the observation when it is not the layer itself, a rank when distributed.
+inline std::string to_string(const Hypothesis& h) {
+  std::string s = std::string("Hypothesis(") + to_string(h.kind) + " at " + detail::quoted(h.layer);
+  if (!h.observed.empty() && h.observed != h.layer) s += " (observed " + detail::quoted(h.observed) + ")";
+  s += fmt::format(", step {}, confidence {}", h.step, detail::num(h.confidence));
+  const std::size_t explained = h.causal_chain.empty() ? 0 : h.causal_chain.size() - 1;
+  if (explained > 0) s += ", explains " + detail::count(explained, "finding");
+  if (h.rank >= 0) s += fmt::format(", rank {}", h.rank);
+  return s + ")";
+}
+
+/// One line: the step, the layers observed and the verdict, then up to three hypotheses best
+/// first, e.g. `Diagnosis(step 25, 9 layers, 2 hypotheses: exploding_gradient at "fc2" from
+/// step 20 (confidence 0.95); loss_spike at "loss" from step 21 (confidence 0.6))`, or
+/// `Diagnosis(step 25, 9 layers, healthy)`. `summary()` is the paragraph for people.
+inline std::string to_string(const Diagnosis& d) {
+  std::string s = fmt::format("Diagnosis(step {}, ", d.step) + detail::count(d.layers_observed, "layer") + ", ";
+  if (d.healthy()) {
+    s += "healthy";
+    if (!d.hypotheses.empty()) s += ", " + detail::count(d.hypotheses.size(), "note");
+    return s + ")";
+  }
+  s += fmt::format("{} hypothes{}: ", d.hypotheses.size(), d.hypotheses.size() > 1 ? "es" : "is");
+  const std::size_t shown = std::min<std::size_t>(d.hypotheses.size(), 3);
+  for (std::size_t i = 0; i < shown; ++i) {
+    const auto& h = d.hypotheses[i];
+    s += fmt::format("{}{} at {} from step {} (confidence {})", i ? "; " : "", to_string(h.kind),
+                     detail::quoted(h.layer), h.step, detail::num(h.confidence));
+  }
+  if (d.hypotheses.size() > shown) s += fmt::format("; and {} more", d.hypotheses.size() - shown);
+  return s + ")";
+}
+
+namespace detail {
+template <>
+struct Printable<Hypothesis> : std::true_type {};
+template <>
+struct Printable<Diagnosis> : std::true_type {};
+}  // namespace detail
 
 #if TORCHDBG_DEFINITIONS
 

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "torchdbg/detail/print.hpp"
 #include "torchdbg/error.hpp"
 #include "torchdbg/hook_condition.hpp"
 
@@ -305,6 +306,45 @@ struct HookStats {
     return executions ? total_time_us / static_cast<double>(executions) : 0.0;
   }
 };
+
+/// One line: name, trigger, actions, then the settings that differ from the defaults, e.g.
+/// `HookConfig("fc snapshots", every 100 steps, [inspect_tensor, save_snapshot(out)],
+/// layers ["^fc[0-9]+$"], forward, max 10)`.
+inline std::string to_string(const HookConfig& c) {
+  std::string s = "HookConfig(" + detail::quoted(c.name()) + ", " + c.trigger().describe() + ", [";
+  for (std::size_t i = 0; i < c.actions().size(); ++i) s += (i ? ", " : "") + c.actions()[i].describe();
+  s += "]";
+  if (!c.layer_patterns().empty()) {
+    s += ", layers [";
+    for (std::size_t i = 0; i < c.layer_patterns().size(); ++i)
+      s += (i ? ", " : "") + detail::quoted(c.layer_patterns()[i]);
+    s += "]";
+  }
+  if (c.direction() == CallDirection::Forward) s += ", forward";
+  if (c.direction() == CallDirection::Backward) s += ", backward";
+  if (c.max_executions()) s += ", max " + std::to_string(*c.max_executions());
+  if (c.priority() != 0) s += ", priority " + std::to_string(c.priority());
+  if (c.prepend()) s += ", prepend";
+  if (!c.enabled()) s += ", disabled";
+  return s + ")";
+}
+
+/// One line, e.g. `HookStats(12 executions, 1 error, 3 skipped, last step 11, 1.234 ms,
+/// 102.8 us each)`; "never ran" without executions.
+inline std::string to_string(const HookStats& st) {
+  std::string s = "HookStats(" + detail::count(st.executions, "execution") + ", " +
+                  detail::count(st.errors, "error") + fmt::format(", {} skipped", st.skipped);
+  if (!st.last_step) return s + ", never ran)";
+  return s + fmt::format(", last step {}, {} ms, {} us each)", *st.last_step, detail::num(st.total_time_us / 1000.0),
+                         detail::num(st.mean_time_us()));
+}
+
+namespace detail {
+template <>
+struct Printable<HookConfig> : std::true_type {};
+template <>
+struct Printable<HookStats> : std::true_type {};
+}  // namespace detail
 
 /// Passed to the manager's error handler for each error result.
 struct HookError {

@@ -1211,4 +1211,49 @@ using HookManagerSt = BasicHookManager<detail::NullMutex>;
 TORCHDBG_EXTERN_TEMPLATE(class BasicHookManager<std::mutex>)
 TORCHDBG_EXTERN_TEMPLATE(class BasicHookManager<detail::NullMutex>)
 
+/// One line: the step, the hooks in execution order with their executions (the first eight),
+/// the alerts raised and whether training runs, e.g. `HookManager(step 12, 2 hooks
+/// ["tensor_inspection" 12 runs, "log" 12 runs, 1 error], 3 alerts, paused at step 12 in
+/// "fc2": "loss exploded")`. Per-hook figures: `fmt::format("{}", *hooks.get_hook_stats(id))`.
+template <typename Mutex>
+std::string to_string(const BasicHookManager<Mutex>& m) {
+  std::string s = std::is_same_v<Mutex, detail::NullMutex> ? "HookManagerSt" : "HookManager";
+  const auto hooks = m.get_all_hooks();
+  const auto stats = m.get_all_stats();  // a hook registered between the two reads has none
+  s += fmt::format("(step {}, ", m.step()) + detail::count(hooks.size(), "hook");
+  if (!hooks.empty()) {
+    s += " [";
+    const std::size_t shown = std::min<std::size_t>(hooks.size(), 8);
+    for (std::size_t i = 0; i < shown; ++i) {
+      s += (i ? ", " : "") + detail::quoted(hooks[i].second.name());
+      for (const auto& [id, st] : stats) {
+        if (id != hooks[i].first) continue;
+        s += " " + detail::count(st.executions, "run");
+        if (st.errors) s += ", " + detail::count(st.errors, "error");
+      }
+      if (!hooks[i].second.enabled()) s += " (disabled)";
+    }
+    if (hooks.size() > shown) s += fmt::format(", and {} more", hooks.size() - shown);
+    s += "]";
+  }
+  const uint64_t alerts = m.alert_count();
+  s += ", " + detail::count(alerts, "alert");
+  if (!m.enabled()) s += ", disabled";
+  if (const auto p = m.pause_info(); p && m.is_paused()) {
+    s += fmt::format(", paused at step {}", p->step);
+    if (!p->layer.empty()) s += " in " + detail::quoted(p->layer);
+    if (!p->reason.empty()) s += ": " + detail::quoted(p->reason);
+  } else if (m.is_paused()) {
+    s += ", paused";
+  } else {
+    s += ", running";
+  }
+  return s + ")";
+}
+
+namespace detail {
+template <typename Mutex>
+struct Printable<BasicHookManager<Mutex>> : std::true_type {};
+}  // namespace detail
+
 }  // namespace torchdbg

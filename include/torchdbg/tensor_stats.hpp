@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "torchdbg/detail/print.hpp"
 #include "torchdbg/detail/stats_kernel.hpp"
 #include "torchdbg/error.hpp"
 
@@ -93,6 +94,20 @@ struct TensorStats {
 
   [[nodiscard]] bool has_non_finite() const noexcept { return nan_count + inf_count > 0; }
 };
+
+/// One line, e.g. `TensorStats(Float [32, 10] cpu, mean 0.01234, std 1.02, min -3.1, max 2.9,
+/// nan 0, inf 0)`; an empty tensor prints "empty" instead of the moments.
+inline std::string to_string(const TensorStats& st) {
+  std::string s = "TensorStats(" + st.dtype + " [" + fmt::format("{}", fmt::join(st.shape, ", ")) + "] " + st.device;
+  if (st.numel == 0) return s + ", empty)";
+  return s + fmt::format(", mean {}, std {}, min {}, max {}, nan {}, inf {})", detail::num(st.mean),
+                         detail::num(st.std), detail::num(st.min), detail::num(st.max), st.nan_count, st.inf_count);
+}
+
+namespace detail {
+template <>
+struct Printable<TensorStats> : std::true_type {};
+}  // namespace detail
 
 /// Builds TensorStats (without distribution) from the kernel's summary.
 inline TensorStats stats_from_moments(const detail::Moments& m, const at::Tensor& t) {

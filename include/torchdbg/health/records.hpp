@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "torchdbg/detail/print.hpp"
 #include "torchdbg/health/options.hpp"
 #include "torchdbg/health/rules.hpp"
 
@@ -206,6 +207,48 @@ inline nlohmann::json to_json(const LayerHealth& l) {
   }
   return j;
 }
+
+/// One line, e.g. `Incident(exploding_gradient at "fc2", steps 20-23, value 1.2e+04,
+/// threshold 100, confidence 0.95)` (`at "fc2/tanh" (module "fc2")` when they differ; a rank
+/// when distributed).
+inline std::string to_string(const Incident& i) {
+  std::string s = std::string("Incident(") + to_string(i.kind) + " at " + detail::quoted(i.layer);
+  if (!i.module.empty() && i.module != i.layer) s += " (module " + detail::quoted(i.module) + ")";
+  s += i.last_step > i.step ? fmt::format(", steps {}-{}", i.step, i.last_step) : fmt::format(", step {}", i.step);
+  s += fmt::format(", value {}, threshold {}, confidence {}", detail::num(i.value), detail::num(i.threshold),
+                   detail::num(i.confidence));
+  if (i.rank >= 0) s += fmt::format(", rank {}", i.rank);
+  return s + ")";
+}
+
+/// One line, e.g. `LayerHealth("fc1/relu", order 1, activation dying since 5 (relu, rms 0.12,
+/// gain 1.3, dead 0.42), gradient healthy since 0 (norm 0.003))`; a part not observed is left
+/// out, values not measured print "nan".
+inline std::string to_string(const LayerHealth& l) {
+  std::string s = "LayerHealth(" + detail::quoted(l.name) + fmt::format(", order {}", l.order);
+  if (!l.module.empty() && l.module != l.name) s += ", module " + detail::quoted(l.module);
+  if (l.has_activation) {
+    s += fmt::format(", activation {} since {} (", to_string(l.activation), l.activation_since);
+    if (!l.activation_kind.empty()) s += l.activation_kind + ", ";
+    s += fmt::format("rms {}, gain {}", detail::num(l.rms), detail::num(l.gain));
+    if (std::isfinite(l.saturated_fraction)) s += ", saturated " + detail::num(l.saturated_fraction);
+    if (std::isfinite(l.dead_fraction)) s += ", dead " + detail::num(l.dead_fraction);
+    if (l.non_finite_fraction > 0) s += ", non-finite " + detail::num(l.non_finite_fraction);
+    s += ")";
+  }
+  if (l.has_gradient) {
+    s += fmt::format(", gradient {} since {} (norm {})", to_string(l.gradient), l.gradient_since,
+                     detail::num(l.gradient_norm));
+  }
+  return s + ")";
+}
+
+namespace detail {
+template <>
+struct Printable<Incident> : std::true_type {};
+template <>
+struct Printable<LayerHealth> : std::true_type {};
+}  // namespace detail
 
 /// Everything the diagnosis needs, copied out of a monitor at one moment.
 struct HealthReport {
