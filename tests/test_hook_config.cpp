@@ -2,6 +2,8 @@
 // SPDX-License-Identifier: MIT
 #include <torchdbg/hook_config.hpp>
 
+#include <fmt/ranges.h>
+
 #include <regex>
 #include <set>
 #include <sstream>
@@ -122,7 +124,7 @@ TEST_CASE("a hook's configuration and statistics print one stable line, the same
                      .direction(torchdbg::CallDirection::Forward)
                      .max_executions(10);
   const std::string expected =
-      R"(HookConfig("fc snapshots", every 100 steps, [inspect_tensor, save_snapshot(out)], layers ["^fc[0-9]+$"], forward, max 10))";
+      R"(HookConfig("fc snapshots", every 100 steps, [inspect_tensor, save_snapshot(out)], patterns ["^fc[0-9]+$"], forward, max 10))";
   CHECK(fmt::format("{}", c) == expected);
   CHECK(streamed(c) == expected);
   CHECK(fmt::format("{}", HookConfig()) == "HookConfig(\"hook\", every forward, [])");
@@ -130,8 +132,18 @@ TEST_CASE("a hook's configuration and statistics print one stable line, the same
         "HookConfig(\"hook\", every forward, [], backward, priority -2, prepend, disabled)");
   // Odd names stay on one line, escaped and quoted.
   const auto odd = fmt::format("{}", HookConfig().name("a\"b\nc\\d").layer_patterns({"x\ty"}));
-  CHECK(odd == R"(HookConfig("a\"b\nc\\d", every forward, [], layers ["x\ty"]))");
+  CHECK(odd == R"(HookConfig("a\"b\nc\\d", every forward, [], patterns ["x\ty"]))");
   CHECK(odd.find('\n') == std::string::npos);
+  // So does user text inside the trigger and the actions.
+  const auto inner = fmt::format(
+      "{}", HookConfig()
+                .trigger(HookTrigger::layer_specific({"fc1", "fc\n2"}))
+                .actions({HookAction::alert("line1\nline2"), HookAction::save_snapshot("dir\nx"),
+                          HookAction::custom_callback("cb\tname")}));
+  CHECK(inner ==
+        R"(HookConfig("hook", layers {fc1, fc\n2}, [alert(warning: line1\nline2), save_snapshot(dir\nx), custom_callback(cb\tname)]))");
+  CHECK(fmt::format("{}", HookConfig().trigger(HookTrigger::conditional(torchdbg::HookCondition::metadata_equals("k\n", "v")))).find('\n') ==
+        std::string::npos);
   // String format specs apply to the whole text.
   const std::string plain = fmt::format("{}", HookConfig());
   CHECK(fmt::format("{:>40}", HookConfig()) == std::string(40 - plain.size(), ' ') + plain);
@@ -145,4 +157,7 @@ TEST_CASE("a hook's configuration and statistics print one stable line, the same
   st.total_time_us = 1234.0;
   CHECK(fmt::format("{}", st) == "HookStats(1 execution, 1 error, 7 skipped, last step 41, 1.234 ms, 1234 us each)");
   CHECK(streamed(st) == fmt::format("{}", st));
+  // In a range each element prints as itself, not as a quoted string.
+  CHECK(fmt::format("{}", std::vector<torchdbg::HookStats>{torchdbg::HookStats{}}) ==
+        "[HookStats(0 executions, 0 errors, 0 skipped, never ran)]");
 }

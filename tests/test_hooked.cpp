@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <deque>
+#include <limits>
 #include <map>
 #include <random>
 
@@ -210,6 +211,12 @@ TEST_CASE("run_until stops the forward after the module and returns its output",
   REQUIRE(cache->contains("1"));
   CHECK(torch::allclose(cache->get("1"), torch::relu(seq[0]->as<torch::nn::Linear>()->forward(x))));
   CHECK_THROWS_WITH(torchdbg::run_until(seq, x, "[7]"), Catch::Contains("out of range"));
+  // The cached output is the one the rest of the model would see: after every hook of the
+  // module, whatever its priority.
+  for (int priority : {std::numeric_limits<int>::min(), -1, 0, 7}) {
+    auto fix = torchdbg::register_module_hook(seq->ptr(1), torchdbg::setting_hook(torch::full({3, 5}, 2.5)).with_priority(priority), "1");
+    CHECK(torch::equal(torchdbg::run_until(seq, x, "[1]")->get("1"), torch::full({3, 5}, 2.5)));
+  }
 }
 
 TEST_CASE("a multi-hook manager selects by pattern from the start, classes and relative root", "[hooked]") {

@@ -309,13 +309,14 @@ struct HookStats {
 
 /// One line: name, trigger, actions, then the settings that differ from the defaults, e.g.
 /// `HookConfig("fc snapshots", every 100 steps, [inspect_tensor, save_snapshot(out)],
-/// layers ["^fc[0-9]+$"], forward, max 10)`.
+/// patterns ["^fc[0-9]+$"], forward, max 10)`; text from the user is escaped.
 inline std::string to_string(const HookConfig& c) {
-  std::string s = "HookConfig(" + detail::quoted(c.name()) + ", " + c.trigger().describe() + ", [";
-  for (std::size_t i = 0; i < c.actions().size(); ++i) s += (i ? ", " : "") + c.actions()[i].describe();
+  std::string s = "HookConfig(" + detail::quoted(c.name()) + ", " + detail::escaped(c.trigger().describe()) + ", [";
+  for (std::size_t i = 0; i < c.actions().size(); ++i)
+    s += (i ? ", " : "") + detail::escaped(c.actions()[i].describe());
   s += "]";
   if (!c.layer_patterns().empty()) {
-    s += ", layers [";
+    s += ", patterns [";
     for (std::size_t i = 0; i < c.layer_patterns().size(); ++i)
       s += (i ? ", " : "") + detail::quoted(c.layer_patterns()[i]);
     s += "]";

@@ -40,6 +40,11 @@ struct TrainingState {
   std::optional<double> memory_mb;
 };
 
+namespace detail {
+template <typename Mutex, typename State>
+class HookExecutor;
+}  // namespace detail
+
 /// What a hook sees during one `execute_hooks` call: the layer, direction, training state,
 /// metadata and the tensor. Statistics are computed once, on first use, and shared by every
 /// hook of the call. Not thread-safe: each call has its own context.
@@ -128,8 +133,8 @@ class HookContext {
   }
 
  private:
-  template <typename>
-  friend class BasicHookManager;  // sets sign_counts_wanted_
+  template <typename, typename>
+  friend class detail::HookExecutor;  // sets sign_counts_wanted_
 
   std::string_view layer_name_;
   bool is_forward_;

@@ -35,6 +35,7 @@
 #include <exception>
 #include <functional>
 #include <map>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -790,8 +791,9 @@ class MultiHookManager {
 };
 
 /// Runs `model->forward(input)` until the module at `path` has produced its output, and
-/// returns a cache holding that output under the module's dotted name. `model` is a
-/// std::shared_ptr to a module or a ModuleHolder. The rest of the
+/// returns a cache holding that output under the module's dotted name: the output the rest of
+/// the model would see, after every Fwd hook of the module (run_until's own hooks have the
+/// lowest priority). `model` is a std::shared_ptr to a module or a ModuleHolder. The rest of the
 /// forward does not run. Throws torchdbg::Error when the forward never reaches the module.
 template <typename Model>
 std::shared_ptr<TensorCache> run_until(Model& model, const at::Tensor& input, std::string_view path,
@@ -802,10 +804,13 @@ std::shared_ptr<TensorCache> run_until(Model& model, const at::Tensor& input, st
   auto cache = std::make_shared<TensorCache>();
   const std::string name = found.front().name;
   {
-    // Two statements: the cache must be registered (and run) before the stop.
+    // After every hook of the user's; two statements: the cache must be registered (and run)
+    // before the stop.
+    constexpr int kLast = std::numeric_limits<int>::min();
     const auto parent = detail::find_parent(root, found.front().module.get());
-    auto handle = register_module_hook(found.front().module, caching_hook(cache, name, HookDirection::Fwd, options), name, parent);
-    handle = std::move(handle) + register_module_hook(found.front().module, stopping_hook(), name, parent);
+    auto handle = register_module_hook(found.front().module,
+                                       caching_hook(cache, name, HookDirection::Fwd, options).with_priority(kLast), name, parent);
+    handle = std::move(handle) + register_module_hook(found.front().module, stopping_hook().with_priority(kLast), name, parent);
     try {
       (void)model->forward(input);
     } catch (const StopForward&) {

@@ -24,6 +24,13 @@ struct Printable : std::false_type {};
 /// A name as printed: double-quoted, with control characters and quotes escaped.
 inline std::string quoted(std::string_view s) { return fmt::format("{:?}", s); }
 
+/// `s` with control characters, quotes and backslashes escaped, unquoted: user text inside a
+/// larger description (an alert message, a directory) stays on one line.
+inline std::string escaped(std::string_view s) {
+  const std::string q = quoted(s);
+  return q.substr(1, q.size() - 2);
+}
+
 /// A number as printed: 4 significant digits ("nan", "inf" for those).
 inline std::string num(double v) { return fmt::format("{:.4g}", v); }
 
@@ -44,12 +51,19 @@ std::ostream& operator<<(std::ostream& os, const T& x) {
 
 /// `fmt::format("{}", x)` for every printable torchdbg type; string format specs apply
 /// (`{:>60}`).
+/// (The string formatter is held, not inherited: fmt's ranges would otherwise quote each
+/// element as a string.)
 template <typename T>
-struct fmt::formatter<T, char, std::enable_if_t<torchdbg::detail::Printable<T>::value>>
-    : fmt::formatter<std::string_view> {
+struct fmt::formatter<T, char, std::enable_if_t<torchdbg::detail::Printable<T>::value>> {
+  fmt::formatter<std::string_view> text_;
+
+  template <typename ParseContext>
+  constexpr auto parse(ParseContext& ctx) {
+    return text_.parse(ctx);
+  }
   template <typename FormatContext>
   auto format(const T& x, FormatContext& ctx) const {
     const std::string text = to_string(x);
-    return fmt::formatter<std::string_view>::format(std::string_view(text), ctx);
+    return text_.format(std::string_view(text), ctx);
   }
 };

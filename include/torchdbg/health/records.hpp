@@ -229,7 +229,7 @@ inline std::string to_string(const LayerHealth& l) {
   if (!l.module.empty() && l.module != l.name) s += ", module " + detail::quoted(l.module);
   if (l.has_activation) {
     s += fmt::format(", activation {} since {} (", to_string(l.activation), l.activation_since);
-    if (!l.activation_kind.empty()) s += l.activation_kind + ", ";
+    if (!l.activation_kind.empty()) s += detail::escaped(l.activation_kind) + ", ";
     s += fmt::format("rms {}, gain {}", detail::num(l.rms), detail::num(l.gain));
     if (std::isfinite(l.saturated_fraction)) s += ", saturated " + detail::num(l.saturated_fraction);
     if (std::isfinite(l.dead_fraction)) s += ", dead " + detail::num(l.dead_fraction);
