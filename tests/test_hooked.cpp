@@ -256,6 +256,26 @@ TEST_CASE("a multi-hook manager selects by pattern from the start, classes and r
   CHECK_THROWS_WITH(torchdbg::MultiHookManager(torchdbg::MultiHookOptions().pattern("([")), Catch::Contains("(["));
 }
 
+TEST_CASE("a multi-hook manager registers with the hook's priority: a fix given priority runs before the caches on every module", "[hooked]") {
+  torchdbg_test::SeededRng rng(12);
+  auto model = torchdbg::HookedSequential(torch::nn::Linear(4, 4), torch::nn::Tanh(), torch::nn::Linear(4, 3));
+  auto cache = std::make_shared<torchdbg::TensorCache>();
+  torchdbg::MultiHookManager linears(torchdbg::MultiHookOptions().classes_to_hook({torchdbg::module_type<torch::nn::LinearImpl>()}));
+  auto caches = linears.register_hook(model.ptr(), torchdbg::caching_hook(cache));  // registered first, priority 0
+  auto fixes = linears.register_hook(model.ptr(), torchdbg::setting_hook([](const torch::Tensor& t) { return t * 0 + 1; }).with_priority(1));
+  const auto x = torch::randn({2, 4});
+  const auto out = model->forward(x);
+  REQUIRE(cache->keys() == std::vector<std::string>{"0", "2"});
+  CHECK(torch::equal(cache->get("0"), torch::ones({2, 4})));  // the cache saw the fix
+  CHECK(torch::equal(cache->get("2"), torch::ones({2, 3})));
+  CHECK(torch::equal(out, torch::ones({2, 3})));
+  fixes.remove();
+  auto late = linears.register_hook(model.ptr(), torchdbg::setting_hook([](const torch::Tensor& t) { return t * 0 + 1; }));
+  model->forward(x);  // same priority, registered after the caches: they see the original
+  torch::NoGradGuard ng;
+  CHECK(torch::allclose(cache->get("0"), model[0]->as<torch::nn::Linear>()->forward(x)));
+}
+
 TEST_CASE("children of a plain Sequential are hooked without changing the model", "[hooked]") {
   struct Model : torch::nn::Module {
     Model() {
