@@ -37,6 +37,61 @@ std::vector<torchdbg::SemanticEvent> of_type(const HealthMonitor& m, EventType t
 
 }  // namespace
 
+TEST_CASE("property: attach's metadata reads as stod/stoll read it, whatever the text", "[health]") {
+  // The reference: what std::stod / std::stoll make of each text (a prefix, leading blanks).
+  const auto ref_real = [](const std::string& v) -> std::optional<double> {
+    try {
+      return std::stod(v);
+    } catch (...) {
+      return std::nullopt;
+    }
+  };
+  const auto ref_int = [](const std::string& v) -> std::optional<int64_t> {
+    try {
+      return std::stoll(v);
+    } catch (...) {
+      return std::nullopt;
+    }
+  };
+  const std::vector<std::string> texts{"0", "1", "-3", "12345678901234", "2.5", "-0.125", "1e+30", "1e-300", "2.2250738585072014e-308",
+                                       "inf", "-inf", "nan", "1.7976931348623157e+308", "1e999", " 7", "+3", "3.5x",
+                                       "x", "", "0x10", "  -2.5e3", "5 ", "9223372036854775807",
+                                       "99999999999999999999"};
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 300; ++trial) {
+    torchdbg::Metadata md;
+    const auto pick = [&] { return texts[rng() % texts.size()]; };
+    for (const char* k : {"input_rms", "std_less_bias", "norm_stats_error", "norm_weight_rms", "norm_momentum", "call",
+                          "input_call", "input_count", "norm_samples", "input_nan", "input_inf"})
+      if (rng() % 3 != 0) md[k] = pick();
+    if (rng() % 2) md["activation"] = "relu";
+    if (rng() % 2) md["input_from"] = "fc1/relu";
+    md["unrelated"] = pick();
+    const torchdbg::ActivationInfo info = torchdbg::detail::activation_info(md);
+    const auto real = [&](const char* k) { return md.count(k) ? ref_real(md[k]) : std::nullopt; };
+    const auto integer = [&](const char* k) { return md.count(k) ? ref_int(md[k]) : std::nullopt; };
+    const auto same = [](std::optional<double> a, std::optional<double> b) {
+      return a.has_value() == b.has_value() && (!a || (std::isnan(*a) ? std::isnan(*b) : *a == *b));
+    };
+    CHECK(same(info.input_rms, real("input_rms")));
+    CHECK(same(info.std_less_bias, real("std_less_bias")));
+    CHECK(same(info.norm_stats_error, real("norm_stats_error")));
+    CHECK(same(info.norm_weight_rms, real("norm_weight_rms")));
+    const auto momentum = real("norm_momentum");
+    CHECK(same(info.norm_momentum, momentum ? momentum : std::optional<double>(0.1)));
+    CHECK(info.call == integer("call"));
+    CHECK(info.input_call == integer("input_call").value_or(-1));
+    CHECK(info.input_count == integer("input_count").value_or(-1));
+    CHECK(info.norm_samples == integer("norm_samples").value_or(0));
+    const auto nan = integer("input_nan"), inf = integer("input_inf");
+    CHECK(info.input_nan == std::max<int64_t>(0, nan.value_or(0)));
+    CHECK(info.input_inf == std::max<int64_t>(0, inf.value_or(0)));
+    CHECK(info.input_observed == (nan.has_value() || inf.has_value()));
+    CHECK(info.activation == (md.count("activation") ? "relu" : ""));
+    CHECK(info.input_from == (md.count("input_from") ? "fc1/relu" : ""));
+  }
+}
+
 TEST_CASE("threshold counts match torch on every dtype, layout and with NaN", "[health]") {
   torchdbg_test::SeededRng rng(3);
   auto base = torch::randn({6, 5, 4}) * 2;

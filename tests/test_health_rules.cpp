@@ -3,6 +3,7 @@
 // Health rules: each built-in rule at its thresholds, on signals measured from real tensors;
 // user rules feeding the monitor's states, events, incidents, pauses and diagnosis.
 #include <cmath>
+#include <random>
 #include <torchdbg/diagnosis.hpp>
 #include <torchdbg/health.hpp>
 #include <torchdbg/health_rules.hpp>
@@ -321,6 +322,49 @@ TEST_CASE("loss rules: divergence, a spike from the second loss on, a plateau ov
     LossSignals u(2.0, short_history);
     CHECK_FALSE(plateau.check_loss(u));  // 3 losses < window 4
   }
+}
+
+TEST_CASE("property: the plateau rule's relative improvement is the two half-window means' against a double loop",
+          "[rules]") {
+  std::mt19937 rng(20261203);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  int found = 0, passed = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const int window = 4 + static_cast<int>(u(rng) * 60);  // odd and even windows
+    const double tolerance = std::pow(10.0, -1.0 - 4.0 * u(rng));
+    torchdbg::LossPlateauRule rule(torchdbg::LossPlateauRuleOptions().window(window).tolerance(tolerance));
+    // Flat, slowly falling, noisy or large-offset losses; histories shorter and longer than the window.
+    const int n = static_cast<int>(u(rng) * 2.5 * window);
+    const double offset = u(rng) < 0.3 ? 1e6 : 1.0, slope = u(rng) < 0.5 ? 0.0 : -1e-3 * u(rng);
+    const double noise = u(rng) < 0.5 ? 0.0 : std::pow(10.0, -6.0 * u(rng));
+    std::vector<double> history;
+    for (int i = 0; i < n; ++i) history.push_back(offset * (1.0 + slope * i + noise * (u(rng) - 0.5)));
+    const double loss = offset * (1.0 + slope * n + noise * (u(rng) - 0.5));
+    LossSignals s(loss, history);
+    const auto f = rule.check_loss(s);
+    if (n + 1 < window) {
+      CHECK_FALSE(f);
+      continue;
+    }
+    std::vector<double> all(history.end() - (window - 1), history.end());
+    all.push_back(loss);
+    long double a = 0, b = 0;
+    for (int i = 0; i < window; ++i) (i < window / 2 ? a : b) += all[static_cast<std::size_t>(i)];
+    a /= window / 2;
+    b /= window - window / 2;
+    const double rel = static_cast<double>((a - b) / std::max<long double>(std::fabs(a), 1e-12L));
+    const double slack = 1e-12 * offset / std::max(std::fabs(static_cast<double>(a)), 1e-12);
+    if (std::fabs(std::fabs(rel) - tolerance) <= slack) continue;  // on the boundary: either verdict
+    CHECK(static_cast<bool>(f) == (std::fabs(rel) < tolerance));
+    if (f) {
+      ++found;
+      CHECK(f->value == Approx(rel).margin(slack));
+    } else {
+      ++passed;
+    }
+  }
+  CHECK(found > 40);
+  CHECK(passed > 40);
 }
 
 TEST_CASE("the built-in rules take their thresholds from HealthOptions, in evaluation order", "[rules]") {

@@ -29,6 +29,10 @@ class Attribution : protected ObserverState {
 
   /// What the sessions make of forward operator `fn` (null: nothing; no skip either).
   static std::unique_ptr<OpCtx> attribute(const at::RecordFunction& fn, Tls& t, const CoreList& cores) {
+    const at::ArrayRef<const c10::IValue> inputs = safe_inputs(fn);
+    // Most operators of a step (the loss's, the optimizer's, zero_grad's, the model's inner
+    // arithmetic) read no tensor any session knows: nothing below would decide anything.
+    if (!reads_known(inputs, t, cores)) return nullptr;
     const bool grad_mode = at::GradMode::is_enabled();
     // An in-place operator whose `self` is a module's own tensor updates state (optimizer
     // steps, running statistics); it is never a forward output.
@@ -65,7 +69,6 @@ class Attribution : protected ObserverState {
     at::Tensor data_in;  // the first data input
     bool first_input = true;
     bool updates_owned = false;
-    const at::ArrayRef<const c10::IValue> inputs = safe_inputs(fn);
     // An operator taking a parameter together with that parameter's own gradient is an
     // optimizer's (weight decay `grad + wd * p`, ...), whatever the grad mode.
     std::vector<const c10::TensorImpl*>& grads_of_owned = t.grads_of_owned;
@@ -310,6 +313,35 @@ class Attribution : protected ObserverState {
   }
 
  private:
+  /// Whether any tensor among `inputs` is a session's module tensor, or one this thread
+  /// holds for a session: a pending output, a remembered output or weight view, an
+  /// activation's delivered output. Without one, attribute() decides nothing.
+  static bool reads_known(at::ArrayRef<const c10::IValue> inputs, const Tls& t, const CoreList& cores) {
+    bool known = false;
+    for (const c10::IValue& v : inputs) {
+      for_each_tensor(v, [&](const at::Tensor& x) {
+        if (known || !x.defined()) return;
+        const c10::TensorImpl* impl = x.unsafeGetTensorImpl();
+        for (const auto& c : cores)
+          if (c->owner.count(impl) != 0) {
+            known = true;
+            return;
+          }
+        known = held(t, impl);
+      });
+      if (known) return true;
+    }
+    return false;
+  }
+  static bool held(const Tls& t, const c10::TensorImpl* impl) {
+    for (const auto& p : t.pending)
+      if (p.core && p.out.defined() && p.out.unsafeGetTensorImpl() == impl) return true;
+    for (const std::vector<Derived>* list : {&t.outputs, &t.derived, &t.fed})
+      for (const Derived& d : *list)
+        if (d.core != 0 && d.impl && d.impl->_unsafe_get_target() == impl) return true;
+    return false;
+  }
+
   /// Where a new call of module `m` of `core` takes its data input `x` from: another
   /// delivery's output, or the moments measured here (the step's first call: the model's
   /// input, with its NaN and ±Inf counted).

@@ -7,10 +7,13 @@
 #include <ATen/ATen.h>
 #include <torch/arg.h>
 
+#include <algorithm>
+#include <charconv>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -348,54 +351,68 @@ TORCHDBG_INLINE void validate(const HealthOptions& o) {
 }
 
 TORCHDBG_INLINE ActivationInfo activation_info(const Metadata& metadata) {
-  auto md = [&](std::string_view k) {
-    auto it = metadata.find(k);
-    return it == metadata.end() ? std::string_view{} : std::string_view(it->second);
-  };
-  ActivationInfo info;
-  info.activation = md("activation");
-  info.op = md("op");
-  info.module_type = md("module_type");
-  info.pre_activation = md("pre_activation");
-  info.input_from = md("input_from");
-  const auto integer = [&](std::string_view k) -> std::optional<int64_t> {
-    auto it = metadata.find(k);
-    if (it == metadata.end()) return std::nullopt;
+  // One pass over the (few) entries; numbers parse with from_chars, and only what it does not
+  // take whole (a leading '+' or space a user wrote) goes through stod/stoll.
+  const auto integer = [](const std::string& v) -> std::optional<int64_t> {
+    int64_t x = 0;
+    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+    if (ec == std::errc() && end == v.data() + v.size()) return x;
     try {
-      return std::stoll(it->second);
+      return std::stoll(v);
     } catch (...) {
       return std::nullopt;
     }
   };
-  info.call = integer("call");
-  info.input_call = integer("input_call").value_or(-1);
-  info.input_count = integer("input_count").value_or(-1);
-  info.norm_samples = integer("norm_samples").value_or(0);
+  const auto real = [](const std::string& v) -> std::optional<double> {
+    double x = 0.0;
+    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+    if (ec == std::errc() && end == v.data() + v.size()) return x;
+    try {
+      return std::stod(v);
+    } catch (...) {
+      return std::nullopt;
+    }
+  };
+  ActivationInfo info;
   std::optional<double> norm_momentum;
-  for (auto [key, value] :
-       {std::pair<const char*, std::optional<double>*>{"input_rms", &info.input_rms},
-        std::pair<const char*, std::optional<double>*>{"std_less_bias", &info.std_less_bias},
-        std::pair<const char*, std::optional<double>*>{"norm_stats_error", &info.norm_stats_error},
-        std::pair<const char*, std::optional<double>*>{"norm_weight_rms", &info.norm_weight_rms},
-        std::pair<const char*, std::optional<double>*>{"norm_momentum", &norm_momentum}}) {
-    if (auto it = metadata.find(key); it != metadata.end()) {
-      try {
-        *value = std::stod(it->second);
-      } catch (...) {
+  for (const auto& [key, value] : metadata) {
+    const std::string_view k = key;
+    if (k == "activation") {
+      info.activation = value;
+    } else if (k == "op") {
+      info.op = value;
+    } else if (k == "module_type") {
+      info.module_type = value;
+    } else if (k == "pre_activation") {
+      info.pre_activation = value;
+    } else if (k == "input_from") {
+      info.input_from = value;
+    } else if (k == "call") {
+      info.call = integer(value);
+    } else if (k == "input_call") {
+      info.input_call = integer(value).value_or(-1);
+    } else if (k == "input_count") {
+      info.input_count = integer(value).value_or(-1);
+    } else if (k == "norm_samples") {
+      info.norm_samples = integer(value).value_or(0);
+    } else if (k == "input_rms") {
+      if (auto x = real(value)) info.input_rms = x;
+    } else if (k == "std_less_bias") {
+      if (auto x = real(value)) info.std_less_bias = x;
+    } else if (k == "norm_stats_error") {
+      if (auto x = real(value)) info.norm_stats_error = x;
+    } else if (k == "norm_weight_rms") {
+      if (auto x = real(value)) info.norm_weight_rms = x;
+    } else if (k == "norm_momentum") {
+      if (auto x = real(value)) norm_momentum = x;
+    } else if (k == "input_nan" || k == "input_inf") {
+      if (auto x = integer(value)) {
+        (k == "input_nan" ? info.input_nan : info.input_inf) = std::max<int64_t>(0, *x);
+        info.input_observed = true;
       }
     }
   }
   if (norm_momentum) info.norm_momentum = *norm_momentum;
-  for (auto [key, count] : {std::pair<const char*, int64_t*>{"input_nan", &info.input_nan},
-                            std::pair<const char*, int64_t*>{"input_inf", &info.input_inf}}) {
-    if (auto it = metadata.find(key); it != metadata.end()) {
-      try {
-        *count = std::max<int64_t>(0, std::stoll(it->second));
-        info.input_observed = true;
-      } catch (...) {
-      }
-    }
-  }
   return info;
 }
 

@@ -733,12 +733,12 @@ class LossPlateauRule : public HealthRule {
   std::optional<Finding> check_loss(const LossSignals& s) override {
     const std::size_t n = s.history.size(), pw = static_cast<std::size_t>(o_.window());
     if (!std::isfinite(s.loss) || n + 1 < pw) return std::nullopt;
-    double a = 0.0, b = 0.0;
+    // The window is the last pw - 1 losses of the history and this one: its first half's
+    // mean against its second's.
     const std::size_t from = n + 1 - pw, half = pw / 2;
-    for (std::size_t i = 0; i < pw; ++i) {
-      const double v = from + i < n ? s.history[from + i] : s.loss;
-      (i < half ? a : b) += v;
-    }
+    const double* h = s.history.data() + from;
+    double a = sum_of(h, half);
+    double b = sum_of(h + half, pw - 1 - half) + s.loss;
     a /= static_cast<double>(half);
     b /= static_cast<double>(pw - half);
     const double rel = (a - b) / std::max(std::fabs(a), 1e-12);
@@ -754,6 +754,19 @@ class LossPlateauRule : public HealthRule {
   [[nodiscard]] const LossPlateauRuleOptions& options() const noexcept { return o_; }
 
  private:
+  /// Four partial sums: not one chain of dependent additions (it runs every step).
+  static double sum_of(const double* v, std::size_t n) {
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    std::size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      s0 += v[i];
+      s1 += v[i + 1];
+      s2 += v[i + 2];
+      s3 += v[i + 3];
+    }
+    for (; i < n; ++i) s0 += v[i];
+    return (s0 + s1) + (s2 + s3);
+  }
   LossPlateauRuleOptions o_;
 };
 
