@@ -250,7 +250,12 @@ TEST_CASE("a multi-hook manager selects by pattern from the start, classes and r
   model->forward(torch::randn({2, 4}));
   CHECK(cache->size() == 0);  // the handle went out of scope: hooks removed
   torchdbg::MultiHookManager head(torchdbg::MultiHookOptions().pattern("head"));
-  CHECK_THROWS_WITH(head.register_hook(model, torchdbg::caching_hook(cache)), Catch::Contains("not hookable: head"));
+  CHECK(head.matching(model).empty());
+  CHECK(head.unhookable(model) == std::vector<std::string>{"head"});
+  CHECK(head.register_hook(model, torchdbg::caching_hook(cache)).size() == 0);  // as tdhook: an empty handle
+  torchdbg::MultiHookManager head_required(torchdbg::MultiHookOptions().pattern("head").require_match(true));
+  CHECK_THROWS_WITH(head_required.register_hook(model, torchdbg::caching_hook(cache)),
+                    Catch::Contains("no hookable module matches 'head'") && Catch::Contains("not hookable: head"));
   CHECK_THROWS_WITH(torchdbg::register_module_hook(model->head.ptr(), torchdbg::caching_hook(cache), "head"),
                     Catch::Contains("not called through torchdbg"));
   CHECK_THROWS_WITH(torchdbg::MultiHookManager(torchdbg::MultiHookOptions().pattern("([")), Catch::Contains("(["));
@@ -260,7 +265,7 @@ TEST_CASE("a multi-hook manager registers with the hook's priority: a fix given 
   torchdbg_test::SeededRng rng(12);
   auto model = torchdbg::HookedSequential(torch::nn::Linear(4, 4), torch::nn::Tanh(), torch::nn::Linear(4, 3));
   auto cache = std::make_shared<torchdbg::TensorCache>();
-  torchdbg::MultiHookManager linears(torchdbg::MultiHookOptions().classes_to_hook({torchdbg::module_type<torch::nn::LinearImpl>()}));
+  torchdbg::MultiHookManager linears(torchdbg::MultiHookOptions().pattern("").classes_to_hook({torchdbg::module_type<torch::nn::LinearImpl>()}));
   auto caches = linears.register_hook(model.ptr(), torchdbg::caching_hook(cache));  // registered first, priority 0
   auto fixes = linears.register_hook(model.ptr(), torchdbg::setting_hook([](const torch::Tensor& t) { return t * 0 + 1; }).with_priority(1));
   const auto x = torch::randn({2, 4});
@@ -342,4 +347,181 @@ TEST_CASE("ModuleList items run their hooks when called through hooked_call", "[
   auto fresh = torch::nn::ModuleList(torch::nn::Linear(3, 3));
   CHECK_THROWS_WITH(torchdbg::register_module_hook(fresh.ptr(), "[0]", torchdbg::caching_hook(cache)),
                     Catch::Contains("hooked_call"));
+}
+
+TEST_CASE("a module's hooks die with it: another module built at its address runs none of them", "[hooked]") {
+  // Built in one buffer, so the second module has the first one's address (as a freed
+  // block reused by malloc), whatever the allocator or sanitizer.
+  alignas(torch::nn::LinearImpl) static unsigned char storage[sizeof(torch::nn::LinearImpl)];
+  auto build = [] {
+    return torchdbg::Hooked<torch::nn::Linear>(std::shared_ptr<torch::nn::LinearImpl>(
+        new (storage) torch::nn::LinearImpl(3, 3), [](torch::nn::LinearImpl* p) { p->~LinearImpl(); }));
+  };
+  for (bool call_first : {true, false}) {  // the stale hooks found at a call, or at a registration
+    INFO("call before registering " << call_first);
+    int calls = 0;
+    torchdbg::ModuleHookHandle kept;
+    {
+      auto first = build();
+      kept = torchdbg::register_module_hook(first.ptr(), torchdbg::reading_hook([&](const ModuleCall&, const torch::Tensor&) { ++calls; }), "fc");
+      first(torch::randn({1, 3}));
+      CHECK(calls == 1);
+    }
+    auto second = build();
+    REQUIRE(static_cast<void*>(second.ptr().get()) == static_cast<void*>(storage));
+    if (call_first) second(torch::randn({1, 3}));
+    int own = 0;
+    auto h = torchdbg::register_module_hook(second.ptr(), torchdbg::reading_hook([&](const ModuleCall&, const torch::Tensor&) { ++own; }), "fc");
+    kept.remove();  // the dead module's handle removes nothing of the second's
+    second(torch::randn({1, 3}));
+    CHECK(own == 1);
+    CHECK(calls == 1);  // the first module's hook never ran on the second
+  }
+}
+
+TEST_CASE("a Hooked member also held by a Sequential stays hookable after a hook by path comes and goes", "[hooked]") {
+  struct Shared : torch::nn::Module {
+    Shared() {
+      fc = register_module("fc", torch::nn::Linear(3, 3));
+      seq = register_module("seq", torch::nn::Sequential(fc.ptr()));
+    }
+    torch::Tensor forward(const torch::Tensor& x) { return seq->forward(fc(x)); }
+    torchdbg::Hooked<torch::nn::Linear> fc{nullptr};
+    torch::nn::Sequential seq{nullptr};
+  };
+  auto m = std::make_shared<Shared>();
+  int calls = 0;
+  auto count = torchdbg::reading_hook([&](const ModuleCall&, const torch::Tensor&) { ++calls; });
+  { auto h = torchdbg::register_module_hook(m, "seq[0]", count); }
+  auto h = torchdbg::register_module_hook(m->fc.ptr(), count, "fc");
+  m->forward(torch::randn({2, 3}));
+  CHECK(calls == 1);  // through the Hooked member; the Sequential's place was restored
+  auto both = torchdbg::register_module_hook(m, "seq[0]", count);
+  m->forward(torch::randn({2, 3}));
+  CHECK(calls == 1 + 4);  // two hooks, each at both calls
+}
+
+TEST_CASE("modules that do not map one Tensor to one Tensor are refused in a Sequential, named; the model still runs", "[hooked]") {
+  torchdbg_test::SeededRng rng(21);
+  // Every LibTorch module torchdbg knows to take or return more than one Tensor.
+  const std::vector<std::shared_ptr<torch::nn::Module>> known = {
+      torch::nn::RNN(3, 4).ptr(), torch::nn::LSTM(3, 4).ptr(), torch::nn::GRU(3, 4).ptr(), torch::nn::LSTMCell(3, 4).ptr(),
+      torch::nn::MultiheadAttention(4, 2).ptr(), torch::nn::AdaptiveLogSoftmaxWithLoss(torch::nn::AdaptiveLogSoftmaxWithLossOptions(4, 8, {4})).ptr(),
+      torch::nn::Transformer(torch::nn::TransformerOptions(4, 2, 1, 1).dim_feedforward(8)).ptr(),
+      torch::nn::TransformerDecoder(torch::nn::TransformerDecoderLayer(4, 2), 1).ptr(), torch::nn::TransformerDecoderLayer(4, 2).ptr(),
+      torch::nn::Bilinear(3, 3, 2).ptr(), torch::nn::CosineSimilarity().ptr(), torch::nn::PairwiseDistance().ptr()};
+  for (const auto& m : known) {
+    INFO(m->name());
+    CHECK(torchdbg::detail::not_tensor_to_tensor(*m) != nullptr);
+  }
+  CHECK(torchdbg::detail::not_tensor_to_tensor(*torch::nn::GRUCell(3, 4)) == nullptr);  // returns one Tensor
+  CHECK(torchdbg::detail::not_tensor_to_tensor(*torch::nn::Linear(3, 4)) == nullptr);
+
+  auto seq = torch::nn::Sequential(torch::nn::Linear(3, 3), torch::nn::LSTM(3, 4));
+  using Out = std::tuple<torch::Tensor, std::tuple<torch::Tensor, torch::Tensor>>;
+  const auto x = torch::randn({2, 1, 3});
+  const auto plain = std::get<0>(seq->forward<Out>(x));
+  torchdbg::MultiHookManager all(torchdbg::MultiHookOptions().pattern(""));
+  CHECK(all.matching(seq.ptr()) == std::vector<std::string>{"0"});
+  CHECK(all.unhookable(seq.ptr()) == std::vector<std::string>{"1"});
+  auto cache = std::make_shared<torchdbg::TensorCache>();
+  {
+    auto h = all.register_hook(seq.ptr(), torchdbg::caching_hook(cache));
+    CHECK(torch::equal(std::get<0>(seq->forward<Out>(x)), plain));  // the model still runs
+    CHECK(cache->keys() == std::vector<std::string>{"0"});
+    CHECK_THROWS_WITH(torchdbg::register_module_hook(seq.ptr(), "1", torchdbg::caching_hook(cache)),
+                      Catch::Contains("'1'") && Catch::Contains("returns a tuple"));
+  }
+  CHECK(torch::equal(std::get<0>(seq->forward<Out>(x)), plain));
+  // A module of the user's returning a tuple is found at its first hooked call, by name.
+  struct Pair : torch::nn::Module {
+    std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& x) { return {x, x * 2}; }
+  };
+  auto mine = torch::nn::Sequential(torch::nn::Linear(3, 3));
+  mine->push_back("pair", std::make_shared<Pair>());
+  auto h = torchdbg::register_module_hook(mine.ptr(), "pair", torchdbg::caching_hook(cache));
+  CHECK_THROWS_WITH((mine->forward<std::tuple<torch::Tensor, torch::Tensor>>(torch::randn({2, 3}))),
+                    Catch::Contains("one Tensor to one Tensor") && Catch::Contains("Pair") && Catch::Contains("tuple"));
+  h.remove();
+  CHECK_NOTHROW(mine->forward<std::tuple<torch::Tensor, torch::Tensor>>(torch::randn({2, 3})));
+}
+
+TEST_CASE("copies of a hooked Sequential's entries keep working, with the child's parameters reachable", "[hooked]") {
+  torchdbg_test::SeededRng rng(22);
+  auto seq = torch::nn::Sequential(torch::nn::Linear(3, 3), torch::nn::Tanh());
+  const auto x = torch::randn({2, 3});
+  const auto original = seq->forward(x);
+  torch::nn::Sequential copy;
+  torch::nn::AnyModule first;
+  {
+    auto h = torchdbg::register_module_hook(seq.ptr(), "0", torchdbg::setting_hook([](const torch::Tensor& t) { return t * 0; }));
+    CHECK(seq->ptr(0)->parameters().size() == 2);  // the forwarder shows the child's parameters
+    CHECK(seq->parameters().size() == 2);          // and the Sequential's are unchanged
+    copy->extend(*seq);
+    first = *seq->begin();
+    CHECK(torch::equal(copy->forward(x), torch::tanh(torch::zeros({2, 3}))));
+  }
+  CHECK(torch::equal(seq->forward(x), original));
+  CHECK(torch::equal(copy->forward(x), original));  // the copy runs the original, hooks gone
+  CHECK(torch::equal(first.forward(x), seq[0]->as<torch::nn::Linear>()->forward(x)));
+}
+
+TEST_CASE("a bwd hook on a module that changes its input in place is refused at the call; out of place it sees the true input gradient", "[hooked]") {
+  torchdbg_test::SeededRng rng(23);
+  for (bool inplace : {false, true}) {
+    INFO("inplace " << inplace);
+    auto seq = torch::nn::Sequential(torch::nn::Linear(3, 4), torch::nn::ReLU(torch::nn::ReLUOptions().inplace(inplace)), torch::nn::Linear(4, 2));
+    auto x = torch::randn({5, 3}, torch::requires_grad());
+    // Reference: the gradient w.r.t. the ReLU's input and output, by autograd.
+    auto h1 = seq[0]->as<torch::nn::Linear>()->forward(x);
+    auto a1 = torch::relu(h1);
+    auto ref = torch::autograd::grad({seq[2]->as<torch::nn::Linear>()->forward(a1).sum()}, {h1, a1});
+    torch::Tensor gi, go;
+    auto h = torchdbg::register_module_hook(seq.ptr(), "1", ExactHook{HookDirection::Bwd, [&](const ModuleCall&, const HookTensors& t) {
+                                                                        gi = t.grad_input.clone();
+                                                                        go = t.grad_output.clone();
+                                                                        return std::optional<torch::Tensor>();
+                                                                      }});
+    if (inplace) {
+      CHECK_THROWS_WITH(seq->forward(x), Catch::Contains("bwd hook of '1'") && Catch::Contains("in place"));
+      h.remove();
+      auto pre = torchdbg::register_module_hook(seq.ptr(), "1", torchdbg::caching_hook(std::make_shared<torchdbg::TensorCache>(), "g", HookDirection::BwdPre));
+      CHECK_NOTHROW(seq->forward(x).sum().backward());
+    } else {
+      seq->forward(x).sum().backward();
+      CHECK(torch::allclose(gi, ref[0]));
+      CHECK(torch::allclose(go, ref[1]));
+    }
+  }
+}
+
+TEST_CASE("a factory's hook follows the direction it is registered with", "[hooked]") {
+  torchdbg_test::SeededRng rng(24);
+  auto seq = torch::nn::Sequential(torch::nn::Linear(3, 3));
+  auto cache = std::make_shared<torchdbg::TensorCache>();
+  auto hook = torchdbg::caching_hook(cache, "k");
+  hook.direction = HookDirection::FwdPre;  // changed after the factory made it
+  auto h = torchdbg::register_module_hook(seq.ptr(), "0", hook);
+  const auto x = torch::randn({2, 3});
+  seq->forward(x);
+  CHECK(torch::equal(cache->get("k"), x));
+}
+
+TEST_CASE("with a relative root, a module also held outside it runs its hooks at every call", "[hooked]") {
+  struct Two : torch::nn::Module {
+    Two() {
+      auto shared = torch::nn::Linear(3, 3);
+      a = register_module("a", torch::nn::Sequential(shared));
+      b = register_module("b", torch::nn::Sequential(shared));
+    }
+    torch::Tensor forward(const torch::Tensor& x) { return b->forward(a->forward(x)); }
+    torch::nn::Sequential a{nullptr}, b{nullptr};
+  };
+  auto m = std::make_shared<Two>();
+  std::map<std::string, int> calls;
+  torchdbg::MultiHookManager under_b(torchdbg::MultiHookOptions().pattern("").relative_path("b"));
+  CHECK(under_b.matching(m) == std::vector<std::string>{"b.0"});
+  auto h = under_b.register_hook(m, torchdbg::reading_hook([&](const ModuleCall& c, const torch::Tensor&) { ++calls[std::string(c.path)]; }));
+  m->forward(torch::randn({2, 3}));
+  CHECK(calls == std::map<std::string, int>{{"b.0", 2}});
 }

@@ -4,6 +4,9 @@
 
 #include <torch/torch.h>
 
+#include <optional>
+#include <random>
+
 #include "helpers.hpp"
 
 namespace {
@@ -65,7 +68,7 @@ TEST_CASE("bad paths fail with the position and the reason", "[paths]") {
       {"layers[0", "position 6", "missing ']'"},
       {"layers[1:2:3:4]", "position 7", "too many ':'"},
       {"layers[a:2]", "position 7", "not an integer"},
-      {"layers[::0]", "position 7", "step must be positive"},
+      {"layers[::0]", "position 7", "step cannot be zero"},
       {"layers[]", "position 6", "empty index"},
       {"nope", "position 0", "no child 'nope'"},
       {"layers[7]", "position 6", "index 7 out of range"},
@@ -105,4 +108,80 @@ TEST_CASE("paths convert to names and merge under a relative root", "[paths]") {
   CHECK(torchdbg::merge_paths("", "fc") == "fc");
   CHECK(torchdbg::merge_paths("fc", "") == "fc");
   CHECK_THROWS_AS(torchdbg::merge_paths("enc[", "fc"), torchdbg::Error);
+}
+
+namespace {
+// Python's slice(start, stop, step).indices(count) and range(), written out as CPython does.
+std::vector<int64_t> python_slice(int64_t count, std::optional<int64_t> start, std::optional<int64_t> stop, int64_t step) {
+  int64_t lo, hi;
+  if (step < 0) {
+    lo = start ? *start : count - 1;
+    hi = stop ? *stop : -count - 1;
+    if (start && lo < 0) lo = std::max<int64_t>(lo + count, -1);
+    if (start && lo >= count) lo = count - 1;
+    if (stop && hi < 0) hi = std::max<int64_t>(hi + count, -1);
+    if (stop && hi >= count) hi = count - 1;
+    if (!stop) hi = -1;
+  } else {
+    lo = start ? *start : 0;
+    hi = stop ? *stop : count;
+    if (lo < 0) lo = std::max<int64_t>(lo + count, 0);
+    if (lo > count) lo = count;
+    if (hi < 0) hi = std::max<int64_t>(hi + count, 0);
+    if (hi > count) hi = count;
+  }
+  std::vector<int64_t> out;
+  for (int64_t k = lo; step > 0 ? k < hi : k > hi; k += step) out.push_back(k);
+  return out;
+}
+}  // namespace
+
+TEST_CASE("property: slices select what Python's slicing of the children selects, negative steps included", "[paths]") {
+  std::mt19937 gen(31);
+  std::uniform_int_distribution<int> bound(-8, 8), step(-4, 4), size(0, 6), coin(0, 2);
+  int nonempty = 0, reversed = 0;
+  for (int trial = 0; trial < 2000; ++trial) {
+    const int n = size(gen);
+    torch::nn::ModuleList list;
+    for (int i = 0; i < n; ++i) list->push_back(torch::nn::Identity());
+    auto root = std::make_shared<torch::nn::Module>();
+    root->register_module("l", list.ptr());
+    std::optional<int64_t> a, b;
+    if (coin(gen)) a = bound(gen);
+    if (coin(gen)) b = bound(gen);
+    int st = step(gen);
+    if (st == 0) st = 1;
+    const bool write_step = st != 1 || coin(gen) == 0;
+    const std::string path = "l[" + (a ? std::to_string(*a) : "") + ":" + (b ? std::to_string(*b) : "") +
+                             (write_step ? ":" + std::to_string(st) : "") + "]";
+    INFO("path " << path << " over " << n << " children");
+    const auto expected = python_slice(n, a, b, st);
+    const auto found = torchdbg::resolve_submodule_paths(root, path);
+    REQUIRE(found.size() == expected.size());
+    for (std::size_t k = 0; k < found.size(); ++k) {
+      CHECK(found[k].module.get() == list->ptr(static_cast<std::size_t>(expected[k])).get());
+      CHECK(found[k].name == "l." + std::to_string(expected[k]));
+    }
+    nonempty += !expected.empty();
+    reversed += expected.size() > 1 && st < 0;
+  }
+  CHECK(nonempty > 500);
+  CHECK(reversed > 100);
+  auto root = std::make_shared<torch::nn::Module>();
+  root->register_module("l", torch::nn::ModuleList(torch::nn::Identity(), torch::nn::Identity()).ptr());
+  CHECK(torchdbg::resolve_submodule_paths(root, "l[0::9223372036854775807]").size() == 1);  // no overflow
+  CHECK(torchdbg::resolve_submodule_paths(root, "l[::-9223372036854775807]").size() == 1);
+  CHECK_THROWS_WITH(torchdbg::resolve_submodule_paths(root, "l[::-9223372036854775808]"), Catch::Contains("out of range"));
+}
+
+TEST_CASE("a path's error shows a whole UTF-8 character; merge_paths checks both sides, empty or not", "[paths]") {
+  auto root = std::make_shared<torch::nn::Module>();
+  root->register_module("\xc3\xbc", torch::nn::Identity().ptr());  // ü
+  CHECK(torchdbg::resolve_submodule_path(root, "<\xc3\xbc>") != nullptr);
+  CHECK_THROWS_WITH(torchdbg::resolve_submodule_path(root, "\xc3\xbc"), Catch::Contains("unexpected '\xc3\xbc'"));
+  CHECK_THROWS_WITH(torchdbg::resolve_submodule_path(root, "a.\xe2\x82\xac"), Catch::Contains("unexpected '\xe2\x82\xac'"));
+  CHECK_THROWS_AS(torchdbg::merge_paths("", "a..b"), torchdbg::Error);
+  CHECK_THROWS_AS(torchdbg::merge_paths("a..b", ""), torchdbg::Error);
+  CHECK(torchdbg::merge_paths("", "") == "");
+  CHECK(torchdbg::merge_paths("a", "<b/c>") == "a.<b/c>");
 }

@@ -43,6 +43,7 @@
 #include <string_view>
 #include <type_traits>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -62,6 +63,35 @@ inline const char* to_string(HookDirection d) noexcept {
     case HookDirection::Bwd: return "bwd";
   }
   return "?";
+}
+
+namespace detail {
+/// Throws torchdbg::Error naming `d`'s value when it is none of the four directions (a cast
+/// integer, a corrupted config); `where` names the call.
+inline void check_direction(HookDirection d, std::string_view where) {
+  switch (d) {
+    case HookDirection::FwdPre:
+    case HookDirection::Fwd:
+    case HookDirection::BwdPre:
+    case HookDirection::Bwd:
+      return;
+  }
+  throw Error("torchdbg: " + std::string(where) + ": invalid HookDirection " +
+              std::to_string(static_cast<long long>(static_cast<std::underlying_type_t<HookDirection>>(d))) +
+              " (expected FwdPre, Fwd, BwdPre or Bwd)");
+}
+}  // namespace detail
+
+/// The direction a name spells, as tdhook and `to_string` write them: "fwd_pre", "fwd",
+/// "bwd_pre", "bwd". Throws torchdbg::Error naming any other text (tdhook's "fwd_kwargs" and
+/// "fwd_pre_kwargs" too: LibTorch modules take no keyword arguments).
+inline HookDirection parse_hook_direction(std::string_view name) {
+  for (auto d : {HookDirection::FwdPre, HookDirection::Fwd, HookDirection::BwdPre, HookDirection::Bwd}) {
+    if (name == to_string(d)) return d;
+  }
+  const bool kwargs = name == "fwd_kwargs" || name == "fwd_pre_kwargs";
+  throw Error("torchdbg: invalid hook direction '" + std::string(name) + "' (expected fwd_pre, fwd, bwd_pre or bwd" +
+              (kwargs ? "; LibTorch modules take no keyword arguments)" : ")"));
 }
 
 /// The module an exact hook runs for.
@@ -187,20 +217,26 @@ class ExactHookRegistry {
     std::lock_guard<std::mutex> lock(mutex_);
     hookable_[m.get()] = m;
   }
+  /// True when `m`'s calls go through torchdbg: marked (Hooked<>, HookedSequential,
+  /// hooked_call) or forwarded in a Sequential. Entries of dead modules are dropped, so a
+  /// new module at a freed address inherits nothing.
   bool is_hookable(const torch::nn::Module* m) {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = hookable_.find(m);
-    if (it == hookable_.end()) return false;
-    if (it->second.expired()) {
+    if (auto it = hookable_.find(m); it != hookable_.end()) {
+      if (!it->second.expired()) return true;
       hookable_.erase(it);
-      return false;
     }
-    return true;
+    if (auto f = forwarded_.find(m); f != forwarded_.end()) {
+      if (!f->second.child.expired()) return true;
+      forwarded_.erase(f);
+    }
+    return false;
   }
 
   /// A child of a plain Sequential becomes hookable by swapping, in the Sequential's list of
-  /// AnyModules, a forwarder that runs the hooks around the original; `restore` swaps the
-  /// original back. named_children()/parameters() are never touched.
+  /// AnyModules, a forwarder that runs the hooks around the original (at every place the
+  /// child holds in that list); `restore` swaps the original back. named_children() and
+  /// parameters() are never touched.
   void forward_through(const std::shared_ptr<torch::nn::SequentialImpl>& parent,
                        const std::shared_ptr<torch::nn::Module>& child);
 
@@ -208,6 +244,7 @@ class ExactHookRegistry {
     std::lock_guard<std::mutex> lock(mutex_);
     const uint64_t id = ++seq_;
     auto& slot = hooks_[m.get()];
+    if (slot.list && slot.owner.lock() != m) drop_locked(slot);  // a dead module's hooks
     auto next = std::make_shared<List>(slot.list ? *slot.list : List{});
     const int64_t position = hook.prepend ? --front_position_ : ++back_position_;
     Entry e{id, std::move(path), std::move(hook), position};
@@ -223,35 +260,39 @@ class ExactHookRegistry {
     return id;
   }
 
+  /// Removes hook `id`; false when it is gone already (removed, or its module died).
   bool remove(uint64_t id) {
-    std::shared_ptr<torch::nn::SequentialImpl> restore_parent;
+    std::vector<std::weak_ptr<torch::nn::SequentialImpl>> restore_parents;
     const torch::nn::Module* restore_child = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto o = owner_of_.find(id);
       if (o == owner_of_.end()) return false;
-      auto it = hooks_.find(o->second);
+      const torch::nn::Module* m = o->second;
       owner_of_.erase(o);
+      auto it = hooks_.find(m);
       if (it == hooks_.end()) return false;
+      const auto& list = *it->second.list;
+      if (std::none_of(list.begin(), list.end(), [id](const Entry& e) { return e.id == id; })) return false;
       auto next = std::make_shared<List>();
-      for (const auto& e : *it->second.list)
+      for (const auto& e : list)
         if (e.id != id) next->push_back(e);
-      const torch::nn::Module* m = it->first;
       if (next->empty()) {
         hooks_.erase(it);
         auto f = forwarded_.find(m);
         if (f != forwarded_.end()) {  // the last hook of a Sequential child: put it back
-          restore_parent = f->second.lock();
+          restore_parents = std::move(f->second.parents);
           restore_child = m;
           forwarded_.erase(f);
-          hookable_.erase(m);
         }
       } else {
         it->second.list = std::move(next);
       }
       count_.fetch_sub(1);
     }
-    if (restore_parent) restore(*restore_parent, restore_child);
+    for (const auto& weak : restore_parents) {
+      if (auto parent = weak.lock()) restore(*parent, restore_child);
+    }
     return true;
   }
 
@@ -260,7 +301,13 @@ class ExactHookRegistry {
     if (count_.load(std::memory_order_relaxed) == 0) return nullptr;
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = hooks_.find(m);
-    return it == hooks_.end() ? nullptr : it->second.list;
+    if (it == hooks_.end()) return nullptr;
+    if (it->second.owner.expired()) {  // registered on a module that died; `m` is another
+      drop_locked(it->second);
+      hooks_.erase(it);
+      return nullptr;
+    }
+    return it->second.list;
   }
 
  private:
@@ -268,6 +315,16 @@ class ExactHookRegistry {
     std::shared_ptr<const List> list;
     std::weak_ptr<torch::nn::Module> owner;
   };
+  struct Forwarded {
+    std::weak_ptr<torch::nn::Module> child;
+    std::vector<std::weak_ptr<torch::nn::SequentialImpl>> parents;
+  };
+  void drop_locked(Slot& slot) {
+    for (const auto& e : *slot.list) owner_of_.erase(e.id);
+    count_.fetch_sub(slot.list->size());
+    slot.list.reset();
+  }
+
   std::mutex mutex_;
   std::atomic<std::size_t> count_{0};
   uint64_t seq_ = 0;
@@ -275,14 +332,16 @@ class ExactHookRegistry {
   std::unordered_map<const torch::nn::Module*, Slot> hooks_;  // each list in execution order
   std::unordered_map<uint64_t, const torch::nn::Module*> owner_of_;
   std::unordered_map<const torch::nn::Module*, std::weak_ptr<torch::nn::Module>> hookable_;
-  std::unordered_map<const torch::nn::Module*, std::weak_ptr<torch::nn::SequentialImpl>> forwarded_;
+  std::unordered_map<const torch::nn::Module*, Forwarded> forwarded_;
 
   static void restore(torch::nn::SequentialImpl& parent, const torch::nn::Module* child);
 };
 
 inline void check_replacement(const at::Tensor& original, const at::Tensor& replacement, const ModuleCall& call) {
   const std::string where = std::string(to_string(call.direction)) + " hook of '" + std::string(call.path) + "'";
-  if (!replacement.defined()) throw Error("torchdbg: " + where + " returned an undefined tensor");
+  if (!replacement.defined()) {
+    throw Error("torchdbg: " + where + " returned an undefined tensor (return std::nullopt to keep the value)");
+  }
   if (!original.defined()) return;
   if (replacement.sizes() != original.sizes() || replacement.scalar_type() != original.scalar_type() ||
       replacement.device() != original.device()) {
@@ -325,7 +384,16 @@ at::Tensor run_with_hooks(const std::shared_ptr<torch::nn::Module>& m, const at:
   // Gradients w.r.t. this module's input alone: hook an identity view of it.
   const bool hook_input = has_bwd && in.defined() && in.requires_grad() && at::GradMode::is_enabled();
   if (hook_input) in = in.view_as(in);
-  at::Tensor out = apply_direction(*hooks, HookDirection::Fwd, *m, call(in),
+  const auto version = hook_input ? in._version() : 0;
+  at::Tensor raw = call(in);
+  if (hook_input && in._version() != version) {
+    // The module changed its input in place (ReLU(inplace)): the hook on `in` would see the
+    // gradient of the changed value, not of the input. PyTorch refuses this case too.
+    const auto bwd = std::find_if(hooks->begin(), hooks->end(), [](const auto& e) { return e.hook.direction == HookDirection::Bwd; });
+    throw Error("torchdbg: the bwd hook of '" + bwd->path + "' cannot see its input's gradient: " + m->name() +
+                " changes its input in place; use an out-of-place module or a bwd_pre hook");
+  }
+  at::Tensor out = apply_direction(*hooks, HookDirection::Fwd, *m, std::move(raw),
                                    [&in](const at::Tensor& v) { return HookTensors{in, v, none, none}; });
   if ((has_bwd || has_bwd_pre) && out.defined() && out.requires_grad()) {
     auto grad_output = std::make_shared<at::Tensor>();
@@ -358,22 +426,29 @@ at::Tensor run_with_hooks(const std::shared_ptr<torch::nn::Module>& m, const at:
 /// around the original AnyModule. Not registered as a child, so parameters are unchanged.
 class SequentialForwarderImpl : public torch::nn::Module {
  public:
+  /// The original stays reachable, with its parameters, as the forwarder's child "module"
+  /// (`seq->ptr(i)->parameters()` while hooked).
   explicit SequentialForwarderImpl(torch::nn::AnyModule original)
-      : torch::nn::Module("torchdbg::SequentialForwarder"), original_(std::move(original)), target_(original_.ptr()) {}
+      : torch::nn::Module("torchdbg::SequentialForwarder"), original_(std::move(original)), target_(original_.ptr()) {
+    register_module("module", target_);
+  }
 
   at::Tensor forward(const at::Tensor& x) {
-    return run_with_hooks(target_, x, [this](const at::Tensor& in) { return original_.forward<at::Tensor>(in); });
+    return run_with_hooks(target_, x, [this](const at::Tensor& in) {
+      auto out = original_.any_forward(in);
+      if (auto* t = out.try_get<at::Tensor>()) return std::move(*t);
+      throw Error("torchdbg: exact hooks need a module that maps one Tensor to one Tensor; " + target_->name() +
+                  " returned " + c10::demangle(out.type_info().name()) + ": remove its hooks");
+    });
   }
-  /// Cloning a Sequential while a child is hooked clones the child, which stays reachable
-  /// (and its parameters registered) under the forwarder's child "module"; hooks do not
-  /// follow clones.
+  /// Cloning a Sequential while a child is hooked clones the child, reachable (with its
+  /// parameters) under the clone's forwarder as "module"; hooks do not follow clones.
   std::shared_ptr<torch::nn::Module> clone(const c10::optional<at::Device>& device = c10::nullopt) const override {
-    auto copy = std::make_shared<SequentialForwarderImpl>(original_.clone(device));
-    copy->register_module("module", copy->target_);
-    return copy;
+    return std::make_shared<SequentialForwarderImpl>(original_.clone(device));
   }
   [[nodiscard]] const std::shared_ptr<torch::nn::Module>& target() const noexcept { return target_; }
-  torch::nn::AnyModule take_original() { return std::move(original_); }
+  /// A copy of the original (copies of this forwarder made meanwhile keep working).
+  [[nodiscard]] torch::nn::AnyModule original() const { return original_; }
 
  private:
   torch::nn::AnyModule original_;
@@ -383,7 +458,7 @@ class SequentialForwarderImpl : public torch::nn::Module {
 inline void ExactHookRegistry::forward_through(const std::shared_ptr<torch::nn::SequentialImpl>& parent,
                                                const std::shared_ptr<torch::nn::Module>& child) {
   bool installed = false;
-  for (auto it = parent->begin(); it != parent->end(); ++it) {
+  for (auto it = parent->begin(); it != parent->end(); ++it) {  // every place the child holds
     auto current = it->ptr();
     if (auto* f = dynamic_cast<SequentialForwarderImpl*>(current.get())) {
       if (f->target().get() == child.get()) installed = true;
@@ -391,36 +466,92 @@ inline void ExactHookRegistry::forward_through(const std::shared_ptr<torch::nn::
       *it = torch::nn::AnyModule(std::make_shared<SequentialForwarderImpl>(std::move(*it)));
       installed = true;
     }
-    if (installed) break;
   }
   if (!installed) throw Error("torchdbg: module is not a child of the given Sequential");
   std::lock_guard<std::mutex> lock(mutex_);
-  hookable_[child.get()] = child;
-  forwarded_[child.get()] = parent;
+  auto& entry = forwarded_[child.get()];
+  if (entry.child.lock() != child) entry = Forwarded{child, {}};
+  const bool known = std::any_of(entry.parents.begin(), entry.parents.end(), [&](const auto& w) { return w.lock() == parent; });
+  if (!known) entry.parents.push_back(parent);
 }
 
 inline void ExactHookRegistry::restore(torch::nn::SequentialImpl& parent, const torch::nn::Module* child) {
   for (auto it = parent.begin(); it != parent.end(); ++it) {
     auto current = it->ptr();
     auto* f = dynamic_cast<SequentialForwarderImpl*>(current.get());
-    if (f != nullptr && f->target().get() == child) {
-      *it = f->take_original();
-      return;
-    }
+    if (f != nullptr && f->target().get() == child) *it = f->original();
   }
 }
 
-/// The direct parent of `child` under `root`, or null.
-inline std::shared_ptr<torch::nn::Module> find_parent(const std::shared_ptr<torch::nn::Module>& root,
-                                                      const torch::nn::Module* child) {
-  for (const auto& item : root->named_children()) {
-    if (item.value().get() == child) return root;
-    if (auto p = find_parent(item.value(), child)) return p;
-  }
-  return nullptr;
+/// Why LibTorch's `m` cannot take exact hooks in a Sequential (its forward does not map one
+/// Tensor to one Tensor), or null. Other modules are checked at their first hooked call.
+inline const char* not_tensor_to_tensor(const torch::nn::Module& m) {
+  static const std::unordered_map<std::string, const char*> known = {
+      {"torch::nn::RNN", "returns a tuple"},          {"torch::nn::LSTM", "returns a tuple"},
+      {"torch::nn::GRU", "returns a tuple"},          {"torch::nn::LSTMCell", "returns a tuple"},
+      {"torch::nn::MultiheadAttention", "takes three tensors and returns a tuple"},
+      {"torch::nn::AdaptiveLogSoftmaxWithLoss", "takes two tensors and returns an ASMoutput"},
+      {"torch::nn::Transformer", "takes two tensors"},  {"torch::nn::TransformerDecoder", "takes two tensors"},
+      {"torch::nn::TransformerDecoderLayer", "takes two tensors"},
+      {"torch::nn::Bilinear", "takes two tensors"},      {"torch::nn::CosineSimilarity", "takes two tensors"},
+      {"torch::nn::PairwiseDistance", "takes two tensors"}};
+  std::string name = m.name();  // the type's name, or what its constructor set (no "Impl")
+  if (name.size() > 4 && name.compare(name.size() - 4, 4, "Impl") == 0) name.resize(name.size() - 4);
+  const auto it = known.find(name);
+  return it == known.end() ? nullptr : it->second;
+}
+
+/// Every module under `root` (itself included) that holds `child` as a direct child, each once.
+inline std::vector<std::shared_ptr<torch::nn::Module>> find_parents(const std::shared_ptr<torch::nn::Module>& root,
+                                                                    const torch::nn::Module* child) {
+  std::vector<std::shared_ptr<torch::nn::Module>> parents;
+  std::unordered_set<const torch::nn::Module*> seen;
+  std::function<void(const std::shared_ptr<torch::nn::Module>&)> visit = [&](const std::shared_ptr<torch::nn::Module>& m) {
+    if (!seen.insert(m.get()).second) return;
+    bool holds = false;
+    for (const auto& item : m->named_children()) {
+      holds = holds || item.value().get() == child;
+      visit(item.value());
+    }
+    if (holds) parents.push_back(m);
+  };
+  visit(root);
+  return parents;
 }
 
 }  // namespace detail
+
+/// A Sequential whose children run their exact hooks (children map one Tensor to one Tensor).
+class HookedSequentialImpl : public torch::nn::SequentialImpl {
+ public:
+  HookedSequentialImpl() = default;
+  template <typename... Modules>
+  explicit HookedSequentialImpl(Modules&&... modules) : SequentialImpl(std::forward<Modules>(modules)...) {
+    mark_children();
+  }
+  explicit HookedSequentialImpl(torch::OrderedDict<std::string, torch::nn::AnyModule>&& named)
+      : SequentialImpl(std::move(named)) {
+    mark_children();
+  }
+
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor out = x;
+    std::size_t i = 0;
+    for (auto it = begin(); it != end(); ++it, ++i) {
+      auto child = ptr(i);
+      detail::ExactHookRegistry::instance().mark_hookable(child);
+      out = detail::run_with_hooks(child, out, [&](const at::Tensor& in) { return it->forward<at::Tensor>(in); });
+    }
+    return out;
+  }
+
+  /// Marks every current child as hookable (done by the constructors, forward and
+  /// MultiHookManager; call it after push_back to hook a new child before its first call).
+  void mark_children() {
+    for (std::size_t i = 0; i < size(); ++i) detail::ExactHookRegistry::instance().mark_hookable(ptr(i));
+  }
+};
+TORCH_MODULE(HookedSequential);
 
 /// RAII ownership of registered exact hooks: removes them when destroyed or on `remove()`.
 /// Handles combine with `+`. Move-only.
@@ -463,40 +594,57 @@ class ModuleHookHandle {
   std::vector<uint64_t> ids_;
 };
 
-class HookedSequentialImpl;
+namespace detail {
+/// Registers `hook` on `module`, making it hookable in each plain Sequential among `parents`
+/// that holds it (a module shared by several Sequentials runs its hooks through each).
+inline ModuleHookHandle register_exact(const std::shared_ptr<torch::nn::Module>& module, ExactHook hook, std::string path,
+                                       const std::vector<std::shared_ptr<torch::nn::Module>>& parents) {
+  if (!module) throw Error("torchdbg: register_module_hook got a null module");
+  if (!hook.fn) throw Error("torchdbg: register_module_hook got an empty hook for '" + path + "'");
+  check_direction(hook.direction, "register_module_hook for '" + path + "'");
+  auto& registry = ExactHookRegistry::instance();
+  for (const auto& parent : parents) {
+    auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(parent);
+    if (!seq) continue;
+    if (dynamic_cast<HookedSequentialImpl*>(seq.get()) != nullptr) {
+      registry.mark_hookable(module);  // its forward runs the hooks already
+    } else if (const char* why = not_tensor_to_tensor(*module)) {
+      throw Error("torchdbg: module '" + path + "' (" + module->name() + ") " + why +
+                  ": exact hooks need a module that maps one Tensor to one Tensor");
+    } else {
+      registry.forward_through(seq, module);
+    }
+  }
+  if (!registry.is_hookable(module.get())) {
+    throw Error("torchdbg: module '" + path + "' (" + module->name() +
+                ") is not called through torchdbg: declare it as torchdbg::Hooked<...>, put it in a "
+                "Sequential (register by path or with MultiHookManager), call it with "
+                "torchdbg::hooked_call, or observe it read-only with torchdbg::attach()");
+  }
+  return ModuleHookHandle({registry.add(module, std::move(path), std::move(hook))});
+}
+}  // namespace detail
 
 /// Registers an exact hook on one module. The module's calls must go through torchdbg: it is
 /// declared Hooked<...>, is a child of a (Hooked)Sequential — pass that Sequential as
 /// `parent`, or use the path overload or MultiHookManager, which find it — or is called with
-/// hooked_call. Throws torchdbg::Error otherwise.
+/// hooked_call. Throws torchdbg::Error otherwise, or for a direction outside HookDirection.
 [[nodiscard]] inline ModuleHookHandle register_module_hook(const std::shared_ptr<torch::nn::Module>& module,
                                                            ExactHook hook, std::string path = "",
                                                            const std::shared_ptr<torch::nn::Module>& parent = nullptr) {
-  if (!module) throw Error("torchdbg: register_module_hook got a null module");
-  if (!hook.fn) throw Error("torchdbg: register_module_hook got an empty hook for '" + path + "'");
-  auto& registry = detail::ExactHookRegistry::instance();
-  if (!registry.is_hookable(module.get())) {
-    auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(parent);
-    if (seq) {
-      registry.forward_through(seq, module);
-    } else {
-      throw Error("torchdbg: module '" + path + "' (" + module->name() +
-                  ") is not called through torchdbg: declare it as torchdbg::Hooked<...>, put it in a "
-                  "Sequential (register by path or with MultiHookManager), call it with "
-                  "torchdbg::hooked_call, or observe it read-only with torchdbg::attach()");
-    }
-  }
-  return ModuleHookHandle({registry.add(module, std::move(path), std::move(hook))});
+  std::vector<std::shared_ptr<torch::nn::Module>> parents;
+  if (parent) parents.push_back(parent);
+  return detail::register_exact(module, std::move(hook), std::move(path), parents);
 }
 
-/// Registers an exact hook on the module at `path` (paths.hpp) under `root`; a child of a
-/// plain Sequential is made hookable for as long as it has hooks.
+/// Registers an exact hook on the module at `path` (paths.hpp) under `root`; a child of
+/// plain Sequentials is made hookable in each of them for as long as it has hooks.
 [[nodiscard]] inline ModuleHookHandle register_module_hook(const std::shared_ptr<torch::nn::Module>& root,
                                                            std::string_view path, ExactHook hook) {
   auto found = resolve_submodule_paths(root, path);
   if (found.size() != 1) throw Error("torchdbg: path '" + std::string(path) + "' must select one module");
-  return register_module_hook(found.front().module, std::move(hook), found.front().name,
-                              detail::find_parent(root, found.front().module.get()));
+  return detail::register_exact(found.front().module, std::move(hook), found.front().name,
+                                detail::find_parents(root, found.front().module.get()));
 }
 
 /// Calls a container child (a ModuleList or ModuleDict item, whose calls the model's own
@@ -550,37 +698,6 @@ class Hooked : public Holder {
   }
 };
 
-/// A Sequential whose children run their exact hooks (children map one Tensor to one Tensor).
-class HookedSequentialImpl : public torch::nn::SequentialImpl {
- public:
-  HookedSequentialImpl() = default;
-  template <typename... Modules>
-  explicit HookedSequentialImpl(Modules&&... modules) : SequentialImpl(std::forward<Modules>(modules)...) {
-    mark_children();
-  }
-  explicit HookedSequentialImpl(torch::OrderedDict<std::string, torch::nn::AnyModule>&& named)
-      : SequentialImpl(std::move(named)) {
-    mark_children();
-  }
-
-  at::Tensor forward(const at::Tensor& x) {
-    at::Tensor out = x;
-    std::size_t i = 0;
-    for (auto it = begin(); it != end(); ++it, ++i) {
-      auto child = ptr(i);
-      detail::ExactHookRegistry::instance().mark_hookable(child);
-      out = detail::run_with_hooks(child, out, [&](const at::Tensor& in) { return it->forward<at::Tensor>(in); });
-    }
-    return out;
-  }
-
-  /// Marks every current child as hookable (done by the constructors, forward and
-  /// MultiHookManager; call it after push_back to hook a new child before its first call).
-  void mark_children() {
-    for (std::size_t i = 0; i < size(); ++i) detail::ExactHookRegistry::instance().mark_hookable(ptr(i));
-  }
-};
-TORCH_MODULE(HookedSequential);
 
 // ---- hook factories (tdhook's set) ----------------------------------------------------------
 
@@ -593,6 +710,11 @@ struct CacheOptions {
 };
 
 namespace detail {
+template <typename T>
+struct is_std_function : std::false_type {};
+template <typename R, typename... A>
+struct is_std_function<std::function<R(A...)>> : std::true_type {};
+
 inline const at::Tensor& direction_tensor(HookDirection d, const HookTensors& t) {
   switch (d) {
     case HookDirection::FwdPre: return t.input;
@@ -609,8 +731,9 @@ inline const at::Tensor& direction_tensor(HookDirection d, const HookTensors& t)
 inline ExactHook caching_hook(std::shared_ptr<TensorCache> cache, std::string key = "",
                               HookDirection direction = HookDirection::Fwd, CacheOptions options = {}) {
   if (!cache) throw Error("torchdbg: caching_hook needs a cache");
-  return {direction, [cache, key, direction, options](const ModuleCall& c, const HookTensors& t) -> std::optional<at::Tensor> {
-            at::Tensor v = detail::direction_tensor(direction, t);
+  detail::check_direction(direction, "caching_hook");
+  return {direction, [cache, key, options](const ModuleCall& c, const HookTensors& t) -> std::optional<at::Tensor> {
+            at::Tensor v = detail::direction_tensor(c.direction, t);
             if (v.defined()) {
               if (options.detach()) v = v.detach();
               if (options.clone()) v = v.clone();
@@ -623,6 +746,7 @@ inline ExactHook caching_hook(std::shared_ptr<TensorCache> cache, std::string ke
 /// Replaces the direction's tensor with `value` (shape, dtype and device must match).
 inline ExactHook setting_hook(at::Tensor value, HookDirection direction = HookDirection::Fwd) {
   if (!value.defined()) throw Error("torchdbg: setting_hook needs a defined tensor");
+  detail::check_direction(direction, "setting_hook");
   return {direction, [value](const ModuleCall&, const HookTensors&) -> std::optional<at::Tensor> { return value; }};
 }
 
@@ -631,17 +755,32 @@ inline ExactHook setting_hook(at::Tensor value, HookDirection direction = HookDi
 inline ExactHook setting_hook(std::shared_ptr<TensorCache> cache, std::string key,
                               HookDirection direction = HookDirection::Fwd) {
   if (!cache) throw Error("torchdbg: setting_hook needs a cache");
+  detail::check_direction(direction, "setting_hook");
   return {direction, [cache, key](const ModuleCall&, const HookTensors&) -> std::optional<at::Tensor> {
             return cache->get(key);
           }};
 }
 
-/// Replaces the direction's tensor with `fn(tensor)`.
-inline ExactHook setting_hook(std::function<at::Tensor(const at::Tensor&)> fn,
-                              HookDirection direction = HookDirection::Fwd) {
-  if (!fn) throw Error("torchdbg: setting_hook needs a function");
-  return {direction, [fn, direction](const ModuleCall&, const HookTensors& t) -> std::optional<at::Tensor> {
-            return fn(detail::direction_tensor(direction, t));
+/// Replaces the direction's tensor with `fn(tensor)`. `fn` returns a Tensor, or a
+/// `std::optional<Tensor>` whose `std::nullopt` keeps the value (tdhook's `None`):
+///
+/// ```cpp
+/// auto clip = setting_hook([](const torch::Tensor& t) -> std::optional<torch::Tensor> {
+///   if (t.abs().max().item<double>() < 10) return std::nullopt;  // keep it
+///   return t.clamp(-10, 10);
+/// });
+/// ```
+template <typename Fn, typename = std::enable_if_t<std::is_invocable_v<const Fn&, const at::Tensor&>>>
+ExactHook setting_hook(Fn fn, HookDirection direction = HookDirection::Fwd) {
+  using Result = std::decay_t<std::invoke_result_t<const Fn&, const at::Tensor&>>;
+  static_assert(std::is_same_v<Result, at::Tensor> || std::is_same_v<Result, std::optional<at::Tensor>>,
+                "torchdbg::setting_hook: the function must return a Tensor or a std::optional<Tensor>");
+  if constexpr (std::is_pointer_v<Fn> || detail::is_std_function<Fn>::value) {
+    if (!fn) throw Error("torchdbg: setting_hook needs a function");
+  }
+  detail::check_direction(direction, "setting_hook");
+  return {direction, [fn = std::move(fn)](const ModuleCall& c, const HookTensors& t) -> std::optional<at::Tensor> {
+            return fn(detail::direction_tensor(c.direction, t));
           }};
 }
 
@@ -649,8 +788,9 @@ inline ExactHook setting_hook(std::function<at::Tensor(const at::Tensor&)> fn,
 inline ExactHook reading_hook(std::function<void(const ModuleCall&, const at::Tensor&)> fn,
                               HookDirection direction = HookDirection::Fwd) {
   if (!fn) throw Error("torchdbg: reading_hook needs a function");
-  return {direction, [fn, direction](const ModuleCall& c, const HookTensors& t) -> std::optional<at::Tensor> {
-            fn(c, detail::direction_tensor(direction, t));
+  detail::check_direction(direction, "reading_hook");
+  return {direction, [fn](const ModuleCall& c, const HookTensors& t) -> std::optional<at::Tensor> {
+            fn(c, detail::direction_tensor(c.direction, t));
             return std::nullopt;
           }};
 }
@@ -684,10 +824,17 @@ ModulePredicate module_type() {
   return [](const torch::nn::Module& m) { return dynamic_cast<const T*>(&m) != nullptr; };
 }
 
+/// What a MultiHookManager selects. The pattern is required (tdhook's default pattern
+/// matches nothing; torchdbg asks for one instead of guessing): a regex matched from the
+/// start of each module's dotted name, as Python's `re.match` (`$` anchors the end, `""`
+/// matches every module).
+///
+/// ```cpp
+/// torchdbg::MultiHookOptions().pattern("layers\\.[0-9]+$").require_match(true)
+/// ```
 struct MultiHookOptions {
-  /// Regex matched from the start of the dotted name relative to the root (`$` anchors the
-  /// end). Empty: every module.
-  TORCH_ARG(std::string, pattern) = "";
+  /// The regex over dotted module names (relative to the model). Required.
+  TORCH_ARG(std::optional<std::string>, pattern);
   /// Only modules for which one of these holds (empty: all).
   TORCH_ARG(std::vector<ModulePredicate>, classes_to_hook);
   /// Never modules for which one of these holds.
@@ -695,9 +842,19 @@ struct MultiHookOptions {
   /// A submodule path (paths.hpp) below the model under which to search; names stay
   /// relative to the model.
   TORCH_ARG(std::string, relative_path) = "";
+  /// register_hook throws torchdbg::Error when it selects no module; by default it returns
+  /// an empty handle, as tdhook does.
+  TORCH_ARG(bool, require_match) = false;
 };
 
-/// Registers one hook on every hookable module that matches a pattern and class filters.
+/// Makes the hook for one selected module from its dotted name (tdhook's hook factory).
+using ExactHookFactory = std::function<ExactHook(const std::string& name)>;
+
+/// Registers one hook on every hookable module that matches a pattern and class filters, each
+/// module once (a module registered under two names is hooked under the first, as PyTorch's
+/// `named_modules()` lists it). Modules that match but whose calls do not go through torchdbg
+/// are skipped; `unhookable(model)` names them. Const members may run concurrently;
+/// `set_pattern` must not run beside them.
 ///
 /// ```cpp
 /// auto cache = std::make_shared<torchdbg::TensorCache>();
@@ -706,43 +863,98 @@ struct MultiHookOptions {
 /// ```
 class MultiHookManager {
  public:
-  explicit MultiHookManager(MultiHookOptions options = {})
-      : options_(std::move(options)), regex_(detail::compile_pattern(options_.pattern(), "module pattern")) {}
+  /// Throws torchdbg::Error when `options` has no pattern or an invalid one.
+  explicit MultiHookManager(MultiHookOptions options)
+      : options_(std::move(options)), regex_(compile(options_.pattern())) {}
+
+  /// The pattern modules are selected by.
+  [[nodiscard]] const std::string& pattern() const noexcept { return *options_.pattern(); }
+  /// Selects by `pattern` from now on (tdhook's `manager.pattern = ...`); an invalid pattern
+  /// throws torchdbg::Error and keeps the previous one. Hooks registered before stay.
+  void set_pattern(std::string pattern) {
+    auto regex = compile(pattern);
+    options_.pattern(std::move(pattern));
+    regex_ = std::move(regex);
+  }
 
   /// The dotted names of the modules that a hook would be registered on.
   [[nodiscard]] std::vector<std::string> matching(const std::shared_ptr<torch::nn::Module>& model) const {
+    const auto selection = select(model);
     std::vector<std::string> names;
-    for (auto& sel : select(model)) names.push_back(sel.name);
+    for (const auto& sel : selection.hookable) names.push_back(sel.name);
     return names;
   }
-
-  /// Registers `hook` on every selected module; throws torchdbg::Error when none is selected.
-  [[nodiscard]] ModuleHookHandle register_hook(const std::shared_ptr<torch::nn::Module>& model, const ExactHook& hook) const {
-    auto selected = select(model);
-    if (selected.empty()) {
-      throw Error("torchdbg: no hookable module matches '" + options_.pattern() + "'" +
-                  (skipped_unhookable_.empty() ? std::string() : " (matching but not hookable: " + skipped_unhookable_ + ")"));
-    }
-    ModuleHookHandle all;
-    for (auto& sel : selected) all = std::move(all) + register_module_hook(sel.module, hook, sel.name, sel.parent);
-    return all;
+  /// The dotted names of the modules that match but cannot be hooked (their calls do not go
+  /// through torchdbg: see register_module_hook).
+  [[nodiscard]] std::vector<std::string> unhookable(const std::shared_ptr<torch::nn::Module>& model) const {
+    return select(model).unhookable;
   }
 
+  /// Registers `hook` on every selected module; an empty handle when none is selected
+  /// (torchdbg::Error with `require_match`).
+  [[nodiscard]] ModuleHookHandle register_hook(const std::shared_ptr<torch::nn::Module>& model, const ExactHook& hook) const {
+    return register_each(model, [&hook](const std::string&) { return hook; });
+  }
+  /// Registers `factory(name)` on every selected module (tdhook's hook factory).
+  [[nodiscard]] ModuleHookHandle register_hook(const std::shared_ptr<torch::nn::Module>& model,
+                                               const ExactHookFactory& factory) const {
+    if (!factory) throw Error("torchdbg: MultiHookManager::register_hook got an empty hook factory");
+    return register_each(model, factory);
+  }
   template <typename T>
   [[nodiscard]] ModuleHookHandle register_hook(const torch::nn::ModuleHolder<T>& holder, const ExactHook& hook) const {
     return register_hook(detail::as_module_ptr(holder), hook);
+  }
+  template <typename T>
+  [[nodiscard]] ModuleHookHandle register_hook(const torch::nn::ModuleHolder<T>& holder,
+                                               const ExactHookFactory& factory) const {
+    return register_hook(detail::as_module_ptr(holder), factory);
   }
 
  private:
   struct Selected {
     std::string name;
     std::shared_ptr<torch::nn::Module> module;
-    std::shared_ptr<torch::nn::Module> parent;
+    std::vector<std::shared_ptr<torch::nn::Module>> parents;  // every module that holds it
+  };
+  struct Selection {
+    std::vector<Selected> hookable;
+    std::vector<std::string> unhookable;
   };
 
-  std::vector<Selected> select(const std::shared_ptr<torch::nn::Module>& model) const {
+  static detail::Pattern compile(const std::optional<std::string>& pattern) {
+    if (!pattern) {
+      throw Error("torchdbg: MultiHookManager needs a pattern (MultiHookOptions().pattern(...)); "
+                  "\"\" matches every module");
+    }
+    return detail::compile_pattern(*pattern, "module pattern");
+  }
+
+  template <typename Make>
+  ModuleHookHandle register_each(const std::shared_ptr<torch::nn::Module>& model, Make&& make) const {
+    auto selection = select(model);
+    if (selection.hookable.empty() && options_.require_match()) {
+      std::string skipped;
+      for (const auto& n : selection.unhookable) skipped += (skipped.empty() ? "" : ", ") + n;
+      throw Error("torchdbg: no hookable module matches '" + pattern() + "'" +
+                  (skipped.empty() ? std::string() : " (matching but not hookable: " + skipped + ")"));
+    }
+    std::vector<ExactHook> hooks;  // all made and checked before any is registered
+    for (const auto& sel : selection.hookable) {
+      hooks.push_back(make(sel.name));
+      if (!hooks.back().fn) throw Error("torchdbg: the hook factory returned an empty hook for '" + sel.name + "'");
+      detail::check_direction(hooks.back().direction, "MultiHookManager::register_hook for '" + sel.name + "'");
+    }
+    ModuleHookHandle all;
+    for (std::size_t i = 0; i < hooks.size(); ++i) {
+      const auto& sel = selection.hookable[i];
+      all = std::move(all) + detail::register_exact(sel.module, std::move(hooks[i]), sel.name, sel.parents);
+    }
+    return all;
+  }
+
+  Selection select(const std::shared_ptr<torch::nn::Module>& model) const {
     if (!model) throw Error("torchdbg: MultiHookManager got a null model");
-    skipped_unhookable_.clear();
     std::shared_ptr<torch::nn::Module> root = model;
     std::string prefix;
     if (!options_.relative_path().empty()) {
@@ -751,30 +963,53 @@ class MultiHookManager {
       root = found.front().module;
       prefix = found.front().name;
     }
-    std::vector<Selected> out;
-    walk(root, prefix, out);
+    // Each module once, under its first name in pre-order (PyTorch's named_modules()), with
+    // every parent that holds it: a module shared by two Sequentials is hooked in both.
+    std::vector<Selected> found;
+    std::unordered_map<const torch::nn::Module*, std::size_t> index{{root.get(), SIZE_MAX}};
+    walk(root, prefix, index, found);
+    if (root != model) {  // parents outside the relative root hold some of them too
+      std::vector<Selected> everywhere;
+      std::unordered_map<const torch::nn::Module*, std::size_t> at{{model.get(), SIZE_MAX}};
+      walk(model, "", at, everywhere);
+      for (auto& sel : found) sel.parents = everywhere[at.at(sel.module.get())].parents;
+    }
+    Selection out;
+    for (auto& sel : found) {
+      if (!accept(sel.name, *sel.module)) continue;
+      const bool in_sequential = std::any_of(sel.parents.begin(), sel.parents.end(), [](const auto& p) {
+        return dynamic_cast<torch::nn::SequentialImpl*>(p.get()) != nullptr;
+      });
+      const bool forwardable = in_sequential && detail::not_tensor_to_tensor(*sel.module) == nullptr;
+      if (forwardable || detail::ExactHookRegistry::instance().is_hookable(sel.module.get())) {
+        out.hookable.push_back(std::move(sel));
+      } else {
+        out.unhookable.push_back(sel.name);
+      }
+    }
     return out;
   }
 
-  void walk(const std::shared_ptr<torch::nn::Module>& parent, const std::string& prefix, std::vector<Selected>& out) const {
-    if (auto* seq = dynamic_cast<HookedSequentialImpl*>(parent.get())) seq->mark_children();
-    const bool sequential = dynamic_cast<torch::nn::SequentialImpl*>(parent.get()) != nullptr;
+  static void walk(const std::shared_ptr<torch::nn::Module>& parent, const std::string& prefix,
+                   std::unordered_map<const torch::nn::Module*, std::size_t>& index, std::vector<Selected>& found) {
     for (const auto& item : parent->named_children()) {
-      const std::string name = prefix.empty() ? item.key() : prefix + "." + item.key();
       const auto& m = item.value();
-      if (accept(name, *m)) {
-        if (sequential || detail::ExactHookRegistry::instance().is_hookable(m.get())) {
-          out.push_back({name, m, parent});
-        } else {
-          skipped_unhookable_ += (skipped_unhookable_.empty() ? "" : ", ") + name;
+      const auto [it, first] = index.emplace(m.get(), found.size());
+      if (!first) {  // seen before: one more parent, nothing new below it
+        if (it->second != SIZE_MAX) {
+          auto& parents = found[it->second].parents;
+          if (std::find(parents.begin(), parents.end(), parent) == parents.end()) parents.push_back(parent);
         }
+        continue;
       }
-      walk(m, name, out);
+      const std::string name = prefix.empty() ? item.key() : prefix + "." + item.key();
+      found.push_back({name, m, {parent}});
+      walk(m, name, index, found);
     }
   }
 
   bool accept(const std::string& name, const torch::nn::Module& m) const {
-    if (!options_.pattern().empty() && !regex_.match_prefix(name)) return false;
+    if (!regex_.match_prefix(name)) return false;
     if (!options_.classes_to_hook().empty()) {
       bool any = false;
       for (const auto& p : options_.classes_to_hook()) any = any || p(m);
@@ -787,7 +1022,6 @@ class MultiHookManager {
 
   MultiHookOptions options_;
   detail::Pattern regex_;
-  mutable std::string skipped_unhookable_;
 };
 
 /// Runs `model->forward(input)` until the module at `path` has produced its output, and
@@ -807,10 +1041,10 @@ std::shared_ptr<TensorCache> run_until(Model& model, const at::Tensor& input, st
     // After every hook of the user's; two statements: the cache must be registered (and run)
     // before the stop.
     constexpr int kLast = std::numeric_limits<int>::min();
-    const auto parent = detail::find_parent(root, found.front().module.get());
-    auto handle = register_module_hook(found.front().module,
-                                       caching_hook(cache, name, HookDirection::Fwd, options).with_priority(kLast), name, parent);
-    handle = std::move(handle) + register_module_hook(found.front().module, stopping_hook().with_priority(kLast), name, parent);
+    const auto parents = detail::find_parents(root, found.front().module.get());
+    auto handle = detail::register_exact(found.front().module,
+                                         caching_hook(cache, name, HookDirection::Fwd, options).with_priority(kLast), name, parents);
+    handle = std::move(handle) + detail::register_exact(found.front().module, stopping_hook().with_priority(kLast), name, parents);
     try {
       (void)model->forward(input);
     } catch (const StopForward&) {

@@ -3,18 +3,22 @@
 #pragma once
 
 // Submodule paths (tdhook's grammar):
-//   path    := ( segment | '[' index ']' ) ( '.' segment | '[' index ']' )*
-//   segment := name | '<' any characters but '>' '>'        e.g. encoder, <block0/module>
-//   index   := integer | -integer | 'key' | "key" | [int]:[int][:int]
+//   path    := ( segment | '[' index ']' ) ( '.' segment | '<' escaped '>' | '[' index ']' )*
+//   segment := name | '<' escaped '>'        e.g. encoder, <block0/module>
+//   escaped := any characters but '<' and '>'
+//   index   := integer | -integer | 'key' | "key" | [int]:[int][:int]   (a slice as Python's)
 // `layers[0]` is the first child of `layers` (Sequential/ModuleList item 0), `layers[-1]` the
 // last, `layers['key']` the child registered as key (ModuleDict), `layers[1:3]` children 1 and
 // 2 (a slice fans a path out to several modules), `<a.b>` a child whose name holds '.', '/'
-// or brackets.
+// or brackets. An escaped name needs no '.' before it: `<block2/module><sub/0>[0]` is
+// `<block2/module>.<sub/0>[0]`, as in tdhook.
 
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -43,6 +47,16 @@ namespace detail {
 [[noreturn]] inline void path_error(std::string_view path, std::size_t pos, const std::string& why) {
   throw Error("torchdbg: bad submodule path '" + std::string(path) + "' at position " +
               std::to_string(pos) + ": " + why);
+}
+
+/// The character at `i` as text: a whole UTF-8 sequence, not one byte of it.
+inline std::string char_at(std::string_view path, std::size_t i) {
+  std::size_t n = 1;
+  while (i + n < path.size() && (static_cast<unsigned char>(path[i + n]) & 0xC0) == 0x80 &&
+         (static_cast<unsigned char>(path[i]) & 0x80) != 0 && n < 4) {
+    ++n;
+  }
+  return std::string(path.substr(i, n));
 }
 
 inline bool is_name_char(char c) {
@@ -82,13 +96,16 @@ inline std::vector<PathStep> parse_submodule_path(std::string_view path) {
       if (close == std::string_view::npos) detail::path_error(path, i, "missing '>'");
       if (close == i + 1) detail::path_error(path, i, "empty name in '<>'");
       s.name = std::string(path.substr(i + 1, close - i - 1));
+      if (const auto nested = s.name.find('<'); nested != std::string::npos) {
+        detail::path_error(path, i + 1 + nested, "'<' inside '<...>'");
+      }
       i = close + 1;
     } else {
       const std::size_t start = i;
       while (i < n && detail::is_name_char(path[i])) ++i;
       if (i == start) {
         if (i < n) {
-          detail::path_error(path, i, std::string("unexpected '") + path[i] + "', expected a name");
+          detail::path_error(path, i, "unexpected '" + detail::char_at(path, i) + "', expected a name");
         }
         detail::path_error(path, i, "expected a name");
       }
@@ -132,7 +149,10 @@ inline std::vector<PathStep> parse_submodule_path(std::string_view path) {
       s.stop = detail::parse_int(parts[1], path, i, "slice stop");
       if (parts.size() == 3) {
         auto st = detail::parse_int(parts[2], path, i, "slice step");
-        if (st && *st <= 0) detail::path_error(path, i, "bad slice '" + std::string(body) + "': step must be positive");
+        if (st && *st == 0) detail::path_error(path, i, "bad slice '" + std::string(body) + "': step cannot be zero");
+        if (st && *st == std::numeric_limits<int64_t>::min()) {
+          detail::path_error(path, i, "bad slice '" + std::string(body) + "': step out of range");
+        }
         s.step = st.value_or(1);
       }
     } else {
@@ -156,8 +176,10 @@ inline std::vector<PathStep> parse_submodule_path(std::string_view path) {
       read_segment();
     } else if (path[i] == '[') {
       read_index();
+    } else if (path[i] == '<') {
+      read_segment();  // an escaped name right after a name or index: `<a/b><c/d>`
     } else {
-      detail::path_error(path, i, std::string("unexpected '") + path[i] + "'");
+      detail::path_error(path, i, "unexpected '" + detail::char_at(path, i) + "'");
     }
   }
   return steps;
@@ -209,14 +231,18 @@ inline std::vector<ResolvedModule> resolve_submodule_paths(const std::shared_ptr
         case PathStep::Kind::Index:
           by_position(s.index);
           break;
-        case PathStep::Kind::Slice: {
-          auto clamp = [&](std::optional<int64_t> v, int64_t dflt) {
+        case PathStep::Kind::Slice: {  // Python's slice.indices(count)
+          const bool up = s.step > 0;
+          auto bound = [&](std::optional<int64_t> v, int64_t dflt) {
             if (!v) return dflt;
-            int64_t k = *v < 0 ? *v + count : *v;
-            return std::max<int64_t>(0, std::min<int64_t>(k, count));
+            const int64_t k = *v < 0 ? std::max<int64_t>(*v, -count - 1) + count : std::min<int64_t>(*v, count);
+            return up ? std::max<int64_t>(0, k) : std::max<int64_t>(-1, std::min<int64_t>(k, count - 1));
           };
-          const int64_t a = clamp(s.start, 0), b = clamp(s.stop, count);
-          for (int64_t k = a; k < b; k += s.step) by_position(k);
+          const int64_t a = bound(s.start, up ? 0 : count - 1), b = bound(s.stop, up ? count : -1);
+          for (int64_t k = a; up ? k < b : k > b; k += s.step) {
+            by_position(k);
+            if (up ? b - k <= s.step : k - b <= -s.step) break;  // the next k would pass b (or overflow)
+          }
           break;
         }
       }
@@ -265,10 +291,10 @@ inline std::string submodule_path_to_name(std::string_view path) {
 /// Joins a relative root path and a path below it: merge_paths("encoder", "layers[0]") ->
 /// "encoder.layers[0]"; merge_paths("layers", "[0]") -> "layers[0]". Either may be empty.
 inline std::string merge_paths(std::string_view root, std::string_view path) {
-  if (root.empty()) return std::string(path);
-  if (path.empty()) return std::string(root);
   (void)parse_submodule_path(root);
   (void)parse_submodule_path(path);
+  if (root.empty()) return std::string(path);
+  if (path.empty()) return std::string(root);
   return std::string(root) + (path.front() == '[' ? "" : ".") + std::string(path);
 }
 
