@@ -4,7 +4,9 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <deque>
+#include <thread>
 #include <limits>
 #include <map>
 #include <random>
@@ -524,4 +526,102 @@ TEST_CASE("with a relative root, a module also held outside it runs its hooks at
   auto h = under_b.register_hook(m, torchdbg::reading_hook([&](const ModuleCall& c, const torch::Tensor&) { ++calls[std::string(c.path)]; }));
   m->forward(torch::randn({2, 3}));
   CHECK(calls == std::map<std::string, int>{{"b.0", 2}});
+}
+
+TEST_CASE("a hook may remove its own handle during the call that runs it", "[hooked]") {
+  torchdbg_test::SeededRng rng(25);
+  auto seq = torch::nn::Sequential(torch::nn::Linear(3, 3), torch::nn::ReLU());
+  const auto x = torch::randn({2, 3}, torch::requires_grad());
+  const auto original = seq->forward(x);
+  auto holder = std::make_shared<torchdbg::ModuleHookHandle>();
+  std::weak_ptr<torchdbg::ModuleHookHandle> weak = holder;
+  int runs = 0;
+  *holder = torchdbg::register_module_hook(seq.ptr(), "0", ExactHook{HookDirection::Fwd, [weak, &runs](const ModuleCall&, const HookTensors&) {
+                                                                        ++runs;
+                                                                        if (auto h = weak.lock()) h->remove();  // one-shot
+                                                                        return std::optional<torch::Tensor>();
+                                                                      }});
+  *holder = std::move(*holder) + torchdbg::register_module_hook(seq.ptr(), "0", torchdbg::reading_hook([](const ModuleCall&, const torch::Tensor&) {}, HookDirection::BwdPre));
+  seq->forward(x).sum().backward();  // the forwarder is swapped out while it runs
+  CHECK(runs == 1);
+  CHECK(seq->ptr(0).get() == seq->named_children()[0].value().get());
+  seq->forward(x);
+  CHECK(runs == 1);
+  CHECK(torch::equal(seq->forward(x), original));
+}
+
+TEST_CASE("hooks registered and removed from several threads on one Sequential leave it exact", "[hooked]") {
+  torchdbg_test::SeededRng rng(26);
+  auto seq = torch::nn::Sequential(torch::nn::Linear(3, 3), torch::nn::Tanh(), torch::nn::Linear(3, 3), torch::nn::Tanh());
+  const auto x = torch::randn({2, 3});
+  const auto original = seq->forward(x);
+  std::atomic<int> errors{0};
+  auto work = [&](std::string pattern, int rounds) {
+    try {
+      torchdbg::MultiHookManager mgr(torchdbg::MultiHookOptions().pattern(pattern));
+      const std::size_t expected = pattern == "[02]$" ? 2 : 1;
+      for (int i = 0; i < rounds; ++i) {
+        auto h = mgr.register_hook(seq.ptr(), torchdbg::reading_hook([](const ModuleCall&, const torch::Tensor&) {}));
+        if (h.size() != expected) ++errors;
+      }
+    } catch (...) {
+      ++errors;
+    }
+  };
+  std::vector<std::thread> threads;
+  for (const char* p : {"0$", "2$", "0$", "[02]$"}) threads.emplace_back(work, p, 150);
+  for (auto& t : threads) t.join();
+  CHECK(errors == 0);
+  const auto children = seq->named_children();
+  for (std::size_t i = 0; i < seq->size(); ++i) CHECK(seq->ptr(i).get() == children[i].value().get());
+  CHECK(torch::equal(seq->forward(x), original));
+}
+
+TEST_CASE("a clone made while a Sequential child is hooked computes the same, follows eval(), and is hookable", "[hooked]") {
+  torchdbg_test::SeededRng rng(27);
+  auto seq = torch::nn::Sequential(torch::nn::Linear(3, 3), torch::nn::BatchNorm1d(3), torch::nn::ReLU());
+  int runs = 0;
+  auto h = torchdbg::register_module_hook(seq.ptr(), "0", torchdbg::reading_hook([&](const ModuleCall&, const torch::Tensor&) { ++runs; }));
+  auto bn = torchdbg::register_module_hook(seq.ptr(), "1", torchdbg::reading_hook([&](const ModuleCall&, const torch::Tensor&) { ++runs; }));
+  CHECK(seq->ptr(0)->named_parameters().keys() == std::vector<std::string>{"module.weight", "module.bias"});
+  auto copy = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(seq->clone());
+  REQUIRE(copy);
+  CHECK(copy->named_parameters().keys() == std::vector<std::string>{"0.module.weight", "0.module.bias", "1.module.weight", "1.module.bias"});
+  const auto x = torch::randn({4, 3});
+  copy->eval();
+  seq->eval();
+  CHECK(torch::allclose(copy->forward(x), seq->forward(x)));
+  CHECK(runs == 2);  // the original's hooks ran on the original only
+  int copy_runs = 0;
+  auto on_copy = torchdbg::register_module_hook(copy, "0", torchdbg::reading_hook([&](const ModuleCall& c, const torch::Tensor&) {
+    ++copy_runs;
+    CHECK(c.path == "0");
+  }));
+  copy->forward(x);
+  CHECK(copy_runs == 1);
+  CHECK(runs == 2);
+}
+
+TEST_CASE("bwd hooks of a module whose input needs no gradient: keeping is fine, a replacement is refused", "[hooked]") {
+  torchdbg_test::SeededRng rng(28);
+  auto seq = torch::nn::Sequential(torch::nn::Linear(3, 3), torch::nn::Tanh());
+  const auto x = torch::randn({2, 3});  // needs no gradient
+  {
+    auto h = torchdbg::register_module_hook(seq.ptr(), "0", torchdbg::setting_hook([](const torch::Tensor& g) { return g; }, HookDirection::Bwd));
+    CHECK_NOTHROW(seq->forward(x).sum().backward());  // the identity keeps the (absent) value
+  }
+  {
+    auto h = torchdbg::register_module_hook(seq.ptr(), "0", torchdbg::setting_hook(torch::ones({2, 3}), HookDirection::Bwd));
+    CHECK_THROWS_WITH(seq->forward(x).sum().backward(), Catch::Contains("no input gradient to replace"));
+  }
+}
+
+TEST_CASE("a module whose Sequential died is no longer hookable through it", "[hooked]") {
+  auto lin = torch::nn::Linear(3, 3);
+  auto seq = std::make_shared<torch::nn::SequentialImpl>();
+  seq->push_back(lin);
+  auto h1 = torchdbg::register_module_hook(seq, "0", torchdbg::reading_hook([](const ModuleCall&, const torch::Tensor&) {}));
+  seq.reset();  // lin lives on
+  CHECK_THROWS_WITH(torchdbg::register_module_hook(lin.ptr(), torchdbg::reading_hook([](const ModuleCall&, const torch::Tensor&) {}), "fc"),
+                    Catch::Contains("not called through torchdbg"));
 }

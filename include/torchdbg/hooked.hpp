@@ -212,36 +212,46 @@ class ExactHookRegistry {
     return r;
   }
 
-  void mark_hookable(const std::shared_ptr<torch::nn::Module>& m) {
+  /// Marks `m` as called through torchdbg: for as long as it lives (Hooked<>, hooked_call),
+  /// or, with `container`, for as long as that HookedSequential lives.
+  void mark_hookable(const std::shared_ptr<torch::nn::Module>& m,
+                     const std::shared_ptr<torch::nn::Module>& container = nullptr) {
     if (!m) return;
     std::lock_guard<std::mutex> lock(mutex_);
-    hookable_[m.get()] = m;
+    auto& marked = hookable_[m.get()];
+    if (marked.module.lock() != m) marked = Marked{m, false, {}};
+    if (!container) {
+      marked.permanent = true;
+    } else if (std::none_of(marked.containers.begin(), marked.containers.end(),
+                            [&](const auto& w) { return w.lock() == container; })) {
+      marked.containers.push_back(container);
+    }
   }
   /// True when `m`'s calls go through torchdbg: marked (Hooked<>, HookedSequential,
-  /// hooked_call) or forwarded in a Sequential. Entries of dead modules are dropped, so a
-  /// new module at a freed address inherits nothing.
+  /// hooked_call) or forwarded in a Sequential that still lives. Entries of dead modules are
+  /// dropped, so a new module at a freed address inherits nothing.
   bool is_hookable(const torch::nn::Module* m) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (auto it = hookable_.find(m); it != hookable_.end()) {
-      if (!it->second.expired()) return true;
-      hookable_.erase(it);
-    }
-    if (auto f = forwarded_.find(m); f != forwarded_.end()) {
-      if (!f->second.child.expired()) return true;
-      forwarded_.erase(f);
-    }
-    return false;
+    return hookable_locked(m);
   }
 
   /// A child of a plain Sequential becomes hookable by swapping, in the Sequential's list of
   /// AnyModules, a forwarder that runs the hooks around the original (at every place the
   /// child holds in that list); `restore` swaps the original back. named_children() and
   /// parameters() are never touched.
-  void forward_through(const std::shared_ptr<torch::nn::SequentialImpl>& parent,
-                       const std::shared_ptr<torch::nn::Module>& child);
-
-  uint64_t add(const std::shared_ptr<torch::nn::Module>& m, std::string path, ExactHook hook) {
+  /// Registers `hook` on `m`, first made hookable in each Sequential of `through` (all under
+  /// one lock, so a removal on another thread cannot swap the forwarder back in between).
+  /// Throws torchdbg::Error, naming `path`, when `m`'s calls do not go through torchdbg.
+  uint64_t add(const std::shared_ptr<torch::nn::Module>& m, std::string path, ExactHook hook,
+               const std::vector<std::shared_ptr<torch::nn::SequentialImpl>>& through = {}) {
     std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& seq : through) forward_through_locked(seq, m);
+    if (!hookable_locked(m.get())) {
+      throw Error("torchdbg: module '" + path + "' (" + m->name() +
+                  ") is not called through torchdbg: declare it as torchdbg::Hooked<...>, put it in a "
+                  "Sequential (register by path or with MultiHookManager), call it with "
+                  "torchdbg::hooked_call, or observe it read-only with torchdbg::attach()");
+    }
     const uint64_t id = ++seq_;
     auto& slot = hooks_[m.get()];
     if (slot.list && slot.owner.lock() != m) drop_locked(slot);  // a dead module's hooks
@@ -289,9 +299,10 @@ class ExactHookRegistry {
         it->second.list = std::move(next);
       }
       count_.fetch_sub(1);
-    }
-    for (const auto& weak : restore_parents) {
-      if (auto parent = weak.lock()) restore(*parent, restore_child);
+      // Under the lock, so no registration on the same Sequential edits its list meanwhile.
+      for (const auto& weak : restore_parents) {
+        if (auto parent = weak.lock()) restore(*parent, restore_child);
+      }
     }
     return true;
   }
@@ -319,6 +330,31 @@ class ExactHookRegistry {
     std::weak_ptr<torch::nn::Module> child;
     std::vector<std::weak_ptr<torch::nn::SequentialImpl>> parents;
   };
+  struct Marked {
+    std::weak_ptr<torch::nn::Module> module;
+    bool permanent = false;
+    std::vector<std::weak_ptr<torch::nn::Module>> containers;
+  };
+  bool hookable_locked(const torch::nn::Module* m) {
+    auto alive = [](const auto& w) { return !w.expired(); };
+    if (auto it = hookable_.find(m); it != hookable_.end()) {
+      if (it->second.module.expired()) {
+        hookable_.erase(it);
+      } else if (it->second.permanent || std::any_of(it->second.containers.begin(), it->second.containers.end(), alive)) {
+        return true;
+      }
+    }
+    if (auto f = forwarded_.find(m); f != forwarded_.end()) {
+      if (f->second.child.expired()) {
+        forwarded_.erase(f);
+      } else if (std::any_of(f->second.parents.begin(), f->second.parents.end(), alive)) {
+        return true;
+      }
+    }
+    return false;
+  }
+  void forward_through_locked(const std::shared_ptr<torch::nn::SequentialImpl>& parent,
+                              const std::shared_ptr<torch::nn::Module>& child);
   void drop_locked(Slot& slot) {
     for (const auto& e : *slot.list) owner_of_.erase(e.id);
     count_.fetch_sub(slot.list->size());
@@ -331,7 +367,7 @@ class ExactHookRegistry {
   int64_t front_position_ = 0, back_position_ = 0;
   std::unordered_map<const torch::nn::Module*, Slot> hooks_;  // each list in execution order
   std::unordered_map<uint64_t, const torch::nn::Module*> owner_of_;
-  std::unordered_map<const torch::nn::Module*, std::weak_ptr<torch::nn::Module>> hookable_;
+  std::unordered_map<const torch::nn::Module*, Marked> hookable_;
   std::unordered_map<const torch::nn::Module*, Forwarded> forwarded_;
 
   static void restore(torch::nn::SequentialImpl& parent, const torch::nn::Module* child);
@@ -339,10 +375,16 @@ class ExactHookRegistry {
 
 inline void check_replacement(const at::Tensor& original, const at::Tensor& replacement, const ModuleCall& call) {
   const std::string where = std::string(to_string(call.direction)) + " hook of '" + std::string(call.path) + "'";
+  if (!original.defined()) {  // a bwd hook's input gradient when the input needs none
+    if (replacement.defined()) {
+      throw Error("torchdbg: " + where + " returned a tensor, but there is no input gradient to replace: the "
+                  "module's input needs no gradient");
+    }
+    return;
+  }
   if (!replacement.defined()) {
     throw Error("torchdbg: " + where + " returned an undefined tensor (return std::nullopt to keep the value)");
   }
-  if (!original.defined()) return;
   if (replacement.sizes() != original.sizes() || replacement.scalar_type() != original.scalar_type() ||
       replacement.device() != original.device()) {
     throw Error("torchdbg: " + where + " replaced a " + c10::toString(original.scalar_type()) + " " +
@@ -426,23 +468,28 @@ at::Tensor run_with_hooks(const std::shared_ptr<torch::nn::Module>& m, const at:
 /// around the original AnyModule. Not registered as a child, so parameters are unchanged.
 class SequentialForwarderImpl : public torch::nn::Module {
  public:
-  /// The original stays reachable, with its parameters, as the forwarder's child "module"
-  /// (`seq->ptr(i)->parameters()` while hooked).
+  /// The original is the forwarder's child "module", so train()/eval(), to() and apply()
+  /// reach it, and `seq->ptr(i)->parameters()` meanwhile lists its parameters.
   explicit SequentialForwarderImpl(torch::nn::AnyModule original)
       : torch::nn::Module("torchdbg::SequentialForwarder"), original_(std::move(original)), target_(original_.ptr()) {
     register_module("module", target_);
   }
 
   at::Tensor forward(const at::Tensor& x) {
-    return run_with_hooks(target_, x, [this](const at::Tensor& in) {
+    // A hook may remove the last hook, which swaps this forwarder out of the Sequential
+    // while it runs: hold it, and what it calls, until the call ends.
+    const auto self = shared_from_this();
+    const auto target = target_;
+    return run_with_hooks(target, x, [this, &target](const at::Tensor& in) {
       auto out = original_.any_forward(in);
       if (auto* t = out.try_get<at::Tensor>()) return std::move(*t);
-      throw Error("torchdbg: exact hooks need a module that maps one Tensor to one Tensor; " + target_->name() +
+      throw Error("torchdbg: exact hooks need a module that maps one Tensor to one Tensor; " + target->name() +
                   " returned " + c10::demangle(out.type_info().name()) + ": remove its hooks");
     });
   }
-  /// Cloning a Sequential while a child is hooked clones the child, reachable (with its
-  /// parameters) under the clone's forwarder as "module"; hooks do not follow clones.
+  /// Cloning a Sequential while a child is hooked gives the clone a hook-less forwarder of
+  /// the child's clone, whose parameters are named `<i>.module.<name>`; hooks do not follow
+  /// clones, and the clone's child can be hooked in turn.
   std::shared_ptr<torch::nn::Module> clone(const c10::optional<at::Device>& device = c10::nullopt) const override {
     return std::make_shared<SequentialForwarderImpl>(original_.clone(device));
   }
@@ -455,20 +502,20 @@ class SequentialForwarderImpl : public torch::nn::Module {
   std::shared_ptr<torch::nn::Module> target_;
 };
 
-inline void ExactHookRegistry::forward_through(const std::shared_ptr<torch::nn::SequentialImpl>& parent,
-                                               const std::shared_ptr<torch::nn::Module>& child) {
+inline void ExactHookRegistry::forward_through_locked(const std::shared_ptr<torch::nn::SequentialImpl>& parent,
+                                                      const std::shared_ptr<torch::nn::Module>& child) {
   bool installed = false;
   for (auto it = parent->begin(); it != parent->end(); ++it) {  // every place the child holds
     auto current = it->ptr();
-    if (auto* f = dynamic_cast<SequentialForwarderImpl*>(current.get())) {
-      if (f->target().get() == child.get()) installed = true;
+    auto* f = dynamic_cast<SequentialForwarderImpl*>(current.get());
+    if (f != nullptr && f->target().get() == child.get()) {
+      installed = true;
     } else if (current.get() == child.get()) {
-      *it = torch::nn::AnyModule(std::make_shared<SequentialForwarderImpl>(std::move(*it)));
+      *it = torch::nn::AnyModule(std::make_shared<SequentialForwarderImpl>(*it));
       installed = true;
     }
   }
   if (!installed) throw Error("torchdbg: module is not a child of the given Sequential");
-  std::lock_guard<std::mutex> lock(mutex_);
   auto& entry = forwarded_[child.get()];
   if (entry.child.lock() != child) entry = Forwarded{child, {}};
   const bool known = std::any_of(entry.parents.begin(), entry.parents.end(), [&](const auto& w) { return w.lock() == parent; });
@@ -477,9 +524,10 @@ inline void ExactHookRegistry::forward_through(const std::shared_ptr<torch::nn::
 
 inline void ExactHookRegistry::restore(torch::nn::SequentialImpl& parent, const torch::nn::Module* child) {
   for (auto it = parent.begin(); it != parent.end(); ++it) {
+    if (it->is_empty()) continue;
     auto current = it->ptr();
     auto* f = dynamic_cast<SequentialForwarderImpl*>(current.get());
-    if (f != nullptr && f->target().get() == child) *it = f->original();
+    if (f != nullptr && f->target().get() == child) *it = f->original();  // copies: nothing throws
   }
 }
 
@@ -539,7 +587,7 @@ class HookedSequentialImpl : public torch::nn::SequentialImpl {
     std::size_t i = 0;
     for (auto it = begin(); it != end(); ++it, ++i) {
       auto child = ptr(i);
-      detail::ExactHookRegistry::instance().mark_hookable(child);
+      detail::ExactHookRegistry::instance().mark_hookable(child, weak_from_this().lock());
       out = detail::run_with_hooks(child, out, [&](const at::Tensor& in) { return it->forward<at::Tensor>(in); });
     }
     return out;
@@ -548,7 +596,8 @@ class HookedSequentialImpl : public torch::nn::SequentialImpl {
   /// Marks every current child as hookable (done by the constructors, forward and
   /// MultiHookManager; call it after push_back to hook a new child before its first call).
   void mark_children() {
-    for (std::size_t i = 0; i < size(); ++i) detail::ExactHookRegistry::instance().mark_hookable(ptr(i));
+    const auto self = weak_from_this().lock();  // null in the constructor: marked for the child's life
+    for (std::size_t i = 0; i < size(); ++i) detail::ExactHookRegistry::instance().mark_hookable(ptr(i), self);
   }
 };
 TORCH_MODULE(HookedSequential);
@@ -603,25 +652,20 @@ inline ModuleHookHandle register_exact(const std::shared_ptr<torch::nn::Module>&
   if (!hook.fn) throw Error("torchdbg: register_module_hook got an empty hook for '" + path + "'");
   check_direction(hook.direction, "register_module_hook for '" + path + "'");
   auto& registry = ExactHookRegistry::instance();
+  std::vector<std::shared_ptr<torch::nn::SequentialImpl>> through;
   for (const auto& parent : parents) {
     auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(parent);
     if (!seq) continue;
     if (dynamic_cast<HookedSequentialImpl*>(seq.get()) != nullptr) {
-      registry.mark_hookable(module);  // its forward runs the hooks already
+      registry.mark_hookable(module, seq);  // its forward runs the hooks already
     } else if (const char* why = not_tensor_to_tensor(*module)) {
       throw Error("torchdbg: module '" + path + "' (" + module->name() + ") " + why +
                   ": exact hooks need a module that maps one Tensor to one Tensor");
     } else {
-      registry.forward_through(seq, module);
+      through.push_back(std::move(seq));
     }
   }
-  if (!registry.is_hookable(module.get())) {
-    throw Error("torchdbg: module '" + path + "' (" + module->name() +
-                ") is not called through torchdbg: declare it as torchdbg::Hooked<...>, put it in a "
-                "Sequential (register by path or with MultiHookManager), call it with "
-                "torchdbg::hooked_call, or observe it read-only with torchdbg::attach()");
-  }
-  return ModuleHookHandle({registry.add(module, std::move(path), std::move(hook))});
+  return ModuleHookHandle({registry.add(module, std::move(path), std::move(hook), through)});
 }
 }  // namespace detail
 
