@@ -235,13 +235,14 @@ class ExactHookRegistry {
     return hookable_locked(m);
   }
 
-  /// A child of a plain Sequential becomes hookable by swapping, in the Sequential's list of
-  /// AnyModules, a forwarder that runs the hooks around the original (at every place the
-  /// child holds in that list); `restore` swaps the original back. named_children() and
-  /// parameters() are never touched.
   /// Registers `hook` on `m`, first made hookable in each Sequential of `through` (all under
   /// one lock, so a removal on another thread cannot swap the forwarder back in between).
   /// Throws torchdbg::Error, naming `path`, when `m`'s calls do not go through torchdbg.
+  ///
+  /// A child of a plain Sequential becomes hookable by swapping, in the Sequential's list of
+  /// AnyModules, a forwarder that runs the hooks around the original (at every place the
+  /// child holds in that list); `remove` of its last hook swaps the original back.
+  /// named_children() and the Sequential's parameters() are never touched.
   uint64_t add(const std::shared_ptr<torch::nn::Module>& m, std::string path, ExactHook hook,
                const std::vector<std::shared_ptr<torch::nn::SequentialImpl>>& through = {}) {
     std::lock_guard<std::mutex> lock(mutex_);
