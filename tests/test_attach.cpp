@@ -1,5 +1,6 @@
 // torchdbg — module hooks and a training debugger for LibTorch.
 // SPDX-License-Identifier: MIT
+#include <ATen/autocast_mode.h>
 #include <torch/version.h>
 #include <torchdbg/attach.hpp>
 #include <torchdbg/health.hpp>
@@ -798,6 +799,184 @@ TEST_CASE("a monitored CUDA training step copies to the host once", "[attach][cu
   CHECK(std::isfinite(health.layer("0/relu")->rms));
   REQUIRE(hooks.state().gradient_norm);
   CHECK(std::isfinite(*hooks.state().gradient_norm));
+}
+
+namespace {
+
+/// Autocast on for one device type with the given lower-precision dtype while alive, as
+/// Python's `torch.autocast(device_type, dtype)` block.
+class AutocastScope {
+ public:
+  AutocastScope(at::DeviceType type, at::ScalarType dtype) : type_(type) {
+#if TORCH_VERSION_MAJOR >= 2
+    prev_dtype_ = at::autocast::get_autocast_dtype(type);
+    at::autocast::set_autocast_dtype(type, dtype);
+    at::autocast::set_autocast_enabled(type, true);
+#else
+    prev_dtype_ = type == at::kCPU ? at::autocast::get_autocast_cpu_dtype() : at::autocast::get_autocast_gpu_dtype();
+    if (type == at::kCPU) {
+      at::autocast::set_autocast_cpu_dtype(dtype);
+      at::autocast::set_cpu_enabled(true);
+    } else {
+      at::autocast::set_autocast_gpu_dtype(dtype);
+      at::autocast::set_enabled(true);
+    }
+#endif
+  }
+  ~AutocastScope() {
+#if TORCH_VERSION_MAJOR >= 2
+    at::autocast::set_autocast_enabled(type_, false);
+    at::autocast::set_autocast_dtype(type_, prev_dtype_);
+#else
+    if (type_ == at::kCPU) {
+      at::autocast::set_cpu_enabled(false);
+      at::autocast::set_autocast_cpu_dtype(prev_dtype_);
+    } else {
+      at::autocast::set_enabled(false);
+      at::autocast::set_autocast_gpu_dtype(prev_dtype_);
+    }
+#endif
+    at::autocast::clear_cache();  // the weights' low-precision copies
+  }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  at::DeviceType type_;
+  at::ScalarType prev_dtype_ = at::kFloat;
+};
+
+/// Linear, GELU, Linear, [LayerNorm], Linear, recording what each module and activation
+/// returned. LibTorch 1.13's CPU autocast has no LayerNorm rule (a bfloat16 input meets float
+/// weights), so the norm is left out there.
+struct AmpNet : torch::nn::Module {
+  explicit AmpNet(bool norm) {
+    fc1 = register_module("fc1", torch::nn::Linear(24, 48));
+    fc2 = register_module("fc2", torch::nn::Linear(48, 32));
+    if (norm) ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({32})));
+    head = register_module("head", torch::nn::Linear(32, 10));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    outs.clear();
+    auto h = keep("fc1", fc1(x));
+    h = keep("fc1/gelu", torch::gelu(h));
+    h = keep("fc2", fc2(h));
+    if (ln) h = keep("ln", ln(h));
+    return keep("head", head(h));
+  }
+  torch::Tensor keep(const std::string& name, torch::Tensor t) {
+    outs.emplace_back(name, t);
+    return t;
+  }
+  std::vector<std::pair<std::string, torch::Tensor>> outs;
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, head{nullptr};
+  torch::nn::LayerNorm ln{nullptr};
+};
+
+/// Three SGD steps of AmpNet under autocast on `dev` with `dtype`: every output is delivered
+/// once under its module's name in the dtype autocast ran it in, with that tensor's values and
+/// statistics; every gradient (float32, the parameters' dtype) equals `.grad()`; on CUDA each
+/// step copies to the host once.
+void check_autocast_training(const torch::Device& dev, at::ScalarType dtype) {
+  INFO("autocast on " << dev << " in " << c10::toString(dtype));
+  torchdbg_test::SeededRng rng(17);
+  const bool norm = dev.is_cuda() || TORCH_VERSION_MAJOR >= 2;
+  auto net = std::make_shared<AmpNet>(norm);
+  net->to(dev);
+  torch::optim::SGD opt(net->parameters(), 0.05);
+  HookManager hooks;
+  struct Got {
+    std::string name;
+    torch::Tensor tensor;
+    torchdbg::TensorStats stats;
+  };
+  std::vector<Got> fwd;
+  std::map<std::string, torch::Tensor> grads;
+  hooks.register_callback("record", [&](const torchdbg::HookContext& c) {
+    if (c.is_forward()) {
+      fwd.push_back({std::string(c.layer_name()), c.tensor().detach().clone(), c.stats()});
+    } else {
+      grads[std::string(c.layer_name()) + "." + std::string(*c.metadata_value("parameter"))] =
+          c.tensor().detach().clone();
+    }
+  });
+  hooks.register_hook(
+      HookConfig().name("record").trigger(HookTrigger::every_n_steps(1)).actions({HookAction::custom_callback("record")}));
+  auto session = torchdbg::attach(*net, hooks);
+  for (int64_t step = 0; step < 3; ++step) {
+    INFO("step " << step);
+    hooks.set_step(step);
+    fwd.clear();
+    grads.clear();
+    const auto x = torch::randn({16, 24}).to(dev);
+    const auto y = torch::randint(0, 10, {16}).to(dev);
+    int copies = 0;
+    {
+      HostCopyCounter counter;
+      opt.zero_grad();
+      torch::Tensor loss;
+      {
+        AutocastScope amp(dev.type(), dtype);
+        loss = torch::nn::functional::cross_entropy(net->forward(x), y);
+      }
+      loss.backward();
+      session.flush();
+      copies = counter.copies();
+    }
+    if (dev.is_cuda()) CHECK(copies == 1);
+    REQUIRE(fwd.size() == net->outs.size());
+    for (std::size_t i = 0; i < fwd.size(); ++i) {
+      const auto& [name, want] = net->outs[i];
+      INFO("delivery " << fwd[i].name << ", expected " << name << " (" << want.scalar_type() << ")");
+      REQUIRE(fwd[i].name == name);
+      CHECK(fwd[i].tensor.scalar_type() == want.scalar_type());
+      CHECK(torch::equal(fwd[i].tensor, want.detach()));
+      const auto ref = torchdbg_test::reference(want);
+      const auto& st = fwd[i].stats;
+      CHECK(st.dtype == std::string(c10::toString(want.scalar_type())));
+      CHECK(st.device == want.device().str());
+      CHECK(st.numel == ref.numel);
+      CHECK(st.finite_count == ref.finite);
+      CHECK_SCALED(st.mean, ref.mean, ref.scale(), 1e-5);
+      CHECK_CLOSE(st.std, ref.std, 1e-4);
+      CHECK(st.min == ref.min);
+      CHECK(st.max == ref.max);
+    }
+    // The linear layers ran in the low precision (what autocast is for).
+    CHECK(net->outs.front().second.scalar_type() == dtype);
+    double total = 0.0;
+    std::size_t n = 0;
+    for (const auto& p : net->named_parameters()) {
+      INFO("gradient " << p.key());
+      REQUIRE(p.value().grad().defined());
+      REQUIRE(grads.count(p.key()) == 1);
+      CHECK(grads.at(p.key()).scalar_type() == torch::kFloat);
+      CHECK(torch::equal(grads.at(p.key()), p.value().grad()));
+      for (double g : torchdbg_test::as_doubles(p.value().grad())) total += g * g;
+      ++n;
+    }
+    CHECK(grads.size() == n);
+    REQUIRE(hooks.state().gradient_norm);
+    CHECK_CLOSE(*hooks.state().gradient_norm, std::sqrt(total), 1e-6);
+    opt.step();
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a mixed-precision (autocast) training step on the CPU delivers bfloat16 outputs and float gradients",
+          "[attach]") {
+  check_autocast_training(torch::kCPU, torch::kBFloat16);
+}
+
+TEST_CASE("a mixed-precision (autocast) CUDA training step delivers half and bfloat16 outputs, one host copy a step",
+          "[attach][cuda]") {
+  if (!torch::cuda::is_available()) {
+    WARN("no CUDA device: skipped");
+    return;
+  }
+  check_autocast_training(torch::kCUDA, torch::kHalf);
+  check_autocast_training(torch::kCUDA, torch::kBFloat16);
 }
 
 TEST_CASE("the observer is off while a backward pass runs and back for the next forward", "[attach]") {

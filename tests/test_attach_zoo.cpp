@@ -66,6 +66,9 @@ class Truth {
 
 struct ZooNet : nn::Module {
   Truth truth_;
+  torch::Device device_ = torch::kCPU;  ///< where the model and its batches live
+  /// A batch made on the CPU (the same values on every device) moved to the model's device.
+  torch::Tensor in(const torch::Tensor& t) const { return t.to(device_); }
   /// One training step's forward on the step's batch, returning the loss.
   virtual torch::Tensor loss(int64_t step) = 0;
 };
@@ -93,7 +96,7 @@ struct Block : nn::Module {
     auto kh = truth_(p_ + "k", k(a)).view({b, t, heads_, d}).transpose(1, 2);
     auto vh = truth_(p_ + "v", v(a)).view({b, t, heads_, d}).transpose(1, 2);
     auto scores = qh.matmul(kh.transpose(-2, -1)) / std::sqrt(static_cast<double>(d));
-    scores = scores.masked_fill(torch::ones({t, t}, torch::kBool).triu(1), -1e9);
+    scores = scores.masked_fill(torch::ones({t, t}, torch::TensorOptions(torch::kBool).device(h.device())).triu(1), -1e9);
     auto y = torch::softmax(scores, -1).matmul(vh).transpose(1, 2).contiguous().view({b, t, e_});
     h = h + truth_(p_ + "o", o(y));
     auto a2 = truth_(p_ + "ln2", ln2(h));
@@ -123,10 +126,10 @@ struct TransformerLM : ZooNet {
   }
   torch::Tensor loss(int64_t step) override {
     torch::manual_seed(500 + step);
-    const auto idx = torch::randint(0, kVocab, {3, kLen + 1});
+    const auto idx = in(torch::randint(0, kVocab, {3, kLen + 1}));
     auto x = idx.slice(1, 0, kLen), target = idx.slice(1, 1);
     auto h = truth_("tok", tok(x));
-    h = h + truth_("pos", pos(torch::arange(kLen)));
+    h = h + truth_("pos", pos(in(torch::arange(kLen))));
     for (const auto& blk : *blocks) h = blk->as<Block>()->forward(h);
     h = truth_("lnf", lnf(h));
     auto logits = truth_("decoder", decoder(h));
@@ -165,8 +168,8 @@ struct ResNetCNN : ZooNet {
   }
   torch::Tensor loss(int64_t step) override {
     torch::manual_seed(600 + step);
-    const auto x = torch::randn({4, 2, 7, 7});
-    const auto y = torch::randint(0, 5, {4});
+    const auto x = in(torch::randn({4, 2, 7, 7}));
+    const auto y = in(torch::randint(0, 5, {4}));
     auto h = truth_("bn/relu", torch::relu(truth_("bn", bn(truth_("stem", stem(x))))));
     h = block->forward(h);
     h = block->forward(h);
@@ -188,7 +191,7 @@ struct LstmLM : ZooNet {
   }
   torch::Tensor loss(int64_t step) override {
     torch::manual_seed(700 + step);
-    const auto idx = torch::randint(0, kVocab, {3, 6});
+    const auto idx = in(torch::randint(0, kVocab, {3, 6}));
     auto x = idx.slice(1, 0, 5), target = idx.slice(1, 1);
     auto out = truth_("lstm", std::get<0>(lstm(truth_("emb", emb(x)))));
     auto logits = truth_("head", head(out));
@@ -224,8 +227,8 @@ struct Siamese : ZooNet {
   }
   torch::Tensor loss(int64_t step) override {
     torch::manual_seed(800 + step);
-    const auto a = torch::randn({6, 5}), b = torch::randn({6, 5});
-    const auto y = torch::randint(0, 2, {6});
+    const auto a = in(torch::randn({6, 5})), b = in(torch::randn({6, 5}));
+    const auto y = in(torch::randint(0, 2, {6}));
     auto ea = encoder->forward(a);
     auto eb = encoder->forward(b);
     auto ma = truth_("mix", mix(ea));
@@ -251,9 +254,9 @@ struct Functional : ZooNet {
   }
   torch::Tensor loss(int64_t step) override {
     torch::manual_seed(900 + step);
-    const auto x = torch::randn({4, 5});
-    const auto tokens = torch::randint(0, 9, {4});
-    const auto y = torch::randint(0, 3, {4});
+    const auto x = in(torch::randn({4, 5}));
+    const auto tokens = in(torch::randint(0, 9, {4}));
+    const auto y = in(torch::randint(0, 3, {4}));
     auto h = truth_("root/relu", torch::relu(truth_("root", x.matmul(w) + b)));
     auto p = truth_("proj", proj(h));
     auto p2 = truth_("proj", torch::nn::functional::linear(p, proj->weight));
@@ -274,8 +277,8 @@ struct AttentionNet : ZooNet {
   }
   torch::Tensor loss(int64_t step) override {
     torch::manual_seed(1000 + step);
-    const auto x = torch::randn({5, 3, 8});  // [L, N, E]
-    const auto y = torch::randn({5, 3, 3});
+    const auto x = in(torch::randn({5, 3, 8}));  // [L, N, E]
+    const auto y = in(torch::randn({5, 3, 3}));
     auto a = truth_("ln", ln(x));
     auto h = x + truth_("attn", std::get<0>(attn(a, a, a)));
     return torch::mse_loss(truth_("fc", fc(h)), y);
@@ -295,9 +298,9 @@ struct Recurrent : ZooNet {
   }
   torch::Tensor loss(int64_t step) override {
     torch::manual_seed(1100 + step);
-    const auto x = torch::randn({5, 3, 4});  // [T, N, features]
-    const auto y = torch::randn({3, 2});
-    auto h = torch::zeros({3, 6});
+    const auto x = in(torch::randn({5, 3, 4}));  // [T, N, features]
+    const auto y = in(torch::randn({3, 2}));
+    auto h = in(torch::zeros({3, 6}));
     for (int64_t t = 0; t < x.size(0); ++t) h = truth_("cell", cell(x[t], h));
     h = truth_("fc/tanh", torch::tanh(truth_("fc", fc(truth_("fc", fc(h))))));
     return torch::mse_loss(truth_("head", head(h)), y);
@@ -369,13 +372,19 @@ struct Seen {
 
 }  // namespace
 
-TEST_CASE("attach on a model zoo: every delivery and gradient norm matches the model's own values", "[attach]") {
+namespace {
+
+/// Trains each zoo model on `device` a few steps with each optimizer and checks every
+/// delivery, gradient and norm against the model's own values.
+void check_zoo(const torch::Device& device) {
   for (const auto& [model_name, make] : zoo()) {
     for (const auto& [opt_name, make_opt] : optimizers()) {
       for (bool no_grad_forward : {false, true}) {
-        INFO(model_name << " with " << opt_name << ", no_grad_forward " << no_grad_forward);
+        INFO(model_name << " with " << opt_name << ", no_grad_forward " << no_grad_forward << " on " << device);
         torchdbg_test::SeededRng rng(42);
         auto model = make();
+        model->to(device);
+        model->device_ = device;
         model->train();
         auto opt = make_opt(model->parameters());
         HookManager hooks;
@@ -463,6 +472,21 @@ TEST_CASE("attach on a model zoo: every delivery and gradient norm matches the m
       }
     }
   }
+}
+
+}  // namespace
+
+TEST_CASE("attach on a model zoo: every delivery and gradient norm matches the model's own values", "[attach]") {
+  check_zoo(torch::kCPU);
+}
+
+TEST_CASE("attach on the model zoo on CUDA: every delivery and gradient norm matches the model's own values",
+          "[attach][cuda]") {
+  if (!torch::cuda::is_available()) {
+    WARN("no CUDA device: skipped");
+    return;
+  }
+  check_zoo(torch::kCUDA);
 }
 
 TEST_CASE("tied weights: the gradient comes once, under its first module, naming the others", "[attach]") {

@@ -393,6 +393,114 @@ TEST_CASE("CUDA tensors are reduced on the device", "[stats][cuda]") {
   CHECK(s.device == "cuda:0");
 }
 
+TEST_CASE("property: CUDA tensors of every dtype, view and magnitude give the double reference's statistics",
+          "[stats][cuda]") {
+  if (!torch::cuda::is_available()) {
+    WARN("no CUDA device: skipped");
+    return;
+  }
+  std::mt19937_64 g(20261204);
+  const auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); };
+  const std::vector<torch::ScalarType> dtypes = {torch::kFloat, torch::kDouble, torch::kHalf,  torch::kBFloat16,
+                                                 torch::kInt8,  torch::kUInt8,  torch::kInt16, torch::kInt32,
+                                                 torch::kInt64, torch::kBool};
+  // Random shapes (empty ones too), magnitudes from 1e-30 to 1e30 (clipped to the dtype's
+  // range), NaN/Inf, and views: transposes, stepped slices, expanded dimensions.
+  std::vector<std::pair<std::string, torch::Tensor>> cases;
+  for (int i = 0; i < 80; ++i) {
+    const auto dtype = dtypes[static_cast<std::size_t>(pick(0, static_cast<int64_t>(dtypes.size()) - 1))];
+    std::vector<int64_t> shape;
+    for (int64_t d = pick(0, 4); d > 0; --d) shape.push_back(pick(0, 5) == 0 ? pick(0, 1) : pick(1, 40));
+    const uint64_t seed = g();
+    torch::manual_seed(static_cast<int64_t>(seed & 0x7fffffff));
+    const double scale = std::pow(10.0, static_cast<double>(pick(-30, 30)));
+    torch::Tensor x = torch::randn(shape, torch::kDouble) * scale + static_cast<double>(pick(-3, 3)) * scale;
+    const bool floating = dtype == torch::kFloat || dtype == torch::kDouble || dtype == torch::kHalf ||
+                          dtype == torch::kBFloat16;
+    if (floating && x.numel() > 0 && pick(0, 1) == 1) {
+      auto flat = x.view(-1);
+      for (int64_t k = pick(1, 4); k > 0; --k) {
+        const int64_t at = pick(0, x.numel() - 1);
+        flat[at] = std::vector<double>{kNaN, kInf, -kInf, 0.0, -0.0}[static_cast<std::size_t>(pick(0, 4))];
+      }
+    }
+    if (dtype == torch::kHalf) x = torch::where(x.isinf(), x, x.clamp(-60000.0, 60000.0));  // NaN stays NaN
+    if (!floating && dtype != torch::kBool) x = (x / scale * 30.0).nan_to_num(0.0, 0.0, 0.0);
+    if (dtype == torch::kUInt8) x = x.abs();
+    if (dtype == torch::kInt8) x = x.clamp(-120.0, 120.0);
+    torch::Tensor t = dtype == torch::kBool ? (x > 0) : x.to(dtype);
+    std::ostringstream code;
+    code << "seed " << seed << " " << dtype << " shape " << torch::IntArrayRef(shape) << " scale " << scale;
+    t = t.to(torch::kCUDA);
+    for (int64_t ops = pick(0, 3); ops > 0 && t.dim() > 0; --ops) {
+      switch (pick(0, 2)) {
+        case 0:
+          if (t.dim() >= 2) {
+            t = t.transpose(0, t.dim() - 1);
+            code << ".transpose(0, -1)";
+          }
+          break;
+        case 1: {
+          const int64_t d = pick(0, t.dim() - 1), step = pick(1, 3);
+          t = t.slice(d, 0, t.size(d), step);
+          code << ".slice(" << d << ", 0, end, " << step << ")";
+          break;
+        }
+        default: {
+          const int64_t at = pick(0, t.dim());
+          std::vector<int64_t> sizes = t.unsqueeze(at).sizes().vec();
+          sizes[static_cast<std::size_t>(at)] = pick(2, 6);
+          t = t.unsqueeze(at).expand(sizes);
+          code << ".unsqueeze(" << at << ").expand(" << torch::IntArrayRef(sizes) << ")";
+        }
+      }
+    }
+    cases.emplace_back(code.str(), t);
+  }
+  // Large ones: more elements than one block of any reduction, 2^26 + 3 floats (256 MiB),
+  // half and bfloat16 with Inf.
+  torch::manual_seed(11);
+  cases.emplace_back("2^26 + 3 floats", (torch::randn({(int64_t{1} << 26) + 3}, torch::kCUDA) * 4.0 + 2.0));
+  cases.emplace_back("2^24 halfs with Inf",
+                     with_non_finite(torch::randn({int64_t{1} << 24}, torch::kCUDA)).to(torch::kHalf));
+  cases.emplace_back("2^24 bfloat16 transposed",
+                     (torch::randn({4096, 4096}, torch::kCUDA) * 1e20).to(torch::kBFloat16).t());
+  for (const auto& [code, t] : cases) {
+    INFO(code);
+    const auto host = t.cpu();
+    const auto opts = torchdbg::StatsOptions().distribution(true);
+    const auto s = torchdbg::compute_stats(t, opts);
+    CHECK(s.device == "cuda:0");
+    check_summary(s, host, 1e-9);
+    // The distribution, the counts and the batch spread read the device tensor; the CPU
+    // kernel on a host copy is the reference.
+    const auto c = torchdbg::compute_stats(host, opts);
+    REQUIRE(s.distribution.has_value() == c.distribution.has_value());
+    if (s.distribution && c.distribution) {
+      CHECK(s.distribution->bin_counts == c.distribution->bin_counts);
+      for (auto q : {&torchdbg::Distribution::p5, &torchdbg::Distribution::p50, &torchdbg::Distribution::p99}) {
+        const double a = (*s.distribution).*q, b = (*c.distribution).*q;
+        CHECK((a == b || (std::isnan(a) && std::isnan(b))));
+      }
+    }
+    if (t.numel() == 0) continue;
+    const double a = 0.5 * host.to(torch::kDouble).nan_to_num(0.0, 0.0, 0.0).abs().mean().item<double>();
+    CHECK(torchdbg::detail::count_outside(t, -a, a) == torchdbg::detail::count_outside(host, -a, a));
+    if (t.dim() >= 1) {
+      int64_t per_dev = 0, per_host = 0;
+      CHECK(torchdbg::detail::count_above_per_unit(t, -1, a, per_dev) ==
+            torchdbg::detail::count_above_per_unit(host, -1, a, per_host));
+      CHECK(per_dev == per_host);
+    }
+    const double bs_dev = torchdbg::detail::batch_spread(t), bs_host = torchdbg::detail::batch_spread(host);
+    if (std::isnan(bs_host)) {
+      CHECK(std::isnan(bs_dev));
+    } else {
+      CHECK_CLOSE(bs_dev, bs_host, 1e-9);
+    }
+  }
+}
+
 TEST_CASE("the SIMD float path is exact on counts and extrema at every lane and block boundary",
           "[stats]") {
   torchdbg_test::SeededRng rng(8);
