@@ -209,8 +209,16 @@ Args parse(int argc, char** argv) {
       a.models = next("--models");
     else if (!std::strcmp(argv[i], "--modes"))
       a.modes = next("--modes");
-    else if (!std::strcmp(argv[i], "--device"))
+    else if (!std::strcmp(argv[i], "--device")) {
       a.device = next("--device");
+      bool ok = a.device == "cpu" || a.device.rfind("cuda", 0) == 0;
+      try {
+        ok = ok && (torch::Device(a.device).is_cpu() || torch::Device(a.device).is_cuda());
+      } catch (const c10::Error&) {
+        ok = false;
+      }
+      if (!ok) throw std::runtime_error("--device: expected cpu, cuda or cuda:N, got '" + a.device + "'");
+    }
     else if (!std::strcmp(argv[i], "--no-health"))
       a.health = false;
     else
@@ -502,8 +510,34 @@ double copy_bandwidth_gbs() {
   return 2.0 * static_cast<double>(t.numel()) * 4.0 / s / 1e9;
 }
 
+/// The name and driver version of CUDA device `ordinal`, read from the driver library
+/// (libcuda.so.1, present wherever a GPU is usable), or "unknown GPU" without it.
+std::string gpu_name(int ordinal) {
+  void* lib = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+  if (lib == nullptr) return "unknown GPU";
+  using Init = int (*)(unsigned);
+  using Get = int (*)(int*, int);
+  using Name = int (*)(char*, int, int);
+  using Version = int (*)(int*);
+  const auto init = reinterpret_cast<Init>(dlsym(lib, "cuInit"));
+  const auto get = reinterpret_cast<Get>(dlsym(lib, "cuDeviceGet"));
+  const auto name = reinterpret_cast<Name>(dlsym(lib, "cuDeviceGetName"));
+  const auto version = reinterpret_cast<Version>(dlsym(lib, "cuDriverGetVersion"));
+  std::string out = "unknown GPU";
+  char buf[256] = {};
+  int dev = 0, v = 0;
+  if (init && get && name && init(0) == 0 && get(&dev, ordinal) == 0 &&
+      name(buf, static_cast<int>(sizeof(buf)) - 1, dev) == 0) {
+    out = buf;
+    if (version && version(&v) == 0) out += fmt::format(" (CUDA driver {}.{})", v / 1000, v % 1000 / 10);
+  }
+  dlclose(lib);
+  return out;
+}
+
 /// The machine every figure of this run belongs to: CPU model, cores, the threads the bench
-/// uses, copy bandwidth, the kernel's vector width, LibTorch's version. Printed first.
+/// uses, copy bandwidth, the kernel's vector width, LibTorch's version, and with --device cuda
+/// the GPU. Printed first.
 nlohmann::json bench_machine(const Args& a) {
   std::string cpu = "unknown CPU";
   std::ifstream f("/proc/cpuinfo");
@@ -522,13 +556,20 @@ nlohmann::json bench_machine(const Args& a) {
   fmt::print("machine: {}, {} hardware threads, {} intra-op thread(s), copy bandwidth {:.1f} GB/s, kernel {}, "
              "LibTorch {}\n",
              cpu, cores, a.threads, copy_gbs, torchdbg::detail::block_kernels().name, torch_version);
+  nlohmann::json machine = {{"cpu", cpu},
+                            {"hardware_threads", cores},
+                            {"threads", a.threads},
+                            {"copy_gbs", copy_gbs},
+                            {"vector_width", torchdbg::detail::block_kernels().name},
+                            {"libtorch", torch_version}};
+  const torch::Device device(a.device);
+  if (device.is_cuda()) {
+    const std::string gpu = gpu_name(device.has_index() ? device.index() : 0);
+    fmt::print("device: {}: {}\n", device.str(), gpu);
+    machine["gpu"] = gpu;
+  }
   std::fflush(stdout);
-  return {{"cpu", cpu},
-          {"hardware_threads", cores},
-          {"threads", a.threads},
-          {"copy_gbs", copy_gbs},
-          {"vector_width", torchdbg::detail::block_kernels().name},
-          {"libtorch", torch_version}};
+  return machine;
 }
 
 nlohmann::json bench_kernel() {
@@ -603,6 +644,8 @@ void set_blas_threads(int n) {
 int main(int argc, char** argv) {
   try {
     const Args a = parse(argc, argv);
+    if (torch::Device(a.device).is_cuda() && !torch::cuda::is_available())
+      throw std::runtime_error("--device " + a.device + ": no CUDA device is available to this LibTorch");
     if (a.fixed_malloc) {
       // glibc raises its mmap threshold after large frees, so what the monitored steps free
       // changes how the baseline steps allocate (page faults on fresh mmaps): fixed

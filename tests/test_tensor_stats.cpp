@@ -4,6 +4,7 @@
 #include <random>
 #include <regex>
 #include <sstream>
+#include <fmt/ranges.h>
 #include <torchdbg/tensor_stats.hpp>
 
 #include "helpers.hpp"

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/ScalarTypeToTypeMeta.h>
 #include <c10/util/ArrayRef.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join (in format.h before fmt 11)
 #include <nlohmann/json.hpp>
 #include <torch/arg.h>
 
