@@ -494,11 +494,10 @@ TEST_CASE("property: CUDA tensors of every dtype, view and magnitude give the do
       CHECK(per_dev == per_host);
     }
     const double bs_dev = torchdbg::detail::batch_spread(t), bs_host = torchdbg::detail::batch_spread(host);
-    if (std::isnan(bs_host)) {
-      CHECK(std::isnan(bs_dev));
-    } else {
-      CHECK_CLOSE(bs_dev, bs_host, 1e-9);
-    }
+    // Rows that are all alike have no spread; a reduction in another order may leave one
+    // rounding of the data's scale instead of 0.
+    INFO("batch spread " << bs_dev << " on the device, " << bs_host << " on the host");
+    CHECK(torchdbg_test::near(bs_dev, bs_host, 1e-9, 1e-14 * std::max(a, 1e-300)));
   }
 }
 
