@@ -15,6 +15,7 @@
 #include <random>
 #include <thread>
 
+#include "delivery_check.hpp"
 #include "helpers.hpp"
 
 using torchdbg::AttachOptions;
@@ -931,16 +932,7 @@ void check_autocast_training(const torch::Device& dev, at::ScalarType dtype) {
       REQUIRE(fwd[i].name == name);
       CHECK(fwd[i].tensor.scalar_type() == want.scalar_type());
       CHECK(torch::equal(fwd[i].tensor, want.detach()));
-      const auto ref = torchdbg_test::reference(want);
-      const auto& st = fwd[i].stats;
-      CHECK(st.dtype == std::string(c10::toString(want.scalar_type())));
-      CHECK(st.device == want.device().str());
-      CHECK(st.numel == ref.numel);
-      CHECK(st.finite_count == ref.finite);
-      CHECK_SCALED(st.mean, ref.mean, ref.scale(), 1e-5);
-      CHECK_CLOSE(st.std, ref.std, 1e-4);
-      CHECK(st.min == ref.min);
-      CHECK(st.max == ref.max);
+      torchdbg_test::check_delivered_stats(fwd[i].stats, want);
     }
     // The linear layers ran in the low precision (what autocast is for).
     CHECK(net->outs.front().second.scalar_type() == dtype);

@@ -20,6 +20,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "delivery_check.hpp"
 #include "helpers.hpp"
 
 using torchdbg::AttachOptions;
@@ -424,15 +425,7 @@ void check_zoo(const torch::Device& device) {
             const auto& want = truth[i].tensor;
             REQUIRE(fwd[i].tensor.sizes() == want.sizes());
             CHECK(torch::equal(fwd[i].tensor, want.detach()));
-            const auto ref = torchdbg_test::reference(want);
-            const auto& st = fwd[i].stats;
-            CHECK(st.numel == ref.numel);
-            CHECK(st.finite_count == ref.finite);
-            CHECK_SCALED(st.mean, ref.mean, ref.scale(), 1e-5);
-            CHECK_CLOSE(st.std, ref.std, 1e-4);
-            CHECK(st.min == ref.min);
-            CHECK(st.max == ref.max);
-            CHECK_CLOSE(st.l2_norm, ref.l2, 1e-5);
+            torchdbg_test::check_delivered_stats(fwd[i].stats, want);
           }
           // Backward: each distinct parameter once, equal to its .grad(); norms per module and global.
           std::size_t expected_grads = 0;
