@@ -7,7 +7,11 @@
 //
 //   torchdbg_bench [--threads N] [--rounds R] [--steps S] [--rss-steps N] [--json FILE] [--models
 //   mlp,cnn,transformer,gru,tiny,one] [--modes detached,full,every10,idle] [--no-health]
-//   [--device cpu|cuda] [--default-malloc]
+//   [--device cpu|cuda] [--default-malloc] [--count-ops]
+//
+// --count-ops also prints, per model, the LibTorch operators one baseline step and one full
+// step dispatch (with the most frequent extra ones and the .item() reads): on a GPU each
+// operator costs at least a dispatch and most a kernel launch.
 //
 // It first prints the machine (CPU model, threads, copy bandwidth): every figure is this
 // machine's.
@@ -24,6 +28,7 @@
 // monitored step (StatsBatching::Device: one per step, not one per layer).
 #include <dlfcn.h>
 #include <malloc.h>
+#include <ATen/record_function.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
 
@@ -33,6 +38,8 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -118,7 +125,7 @@ struct TransformerLm : torch::nn::Module {
   }
   torch::Tensor forward(torch::Tensor ids) {
     const int64_t t = ids.size(1);
-    auto mask = torch::ones({t, t}, torch::kBool).triu(1);
+    auto mask = torch::ones({t, t}, ids.options().dtype(torch::kBool)).triu(1);
     auto x = tok(ids) + pos(torch::arange(t, ids.options()));
     for (auto& b : blocks) x = b->forward(x, mask);
     return head(ln(x)).view({-1, kVocab});  // [batch * seq, vocab] for cross_entropy
@@ -184,6 +191,7 @@ struct Args {
   bool health = true;  // --no-health: statistics hooks only, to see the health monitor's share
   std::string device = "cpu";
   bool fixed_malloc = true;  // --default-malloc: glibc's dynamic mmap/trim thresholds
+  bool count_ops = false;    // --count-ops: LibTorch operators per step, baseline and full
 };
 
 Args parse(int argc, char** argv) {
@@ -221,6 +229,8 @@ Args parse(int argc, char** argv) {
     }
     else if (!std::strcmp(argv[i], "--no-health"))
       a.health = false;
+    else if (!std::strcmp(argv[i], "--count-ops"))
+      a.count_ops = true;
     else
       throw std::runtime_error(std::string("unknown argument ") + argv[i]);
   }
@@ -241,6 +251,31 @@ bool model_listed(const std::string& list, const std::string& name) {
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+/// LibTorch operators dispatched while `f` runs, on every thread, by name (nested ones
+/// included): on a GPU each costs a launch or at least a dispatch, and the monitored step's
+/// extra operators are where a device step's overhead goes.
+template <typename F>
+std::map<std::string, int64_t> count_operators(F&& f) {
+  static std::mutex mutex;
+  static std::map<std::string, int64_t>* counts = nullptr;
+  std::map<std::string, int64_t> out;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    counts = &out;
+  }
+  const auto handle = at::addGlobalCallback(
+      at::RecordFunctionCallback([](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (counts != nullptr) ++(*counts)[fn.name()];
+        return nullptr;
+      }).scopes({at::RecordScope::FUNCTION}));
+  f();
+  at::removeCallback(handle);
+  std::lock_guard<std::mutex> lock(mutex);
+  counts = nullptr;
+  return out;
 }
 
 /// What a monitored run installs: forward statistics of every child and activation,
@@ -445,6 +480,47 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
                  {"monitored_median_us", m},
                  {"host_copies_per_step", copies_per_step},
                  {"deliveries_per_step", static_cast<double>(deliveries) / static_cast<double>(mon.size())}};
+  }
+  if (a.count_ops) {
+    // One baseline step and one monitored (full) step, with the operators each dispatched.
+    const auto total = [](const std::map<std::string, int64_t>& m) {
+      int64_t n = 0;
+      for (const auto& [op, c] : m) n += c;
+      return n;
+    };
+    const auto base_ops = count_operators([&] { tr.step(); });
+    Monitor monitor(false, a.health);
+    std::map<std::string, int64_t> mon_ops;
+    {
+      auto session = torchdbg::attach(*tr.model, monitor.hooks);
+      for (int s = 0; s < 3; ++s) {
+        monitor.hooks.set_step(s);
+        tr.step();
+      }
+      monitor.hooks.set_step(3);
+      mon_ops = count_operators([&] {
+        tr.step();
+        monitor.hooks.set_step(4);  // the step's batch comes to the host here
+      });
+    }
+    std::vector<std::pair<int64_t, std::string>> extra;
+    for (const auto& [op, c] : mon_ops) {
+      const auto it = base_ops.find(op);
+      const int64_t d = c - (it == base_ops.end() ? 0 : it->second);
+      if (d != 0) extra.emplace_back(d, op);
+    }
+    std::sort(extra.rbegin(), extra.rend());
+    const auto scalar = mon_ops.find("aten::_local_scalar_dense");
+    const int64_t items = scalar == mon_ops.end() ? 0 : scalar->second;
+    if (print) {
+      fmt::print("operators per step {}: baseline {}, full {} (+{}), .item() reads {}\n", name, total(base_ops),
+                 total(mon_ops), total(mon_ops) - total(base_ops), items);
+      for (std::size_t i = 0; i < extra.size() && i < 12; ++i)
+        fmt::print("  {:+6} {}\n", extra[i].first, extra[i].second);
+    }
+    nlohmann::json top = nlohmann::json::object();
+    for (std::size_t i = 0; i < extra.size() && i < 40; ++i) top[extra[i].second] = extra[i].first;
+    out["operators"] = {{"baseline", total(base_ops)}, {"full", total(mon_ops)}, {"item_reads", items}, {"extra", top}};
   }
   return out;
 }

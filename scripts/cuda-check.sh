@@ -64,7 +64,7 @@ main() {
   if [ -x $bench ]; then
     say "bench"
     (cd /tmp && timeout "$(left 150)" stdbuf -oL $bench --device cuda --models mlp,cnn,transformer,gru \
-      --rss-steps 0 --json "$OUT_DIR/bench_cuda.json" >"$OUT_DIR/bench_cuda.txt" 2>&1
+      --rss-steps 0 --count-ops --json "$OUT_DIR/bench_cuda.json" >"$OUT_DIR/bench_cuda.txt" 2>&1
      echo "bench rc $?" >>"$OUT_DIR/bench_cuda.txt")
     cat "$OUT_DIR/bench_cuda.txt"
   fi

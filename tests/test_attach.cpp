@@ -759,7 +759,13 @@ TEST_CASE("a monitored CUDA training step copies to the host once", "[attach][cu
   HookManager hooks(torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.0)));
   torchdbg::HealthMonitor health;
   auto fed = health.install(hooks);
-  hooks.create_tensor_inspection_hook({});
+  // (create_tensor_inspection_hook would also record activations: the visualizer's
+  // distributions and heatmaps are read per delivery, not batched.)
+  hooks.register_hook(torchdbg::HookConfig()
+                          .name("fwd")
+                          .trigger(torchdbg::HookTrigger::every_forward())
+                          .direction(torchdbg::CallDirection::Forward)
+                          .actions({torchdbg::HookAction::inspect_tensor()}));
   hooks.create_gradient_tracking_hook({});
   auto session = torchdbg::attach(
       *net, hooks, AttachOptions().batching(cuda ? torchdbg::StatsBatching::Device : torchdbg::StatsBatching::All));

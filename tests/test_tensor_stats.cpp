@@ -394,21 +394,19 @@ TEST_CASE("CUDA tensors are reduced on the device", "[stats][cuda]") {
   CHECK(s.device == "cuda:0");
 }
 
-TEST_CASE("property: CUDA tensors of every dtype, view and magnitude give the double reference's statistics",
-          "[stats][cuda]") {
-  if (!torch::cuda::is_available()) {
-    WARN("no CUDA device: skipped");
-    return;
-  }
-  std::mt19937_64 g(20261204);
+namespace {
+
+/// `n` random tensors on `device` with the code that made each: every dtype, random shapes
+/// (empty ones too), magnitudes from 1e-30 to 1e30 (clipped to the dtype's range), NaN/Inf,
+/// and views: transposes, stepped slices, expanded dimensions.
+std::vector<std::pair<std::string, torch::Tensor>> random_stat_cases(torch::Device device, int n, uint64_t generator_seed) {
+  std::mt19937_64 g(generator_seed);
   const auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); };
   const std::vector<torch::ScalarType> dtypes = {torch::kFloat, torch::kDouble, torch::kHalf,  torch::kBFloat16,
                                                  torch::kInt8,  torch::kUInt8,  torch::kInt16, torch::kInt32,
                                                  torch::kInt64, torch::kBool};
-  // Random shapes (empty ones too), magnitudes from 1e-30 to 1e30 (clipped to the dtype's
-  // range), NaN/Inf, and views: transposes, stepped slices, expanded dimensions.
   std::vector<std::pair<std::string, torch::Tensor>> cases;
-  for (int i = 0; i < 80; ++i) {
+  for (int i = 0; i < n; ++i) {
     const auto dtype = dtypes[static_cast<std::size_t>(pick(0, static_cast<int64_t>(dtypes.size()) - 1))];
     std::vector<int64_t> shape;
     for (int64_t d = pick(0, 4); d > 0; --d) shape.push_back(pick(0, 5) == 0 ? pick(0, 1) : pick(1, 40));
@@ -432,7 +430,7 @@ TEST_CASE("property: CUDA tensors of every dtype, view and magnitude give the do
     torch::Tensor t = dtype == torch::kBool ? (x > 0) : x.to(dtype);
     std::ostringstream code;
     code << "seed " << seed << " " << dtype << " shape " << torch::IntArrayRef(shape) << " scale " << scale;
-    t = t.to(torch::kCUDA);
+    t = t.to(device);
     for (int64_t ops = pick(0, 3); ops > 0 && t.dim() > 0; --ops) {
       switch (pick(0, 2)) {
         case 0:
@@ -458,6 +456,107 @@ TEST_CASE("property: CUDA tensors of every dtype, view and magnitude give the do
     }
     cases.emplace_back(code.str(), t);
   }
+  return cases;
+}
+
+/// Adds every case that MomentsBatch takes to one batch, reduces it once and checks each
+/// row against the double reference on a host copy; returns how many were batched.
+int check_batched(const std::vector<std::pair<std::string, torch::Tensor>>& cases) {
+  torchdbg::detail::MomentsBatch batch;
+  struct Row {
+    std::size_t index;
+    int64_t row, repeats;
+  };
+  std::vector<Row> rows;
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    const auto r = torchdbg::detail::collapse_repeats(cases[i].second);
+    if (!torchdbg::detail::MomentsBatch::accepts(r.base)) continue;
+    rows.push_back({i, batch.add(r.base), r.repeats});
+  }
+  REQUIRE(batch.rows() == static_cast<int64_t>(rows.size()));
+  const torch::Tensor packed = batch.reduce().cpu().contiguous();
+  CHECK(batch.rows() == 0);
+  REQUIRE(packed.size(0) == static_cast<int64_t>(rows.size()));
+  for (const Row& r : rows) {
+    const auto& [code, t] = cases[r.index];
+    INFO("batched row " << r.row << ": " << code);
+    const auto m = torchdbg::detail::repeated(
+        torchdbg::detail::unpack_moments(packed.data_ptr<double>() + r.row * torchdbg::detail::kPackedMoments),
+        r.repeats);
+    check_summary(torchdbg::stats_from_moments(m, t), t.cpu(), 1e-9);
+  }
+  return static_cast<int>(rows.size());
+}
+
+}  // namespace
+
+TEST_CASE("property: thresholds between two floats count float values as double comparisons do", "[stats]") {
+  // A double bound rounded to the nearest float would put a value next to it on the wrong
+  // side; every count must equal the comparison of the values as doubles.
+  std::mt19937_64 g(77);
+  for (int trial = 0; trial < 200; ++trial) {
+    INFO("trial " << trial);
+    const int64_t rows = 1 + static_cast<int64_t>(g() % 9), cols = 1 + static_cast<int64_t>(g() % 37);
+    torch::manual_seed(static_cast<int64_t>(g() % 100000));
+    const torch::Tensor x = torch::randn({rows, cols}) * std::pow(10.0, static_cast<double>(g() % 9) - 4.0);
+    const torch::Tensor xd = x.to(torch::kDouble);
+    // Bounds at a value, or half a float step beside it (not a float themselves).
+    const double v = xd.view(-1)[static_cast<int64_t>(g() % static_cast<uint64_t>(x.numel()))].item<double>();
+    const double step = std::abs(v) * 6e-8 + 1e-45;
+    const double lo = v + (g() % 3 == 0 ? 0.0 : (g() % 2 ? 0.5 : -0.5) * step);
+    const double hi = v + (g() % 3 == 0 ? 0.0 : (g() % 2 ? 0.5 : -0.5) * step);
+    CHECK(torchdbg::detail::count_outside(x, lo, hi) == ((xd < lo).logical_or(xd > hi)).sum().item<int64_t>());
+    int64_t per_unit = 0;
+    for (int64_t dim : {0, 1}) {
+      const auto got = torchdbg::detail::count_above_per_unit(x, dim, hi, per_unit);
+      const auto ref = (xd > hi).sum(1 - dim);
+      REQUIRE(got.size() == static_cast<std::size_t>(ref.numel()));
+      for (int64_t u = 0; u < ref.numel(); ++u) CHECK(got[static_cast<std::size_t>(u)] == ref[u].item<int64_t>());
+    }
+    const auto x3 = x.view({rows, 1, cols}).expand({rows, 2, cols}).contiguous();  // units with inner > 1
+    const auto got3 = torchdbg::detail::count_above_per_unit(x3, 0, hi, per_unit);
+    const auto ref3 = (x3.to(torch::kDouble) > hi).sum({1, 2});
+    for (int64_t u = 0; u < ref3.numel(); ++u) CHECK(got3[static_cast<std::size_t>(u)] == ref3[u].item<int64_t>());
+  }
+  CHECK(torchdbg::detail::float_at_or_below(1e300) == std::numeric_limits<float>::max());
+  CHECK(std::isinf(torchdbg::detail::float_at_or_above(1e300)));
+  CHECK(torchdbg::detail::float_at_or_above(-1e300) == -std::numeric_limits<float>::max());
+  CHECK(torchdbg::detail::float_at_or_below(0.1) < 0.1f);
+  CHECK(torchdbg::detail::float_at_or_above(0.1) == 0.1f);
+}
+
+TEST_CASE("property: moments batched in one reduction are each tensor's own", "[stats]") {
+  // A step's queued deliveries are reduced together (MomentsBatch); each row must be that
+  // tensor's statistics, whatever its neighbours.
+  for (uint64_t seed : {1u, 2u, 3u}) {
+    INFO("seed " << seed);
+    const auto cases = random_stat_cases(torch::kCPU, 120, seed);
+    CHECK(check_batched(cases) > 80);
+  }
+  // More than kMaxHeld elements: the rows so far are reduced on the way, in order.
+  torchdbg_test::SeededRng rng(12);
+  std::vector<std::pair<std::string, torch::Tensor>> big;
+  for (int i = 0; i < 18; ++i)
+    big.emplace_back("big " + std::to_string(i),
+                     torch::randn({torchdbg::detail::MomentsBatch::kMaxElements}) * (i + 1) + i);
+  big.emplace_back("one more than a batch takes", torch::randn({torchdbg::detail::MomentsBatch::kMaxElements + 1}));
+  big.emplace_back("tail", torch::tensor({kNaN, 1.0, -kInf}));
+  CHECK(check_batched(big) == 19);
+  // An empty batch reduces to no rows; a tensor of a dtype without moments is refused.
+  torchdbg::detail::MomentsBatch empty;
+  CHECK_THROWS_AS(empty.add(torch::zeros({2}, torch::kComplexFloat)), torchdbg::Error);
+  CHECK(empty.rows() == 0);
+}
+
+TEST_CASE("property: CUDA tensors of every dtype, view and magnitude give the double reference's statistics",
+          "[stats][cuda]") {
+  if (!torch::cuda::is_available()) {
+    WARN("no CUDA device: skipped");
+    return;
+  }
+  auto cases = random_stat_cases(torch::kCUDA, 80, 20261204);
+  // The step's batched reduction (MomentsBatch) on the device, every case in one batch.
+  CHECK(check_batched(cases) > 50);
   // Large ones: more elements than one block of any reduction, 2^26 + 3 floats (256 MiB),
   // half and bfloat16 with Inf.
   torch::manual_seed(11);

@@ -162,7 +162,8 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     if (precomputed == nullptr && defers(t)) {
       if (pass) passes_.hold(*pass);  // its norm waits for this square
       try {
-        DeferredQueue::Item d{module, std::string(name), t, is_forward, md, pack_moments(t.detach()),
+        DeferredQueue::Item d{module, std::string(name), t, is_forward, md,
+                              DeferredQueue::batches(t) ? at::Tensor() : pack_moments(t.detach()),
                               input.packed, {}, pass, input.model_input};
         if (prefetch) d.extras = prefetch(name, t, is_forward, md);
         if (deferred_.push(std::move(d), options.max_deferred())) flush_deferred();
@@ -184,12 +185,12 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   /// Brings every queued delivery's statistics to the host (one copy per device) and runs
   /// their hooks in arrival order; never throws.
   void flush_deferred() {
-    std::vector<DeferredQueue::Item> batch = deferred_.take();
-    if (batch.empty()) return;
+    DeferredQueue::Batch batch = deferred_.take();
+    if (batch.items.empty()) return;
     DeliveringScope scope;
     std::vector<DeferredQueue::Fetched> fetched = DeferredQueue::fetch(batch, host_transfers);
-    for (std::size_t i = 0; i < batch.size(); ++i) {
-      DeferredQueue::Item& d = batch[i];
+    for (std::size_t i = 0; i < batch.items.size(); ++i) {
+      DeferredQueue::Item& d = batch.items[i];
       try {
         std::optional<TensorStats> s;
         if (fetched[i].stats) s = stats_from_moments(*fetched[i].stats, d.tensor);

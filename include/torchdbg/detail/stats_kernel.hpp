@@ -797,6 +797,60 @@ void for_each_value(const at::Tensor& t, F&& f) {
   });
 }
 
+/// The kPackedMoments columns of float64 data `x` (1-D, on any device) cut into segments:
+/// one row per segment. `red` reduces a float64 vector laid out as `parts` copies of `x` end
+/// to end: `red.sum(v, parts)` / `red.min(v)` / `red.max(v)` give [parts, segments] /
+/// [segments] / [segments]; `red.spread(r)` repeats each segment's value over its elements;
+/// `red.count()` is each segment's element count (float64). Every reduction of a delivery's
+/// moments on a device goes through here, whole tensors and batches alike.
+template <typename Reduce>
+at::Tensor moments_rows(const at::Tensor& x, const Reduce& red) {
+  const auto dopt = x.options();
+  const at::Tensor finite = at::isfinite(x);
+  const at::Tensor xf = at::where(finite, x, at::zeros({}, dopt));
+  const at::Tensor absx = xf.abs();
+  // The seven counts and two sums in one reduction: indicators and values end to end.
+  const at::Tensor flags =
+      at::cat({finite, at::isnan(x), at::isposinf(x), at::isneginf(x), x == 0, xf < 0, xf > 0});
+  const at::Tensor sums = red.sum(at::cat({flags.to(at::kDouble), xf, absx}), 9);  // [9, segments]
+  const at::Tensor n_fin = sums[0];
+  const at::Tensor mean = sums[7] / at::clamp_min(n_fin, 1.0);
+  const at::Tensor dev = (xf - red.spread(mean)) * finite;
+  const at::Tensor inf = at::full({}, kInf, dopt);
+  return at::stack({red.count(), sums[0], sums[1], sums[2], sums[3], sums[4], sums[5], sums[6], mean,
+                    red.sum(dev * dev, 1)[0], red.min(at::where(finite, x, inf)),
+                    red.max(at::where(finite, x, -inf)), sums[8], red.max(absx)},
+                   1);
+}
+
+/// moments_rows's reductions over a whole vector: one segment.
+struct WholeReduce {
+  int64_t n;
+  at::Tensor count_;
+  at::Tensor sum(const at::Tensor& v, int64_t parts) const { return v.view({parts, n}).sum(1, true); }
+  at::Tensor min(const at::Tensor& v) const { return v.min().view({1}); }
+  at::Tensor max(const at::Tensor& v) const { return v.max().view({1}); }
+  at::Tensor spread(const at::Tensor& r) const { return r; }  // [1] broadcasts
+  at::Tensor count() const { return count_; }
+};
+
+/// moments_rows's reductions over consecutive segments of the given lengths (all > 0).
+struct SegmentReduce {
+  int64_t n;
+  at::Tensor lengths;  // int64 [segments], on the data's device
+  at::Tensor segment(const at::Tensor& v, const char* how, const at::Tensor& lens) const {
+    // unsafe: the lengths are ours and sum to the data's length (the checks would sync)
+    return at::segment_reduce(v, how, lens, {}, {}, 0, /*unsafe=*/true);
+  }
+  at::Tensor sum(const at::Tensor& v, int64_t parts) const {
+    return segment(v, "sum", parts == 1 ? lengths : lengths.repeat({parts})).view({parts, -1});
+  }
+  at::Tensor min(const at::Tensor& v) const { return segment(v, "min", lengths); }
+  at::Tensor max(const at::Tensor& v) const { return segment(v, "max", lengths); }
+  at::Tensor spread(const at::Tensor& r) const { return at::repeat_interleave(r, lengths, 0, n); }
+  at::Tensor count() const { return lengths.to(at::kDouble); }
+};
+
 inline at::Tensor pack_moments(const at::Tensor& t) {
   check_supported_dtype(t.scalar_type());
   const auto dopt = t.options().dtype(at::kDouble);
@@ -813,33 +867,64 @@ inline at::Tensor pack_moments(const at::Tensor& t) {
     out[11] = -kInf;
     return out;
   }
-  const at::Tensor x = t.to(at::kDouble);
-  const at::Tensor finite = at::isfinite(x);
-  const at::Tensor fin_d = finite.to(at::kDouble);
-  const at::Tensor n_fin = fin_d.sum();
-  const at::Tensor xf = at::where(finite, x, at::zeros({}, dopt));
-  const at::Tensor mean = xf.sum() / at::clamp_min(n_fin, 1.0);
-  const at::Tensor dev = (xf - mean) * fin_d;
-  const at::Tensor inf = at::full({}, kInf, dopt);
-  const at::Tensor absx = xf.abs();
-  std::vector<at::Tensor> parts = {
-      at::full({}, static_cast<double>(t.numel()), dopt),
-      n_fin,
-      at::isnan(x).sum().to(at::kDouble),
-      at::isposinf(x).sum().to(at::kDouble),
-      at::isneginf(x).sum().to(at::kDouble),
-      (x == 0).sum().to(at::kDouble),
-      (xf < 0).sum().to(at::kDouble),
-      (xf > 0).sum().to(at::kDouble),
-      mean,
-      (dev * dev).sum(),
-      at::where(finite, x, inf).min(),
-      at::where(finite, x, -inf).max(),
-      absx.sum(),
-      absx.max(),
-  };
-  return at::stack(parts);
+  const at::Tensor x = t.to(at::kDouble).reshape({-1});
+  const WholeReduce whole{x.numel(), at::full({1}, static_cast<double>(x.numel()), dopt)};
+  return moments_rows(x, whole).view({kPackedMoments});
 }
+
+/// Moments of many tensors reduced together on their device: `add` copies a tensor (one
+/// kernel) and `reduce` computes every added tensor's row with a fixed number of kernels,
+/// however many were added. For tensors of up to kMaxElements elements; not thread-safe.
+class MomentsBatch {
+ public:
+  /// Largest tensor added: a segment is reduced by one block of threads on a GPU.
+  static constexpr int64_t kMaxElements = int64_t{1} << 20;
+  /// Elements held before the rows so far are reduced (bounds the copies' memory).
+  static constexpr int64_t kMaxHeld = int64_t{1} << 24;
+
+  /// Whether `t` (dense, non-empty, at most kMaxElements elements) can be added.
+  static bool accepts(const at::Tensor& t) {
+    return !t.is_sparse() && t.numel() > 0 && t.numel() <= kMaxElements;
+  }
+  /// Copies `t` (accepts(t)) and returns its row.
+  int64_t add(const at::Tensor& t) {
+    check_supported_dtype(t.scalar_type());
+    at::Tensor copy = at::empty({t.numel()}, t.options().dtype(at::kDouble));
+    copy.view(t.sizes()).copy_(t);
+    held_.push_back(std::move(copy));
+    lengths_.push_back(t.numel());
+    elements_ += t.numel();
+    if (elements_ >= kMaxHeld) reduce_held();
+    return rows_++;
+  }
+  [[nodiscard]] int64_t rows() const { return rows_; }
+  /// Every added tensor's kPackedMoments doubles, row by row, in the order added: [rows, 14]
+  /// on the tensors' device (no host sync). Empties the batch.
+  at::Tensor reduce() {
+    reduce_held();
+    at::Tensor out = done_.size() == 1 ? done_[0] : at::cat(done_);
+    done_.clear();
+    rows_ = 0;
+    return out;
+  }
+
+ private:
+  void reduce_held() {
+    if (held_.empty()) return;
+    const at::Tensor x = held_.size() == 1 ? held_[0] : at::cat(held_);
+    const at::Tensor lens = at::tensor(lengths_, at::TensorOptions().dtype(at::kLong))
+                                .to(x.device(), /*non_blocking=*/true);
+    done_.push_back(moments_rows(x, SegmentReduce{x.numel(), lens}));
+    held_.clear();
+    lengths_.clear();
+    elements_ = 0;
+  }
+  std::vector<at::Tensor> held_;  // float64 copies not yet reduced
+  std::vector<int64_t> lengths_;
+  int64_t elements_ = 0;
+  std::vector<at::Tensor> done_;  // reduced rows
+  int64_t rows_ = 0;
+};
 
 /// Inverse of pack_moments for kPackedMoments host doubles (one row of a packed batch).
 inline Moments unpack_moments(const double* v) {
@@ -976,6 +1061,20 @@ inline Moments compute_moments(const at::Tensor& t, bool signs = true) {
   return repeated(m, r.repeats);
 }
 
+/// The smallest float at or above `v`: for a float x, `x < float_at_or_above(v)` is exactly
+/// `x < v` (a bound rounded to the nearest float could count a value on the wrong side).
+inline float float_at_or_above(double v) noexcept {
+  float f = static_cast<float>(v);
+  if (static_cast<double>(f) < v) f = std::nextafter(f, std::numeric_limits<float>::infinity());
+  return f;
+}
+/// The largest float at or below `v`: for a float x, `x > float_at_or_below(v)` is `x > v`.
+inline float float_at_or_below(double v) noexcept {
+  float f = static_cast<float>(v);
+  if (static_cast<double>(f) > v) f = std::nextafter(f, -std::numeric_limits<float>::infinity());
+  return f;
+}
+
 /// count_outside reduced with tensor operators where `t` lives: a 1-element float64 tensor
 /// on t's device (no host sync).
 inline at::Tensor count_outside_on_device(const at::Tensor& t, double lo, double hi) {
@@ -1006,7 +1105,7 @@ inline int64_t count_outside(const at::Tensor& t, double lo, double hi) {
       const T* p = static_cast<const T*>(c.data_ptr());
       const int64_t n = c.numel();
       if constexpr (std::is_same_v<T, float>) {
-        const float flo = static_cast<float>(lo), fhi = static_cast<float>(hi);
+        const float flo = float_at_or_above(lo), fhi = float_at_or_below(hi);
         for (int64_t i = 0; i < n; ++i) count += (p[i] < flo) | (p[i] > fhi);
       } else {
         for (int64_t i = 0; i < n; ++i) {
@@ -1091,7 +1190,7 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
       std::vector<int32_t> row_counts(static_cast<std::size_t>(cu), 0);
 #if defined(TORCHDBG_HAVE_VECTOR_EXT)
       if constexpr (std::is_same_v<T, float>) {
-        const float ft = static_cast<float>(threshold);
+        const float ft = float_at_or_below(threshold);
         const auto& k = block_kernels();
         for (int64_t o = 0; o < outer; o += int64_t{1} << 30) {  // int32 counters
           const int64_t rows = std::min(outer - o, int64_t{1} << 30);
@@ -1107,7 +1206,7 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
       for (int64_t o = 0; o < outer; ++o) {
         const T* row = p + o * cu;
         if constexpr (std::is_same_v<T, float>) {
-          const float ft = static_cast<float>(threshold);
+          const float ft = float_at_or_below(threshold);
           for (int64_t u = 0; u < cu; ++u)
             row_counts[static_cast<std::size_t>(u)] += row[u] > ft;
         } else {
@@ -1130,7 +1229,7 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
         const T* q = p + (o * cu + u) * inner;
         int64_t k = 0;
         if constexpr (std::is_same_v<T, float>) {
-          const float ft = static_cast<float>(threshold);
+          const float ft = float_at_or_below(threshold);
 #if defined(TORCHDBG_HAVE_VECTOR_EXT)
           k = block_kernels().count_above(q, inner, ft);  // [N, C, H, W]: a channel's plane
 #else
