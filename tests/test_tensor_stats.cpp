@@ -542,6 +542,45 @@ TEST_CASE("property: moments batched in one reduction are each tensor's own", "[
   big.emplace_back("one more than a batch takes", torch::randn({torchdbg::detail::MomentsBatch::kMaxElements + 1}));
   big.emplace_back("tail", torch::tensor({kNaN, 1.0, -kInf}));
   CHECK(check_batched(big) == 19);
+  // Magnitudes at the ends of float64: a constant has no deviation, a sum near the largest
+  // double does not overflow, denormals keep their mean and spread.
+  {
+    torchdbg::detail::MomentsBatch batch;
+    const std::vector<torch::Tensor> extremes = {
+        torch::full({1000}, 1e300, torch::kDouble), torch::full({4}, 1.7e308, torch::kDouble),
+        torch::tensor({-1e300, -1e300, kNaN, -1e300}, torch::kDouble),
+        torch::tensor({1e-310, 3e-310, 5e-310, 0.0}, torch::kDouble), torch::randn({5}, torch::kDouble) + 1e6};
+    for (const auto& t : extremes) batch.add(t);
+    const torch::Tensor packed = batch.reduce().contiguous();
+    const auto row = [&](int64_t i) {
+      return torchdbg::detail::unpack_moments(packed.data_ptr<double>() + i * torchdbg::detail::kPackedMoments);
+    };
+    CHECK(row(0).mean == 1e300);
+    CHECK(row(0).m2 == 0.0);
+    CHECK(row(1).mean == 1.7e308);
+    CHECK(row(1).m2 == 0.0);
+    CHECK(row(2).mean == -1e300);
+    CHECK(row(2).nan == 1);
+    CHECK(row(2).m2 == 0.0);
+    CHECK_CLOSE(row(3).mean, reference(extremes[3]).mean, 1e-12);
+    CHECK(row(3).min == 0.0);
+    CHECK(row(3).max == 5e-310);
+    const Reference r4 = reference(extremes[4]);
+    CHECK_SCALED(row(4).mean, r4.mean, 1e6, 1e-15);
+    CHECK_CLOSE(std::sqrt(row(4).m2 / 5.0), r4.std, 1e-9);
+  }
+  // A negative view's memory holds the values' negatives: every reader sees the values.
+  {
+    const auto v = torch::randn({6, 5}) + 0.5;
+    const auto neg = v._neg_view();
+    REQUIRE(neg.is_neg());
+    check_summary(torchdbg::compute_stats(neg), neg.resolve_neg());
+    CHECK(torchdbg::detail::count_outside(neg, -0.1, 10.0) == (neg.resolve_neg() < -0.1).sum().item<int64_t>());
+    int64_t per_unit = 0;
+    CHECK(torchdbg::detail::count_above_per_unit(neg, 1, 0.0, per_unit)[0] ==
+          (neg.resolve_neg().select(1, 0) > 0).sum().item<int64_t>());
+    CHECK(check_batched({{"neg view", neg}, {"neg view transposed", neg.t()}}) == 2);
+  }
   // An empty batch reduces to no rows; a tensor of a dtype without moments is refused.
   torchdbg::detail::MomentsBatch empty;
   CHECK_THROWS_AS(empty.add(torch::zeros({2}, torch::kComplexFloat)), torchdbg::Error);

@@ -713,7 +713,8 @@ struct Repeated {
 /// `t` with every dimension of stride 0 and size > 1 (an expanded one: `x.expand(...)`, a
 /// broadcast) narrowed to size 1, except dimension `keep` (-1: none). Statistics of the
 /// result, with counts and sums multiplied by `repeats`, are those of `t`, at the cost of the
-/// result's size instead of `t`'s logical size.
+/// result's size instead of `t`'s logical size. A negative view (`_neg_view()`, the imaginary
+/// part of a conjugate) is resolved: its memory holds the values' negatives.
 inline Repeated collapse_repeats(const at::Tensor& t, int64_t keep = -1) {
   Repeated r{t, 1};
   if (t.is_sparse()) return r;  // no strides: read through its values
@@ -722,6 +723,7 @@ inline Repeated collapse_repeats(const at::Tensor& t, int64_t keep = -1) {
     r.repeats *= t.size(d);
     r.base = r.base.narrow(d, 0, 1);
   }
+  if (r.base.is_neg()) r.base = r.base.resolve_neg();
   return r;
 }
 
@@ -798,28 +800,40 @@ void for_each_value(const at::Tensor& t, F&& f) {
 }
 
 /// The kPackedMoments columns of float64 data `x` (1-D, on any device) cut into segments:
-/// one row per segment. `red` reduces a float64 vector laid out as `parts` copies of `x` end
-/// to end: `red.sum(v, parts)` / `red.min(v)` / `red.max(v)` give [parts, segments] /
-/// [segments] / [segments]; `red.spread(r)` repeats each segment's value over its elements;
-/// `red.count()` is each segment's element count (float64). Every reduction of a delivery's
-/// moments on a device goes through here, whole tensors and batches alike.
+/// one row per segment. `red` reduces float64 vectors laid out as `x`: `red.sum(v)`,
+/// `red.min(v)`, `red.max(v)` give one value per segment; `red.counts(flags)` the number of
+/// true elements of each bool vector per segment ([flags, segments], float64);
+/// `red.spread(r)` repeats each segment's value over its elements; `red.count()` is each
+/// segment's element count (float64). Every reduction of a delivery's moments on a device
+/// goes through here, whole tensors and batches alike.
 template <typename Reduce>
 at::Tensor moments_rows(const at::Tensor& x, const Reduce& red) {
   const auto dopt = x.options();
   const at::Tensor finite = at::isfinite(x);
-  const at::Tensor xf = at::where(finite, x, at::zeros({}, dopt));
-  const at::Tensor absx = xf.abs();
-  // The seven counts and two sums in one reduction: indicators and values end to end.
-  const at::Tensor flags =
-      at::cat({finite, at::isnan(x), at::isposinf(x), at::isneginf(x), x == 0, xf < 0, xf > 0});
-  const at::Tensor sums = red.sum(at::cat({flags.to(at::kDouble), xf, absx}), 9);  // [9, segments]
-  const at::Tensor n_fin = sums[0];
-  const at::Tensor mean = sums[7] / at::clamp_min(n_fin, 1.0);
-  const at::Tensor dev = (xf - red.spread(mean)) * finite;
-  const at::Tensor inf = at::full({}, kInf, dopt);
-  return at::stack({red.count(), sums[0], sums[1], sums[2], sums[3], sums[4], sums[5], sums[6], mean,
-                    red.sum(dev * dev, 1)[0], red.min(at::where(finite, x, inf)),
-                    red.max(at::where(finite, x, -inf)), sums[8], red.max(absx)},
+  const at::Tensor inf = at::full({}, kInf, dopt), zero = at::zeros({}, dopt), one = at::ones({}, dopt);
+  const at::Tensor xf = at::where(finite, x, zero);
+  const at::Tensor counts =
+      red.counts({finite, at::isnan(x), at::isposinf(x), at::isneginf(x), x == 0, xf < 0, xf > 0});
+  const at::Tensor lo = red.min(at::where(finite, x, inf)), hi = red.max(at::where(finite, x, -inf));
+  at::Tensor abs_sum, abs_max;
+  {
+    const at::Tensor a = xf.abs();
+    abs_sum = red.sum(a);
+    abs_max = red.max(a);
+  }
+  // Mean and squared deviations of the finite values shifted by their minimum and scaled by a
+  // power of two near their range (both exact): a constant segment has no deviation at all,
+  // and neither the sums nor the squares overflow from the values' magnitude alone.
+  const at::Tensor shift = at::where(at::isfinite(lo), lo, zero);
+  const at::Tensor d = (xf - red.spread(shift)) * finite;
+  const at::Tensor range = red.max(d);
+  const at::Tensor scale = at::exp2(at::floor(at::log2(at::where(range > 0, range, one))));
+  const at::Tensor ds = d / red.spread(scale);
+  const at::Tensor mean_s = red.sum(ds) / at::clamp_min(counts[0], 1.0);
+  const at::Tensor dev = (ds - red.spread(mean_s)) * finite;
+  const at::Tensor m2 = red.sum(dev * dev) * scale * scale;
+  return at::stack({red.count(), counts[0], counts[1], counts[2], counts[3], counts[4], counts[5], counts[6],
+                    shift + mean_s * scale, m2, lo, hi, abs_sum, abs_max},
                    1);
 }
 
@@ -827,14 +841,20 @@ at::Tensor moments_rows(const at::Tensor& x, const Reduce& red) {
 struct WholeReduce {
   int64_t n;
   at::Tensor count_;
-  at::Tensor sum(const at::Tensor& v, int64_t parts) const { return v.view({parts, n}).sum(1, true); }
+  at::Tensor sum(const at::Tensor& v) const { return v.sum().view({1}); }
   at::Tensor min(const at::Tensor& v) const { return v.min().view({1}); }
   at::Tensor max(const at::Tensor& v) const { return v.max().view({1}); }
+  at::Tensor counts(const std::vector<at::Tensor>& flags) const {
+    std::vector<at::Tensor> c;
+    for (const at::Tensor& f : flags) c.push_back(f.sum(at::kDouble).view({1}));  // no float64 copy
+    return at::stack(c);
+  }
   at::Tensor spread(const at::Tensor& r) const { return r; }  // [1] broadcasts
   at::Tensor count() const { return count_; }
 };
 
-/// moments_rows's reductions over consecutive segments of the given lengths (all > 0).
+/// moments_rows's reductions over consecutive segments of the given lengths (all > 0, at
+/// most 2^24 each).
 struct SegmentReduce {
   int64_t n;
   at::Tensor lengths;  // int64 [segments], on the data's device
@@ -842,11 +862,14 @@ struct SegmentReduce {
     // unsafe: the lengths are ours and sum to the data's length (the checks would sync)
     return at::segment_reduce(v, how, lens, {}, {}, 0, /*unsafe=*/true);
   }
-  at::Tensor sum(const at::Tensor& v, int64_t parts) const {
-    return segment(v, "sum", parts == 1 ? lengths : lengths.repeat({parts})).view({parts, -1});
-  }
+  at::Tensor sum(const at::Tensor& v) const { return segment(v, "sum", lengths); }
   at::Tensor min(const at::Tensor& v) const { return segment(v, "min", lengths); }
   at::Tensor max(const at::Tensor& v) const { return segment(v, "max", lengths); }
+  at::Tensor counts(const std::vector<at::Tensor>& flags) const {
+    // The flags end to end, one reduction; float32 counts up to 2^24 exactly.
+    const auto k = static_cast<int64_t>(flags.size());
+    return segment(at::cat(flags).to(at::kFloat), "sum", lengths.repeat({k})).view({k, -1}).to(at::kDouble);
+  }
   at::Tensor spread(const at::Tensor& r) const { return at::repeat_interleave(r, lengths, 0, n); }
   at::Tensor count() const { return lengths.to(at::kDouble); }
 };
@@ -879,22 +902,26 @@ class MomentsBatch {
  public:
   /// Largest tensor added: a segment is reduced by one block of threads on a GPU.
   static constexpr int64_t kMaxElements = int64_t{1} << 20;
-  /// Elements held before the rows so far are reduced (bounds the copies' memory).
-  static constexpr int64_t kMaxHeld = int64_t{1} << 24;
+  /// Elements held before the rows so far are reduced: bounds the copies' memory (32 MiB)
+  /// and a reduction's temporaries (about 8 times that).
+  static constexpr int64_t kMaxHeld = int64_t{1} << 22;
 
-  /// Whether `t` (dense, non-empty, at most kMaxElements elements) can be added.
+  /// Whether `t` (dense, non-empty, at most kMaxElements elements, on the CPU or a CUDA
+  /// device: the backends with segment reductions) can be added.
   static bool accepts(const at::Tensor& t) {
-    return !t.is_sparse() && t.numel() > 0 && t.numel() <= kMaxElements;
+    return !t.is_sparse() && t.numel() > 0 && t.numel() <= kMaxElements &&
+           (t.device().is_cpu() || t.device().is_cuda());
   }
-  /// Copies `t` (accepts(t)) and returns its row.
+  /// Copies `t` (accepts(t)) and returns its row. When it throws, the batch is as it was.
   int64_t add(const at::Tensor& t) {
     check_supported_dtype(t.scalar_type());
+    if (elements_ + t.numel() > kMaxHeld) reduce_held();
     at::Tensor copy = at::empty({t.numel()}, t.options().dtype(at::kDouble));
     copy.view(t.sizes()).copy_(t);
+    lengths_.reserve(lengths_.size() + 1);
     held_.push_back(std::move(copy));
     lengths_.push_back(t.numel());
     elements_ += t.numel();
-    if (elements_ >= kMaxHeld) reduce_held();
     return rows_++;
   }
   [[nodiscard]] int64_t rows() const { return rows_; }
@@ -914,7 +941,8 @@ class MomentsBatch {
     const at::Tensor x = held_.size() == 1 ? held_[0] : at::cat(held_);
     const at::Tensor lens = at::tensor(lengths_, at::TensorOptions().dtype(at::kLong))
                                 .to(x.device(), /*non_blocking=*/true);
-    done_.push_back(moments_rows(x, SegmentReduce{x.numel(), lens}));
+    at::Tensor rows = moments_rows(x, SegmentReduce{x.numel(), lens});
+    done_.push_back(std::move(rows));  // from here on nothing throws
     held_.clear();
     lengths_.clear();
     elements_ = 0;
@@ -1064,12 +1092,18 @@ inline Moments compute_moments(const at::Tensor& t, bool signs = true) {
 /// The smallest float at or above `v`: for a float x, `x < float_at_or_above(v)` is exactly
 /// `x < v` (a bound rounded to the nearest float could count a value on the wrong side).
 inline float float_at_or_above(double v) noexcept {
+  constexpr float kMax = std::numeric_limits<float>::max();
+  if (!(v <= kMax)) return v > kMax ? std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN();
+  if (v < -kMax) return -kMax;
   float f = static_cast<float>(v);
   if (static_cast<double>(f) < v) f = std::nextafter(f, std::numeric_limits<float>::infinity());
   return f;
 }
 /// The largest float at or below `v`: for a float x, `x > float_at_or_below(v)` is `x > v`.
 inline float float_at_or_below(double v) noexcept {
+  constexpr float kMax = std::numeric_limits<float>::max();
+  if (!(v >= -kMax)) return v < -kMax ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN();
+  if (v > kMax) return kMax;
   float f = static_cast<float>(v);
   if (static_cast<double>(f) > v) f = std::nextafter(f, -std::numeric_limits<float>::infinity());
   return f;
