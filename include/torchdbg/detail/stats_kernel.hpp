@@ -839,8 +839,7 @@ at::Tensor moments_rows(const at::Tensor& x, const Reduce& red) {
 
 /// moments_rows's reductions over a whole vector: one segment.
 struct WholeReduce {
-  int64_t n;
-  at::Tensor count_;
+  at::Tensor count_;  // [1]: the vector's length
   at::Tensor sum(const at::Tensor& v) const { return v.sum().view({1}); }
   at::Tensor min(const at::Tensor& v) const { return v.min().view({1}); }
   at::Tensor max(const at::Tensor& v) const { return v.max().view({1}); }
@@ -891,7 +890,7 @@ inline at::Tensor pack_moments(const at::Tensor& t) {
     return out;
   }
   const at::Tensor x = t.to(at::kDouble).reshape({-1});
-  const WholeReduce whole{x.numel(), at::full({1}, static_cast<double>(x.numel()), dopt)};
+  const WholeReduce whole{at::full({1}, static_cast<double>(x.numel()), dopt)};
   return moments_rows(x, whole).view({kPackedMoments});
 }
 
@@ -918,15 +917,15 @@ class MomentsBatch {
     if (elements_ + t.numel() > kMaxHeld) reduce_held();
     at::Tensor copy = at::empty({t.numel()}, t.options().dtype(at::kDouble));
     copy.view(t.sizes()).copy_(t);
-    lengths_.reserve(lengths_.size() + 1);
-    held_.push_back(std::move(copy));
+    if (lengths_.size() == lengths_.capacity()) lengths_.reserve(2 * lengths_.size() + 16);
+    held_.push_back(std::move(copy));  // lengths_ has room: nothing below throws
     lengths_.push_back(t.numel());
     elements_ += t.numel();
     return rows_++;
   }
   [[nodiscard]] int64_t rows() const { return rows_; }
   /// Every added tensor's kPackedMoments doubles, row by row, in the order added: [rows, 14]
-  /// on the tensors' device (no host sync). Empties the batch.
+  /// on the tensors' device (no host sync). Empties the batch; needs rows() > 0.
   at::Tensor reduce() {
     reduce_held();
     at::Tensor out = done_.size() == 1 ? done_[0] : at::cat(done_);
