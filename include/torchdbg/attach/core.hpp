@@ -162,9 +162,8 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     if (precomputed == nullptr && defers(t)) {
       if (pass) passes_.hold(*pass);  // its norm waits for this square
       try {
-        DeferredQueue::Item d{module, std::string(name), t, is_forward, md,
-                              DeferredQueue::batches(t) ? at::Tensor() : pack_moments(t.detach()),
-                              input.packed, {}, pass, input.model_input};
+        DeferredQueue::Item d{module, std::string(name), t, is_forward, md, {}, input.packed, {}, pass,
+                              input.model_input};
         if (prefetch) d.extras = prefetch(name, t, is_forward, md);
         if (deferred_.push(std::move(d), options.max_deferred())) flush_deferred();
         return;

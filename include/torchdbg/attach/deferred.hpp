@@ -57,18 +57,17 @@ class DeferredQueue {
     Prefetched extras;
   };
 
-  /// Whether `t`'s moments are batched when queued; otherwise the caller packs them
-  /// (pack_moments) into the item before `push`.
-  static bool batches(const at::Tensor& t) { return MomentsBatch::accepts(collapse_repeats(t).base); }
-
-  /// Queues `item` (its moments batched when `item.packed` is undefined); true when the queue
-  /// holds `limit` items or more. Throws (queuing nothing) when the tensor cannot be copied.
+  /// Queues `item`, its moments batched (MomentsBatch::accepts) or else reduced on their own
+  /// (pack_moments); true when the queue holds `limit` items or more. Throws (queuing
+  /// nothing) when the tensor cannot be copied or reduced.
   bool push(Item item, int64_t limit) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!item.packed.defined()) {
-      const Repeated r = collapse_repeats(item.tensor.detach());
+    const Repeated r = collapse_repeats(item.tensor.detach());
+    if (MomentsBatch::accepts(r.base)) {
       item.row = moments_for(item.tensor.device()).add(r.base);
       item.repeats = r.repeats;
+    } else {
+      item.packed = pack_moments(item.tensor.detach());
     }
     items_.push_back(std::move(item));
     return static_cast<int64_t>(items_.size()) >= limit;
