@@ -15,6 +15,8 @@ fi
 # Debian's python3-torch: the test suite checks that snapshots load with Python's torch.load;
 # python3-pandas: that the JSONL stream reads with pandas.read_json(lines=True).
 pkgs+=(python3-torch python3-pandas)
+# cpp-httplib: the live page's server (torchdbg/live.hpp).
+pkgs+=(libcpp-httplib-dev)
 # Headless Chromium: the HTML report is loaded in a real browser (ctest label "browser").
 # Optional: when it cannot be installed the browser test says SKIPPED and why.
 optional=(chromium)

@@ -1,0 +1,364 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+// A live page served by the training process (opt-in, not in the umbrella header): the step
+// and loss as they advance, the layers' health heatmap, the loss curve, recent events and
+// alerts, and when the run pauses the diagnosis with its causal graph; "Pause now" and
+// "Resume" act on the loop through the manager's pause flag, which the loop already polls.
+// Built on cpp-httplib (Debian: libcpp-httplib-dev; link `pkg-config --libs cpp-httplib`).
+//
+// ```cpp
+// #include <torchdbg/live.hpp>
+// torchdbg::LiveServer live(hooks, health, reporter);  // after reporter.install(hooks, &health)
+// std::cout << "open " << live.url() << "\n";
+// ```
+//
+// Security: it binds to 127.0.0.1 unless LiveOptions::host names another address; every
+// request needs the random token of the printed URL (compared in constant time); pause and
+// resume only by POST; worker threads, request sizes and read/write times are bounded; only
+// its own routes exist. Requests read snapshots: the training thread never waits on one
+// beyond the reporter's and the monitor's own short locks.
+//
+// Routes (each with `?token=...`, or the token in an `X-Torchdbg-Token` header):
+//   GET  /          the page
+//   GET  /state     JSON: {"step" (the last recorded), "manager_step", "loss", "steps",
+//                   "paused", "pause": {reason, layer, step, source} or null, "events",
+//                   "alerts", "layers": [{name, state}] (forward order, latest column),
+//                   "diagnosis": {summary, hypotheses} or null (while paused)}
+//   GET  /sections  the page's sections as HTML (what the page refreshes)
+//   POST /pause     raises the pause flag (reason "paused from the live page")
+//   POST /resume    clears it
+
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+#include <torch/arg.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "torchdbg/diagnosis.hpp"
+#include "torchdbg/error.hpp"
+#include "torchdbg/exporters/exporter.hpp"
+#include "torchdbg/exporters/html/diagnosis.hpp"
+#include "torchdbg/exporters/html/heatmap.hpp"
+#include "torchdbg/exporters/html/page.hpp"
+#include "torchdbg/exporters/html/plots.hpp"
+#include "torchdbg/exporters/html/run.hpp"
+#include "torchdbg/health.hpp"
+#include "torchdbg/hook_manager.hpp"
+#include "torchdbg/report.hpp"
+
+namespace torchdbg {
+
+struct LiveOptions {
+  /// The address to listen on; another than 127.0.0.1 only when named here.
+  TORCH_ARG(std::string, host) = "127.0.0.1";
+  /// The port (0: a free one, see LiveServer::port).
+  TORCH_ARG(int, port) = 0;
+  /// The token every request must carry (empty: 128 random bits, in hex).
+  TORCH_ARG(std::string, token);
+  /// Requests served at once (worker threads); more wait for a free worker.
+  TORCH_ARG(std::size_t, max_connections) = 4;
+  /// Bytes of a request body at most (pause and resume need none).
+  TORCH_ARG(std::size_t, max_request_bytes) = 4096;
+  /// Seconds a request may take to arrive or its response to leave.
+  TORCH_ARG(int64_t, timeout_seconds) = 5;
+  /// How often the page refreshes, in milliseconds.
+  TORCH_ARG(int64_t, refresh_ms) = 1000;
+  /// What the page keeps and draws (title, loss points, heatmap columns, ...).
+  TORCH_ARG(HtmlOptions, html) = HtmlOptions().title("torchdbg live");
+};
+
+namespace detail {
+
+/// Whether `a` equals `b`, in a time that depends on their lengths only.
+inline bool same_token(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  const std::size_t n = std::max(a.size(), b.size());
+  for (std::size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    diff = static_cast<unsigned char>(diff | (x ^ y));
+  }
+  return diff == 0;
+}
+
+inline std::string random_token() {
+  std::random_device rd;
+  std::string t;
+  for (int i = 0; i < 4; ++i) t += fmt::format("{:08x}", static_cast<uint32_t>(rd()));
+  return t;
+}
+
+/// The reporter's steps as the live page draws them (an exporter of the reporter).
+class LiveRecord : public BaseExporter<std::mutex> {
+ public:
+  explicit LiveRecord(const HtmlOptions& options) : run_(options) {}
+  /// The page's sections now, drawn from a copy of the record (the lock is held for the copy
+  /// only, so the reporter's next step never waits on the drawing).
+  std::string sections(const std::optional<RunSummary>& summary) const {
+    const HtmlRun run = snapshot();
+    std::string h;
+    h += "<section id=\"diagnosis\"><h2>Diagnosis</h2>" + diagnosis_html(summary) + "</section>";
+    h += "<section id=\"loss\"><h2>Loss</h2>" + loss_svg(run) + "</section>";
+    h += "<section id=\"health-heatmap\"><h2>Health: layers &times; steps</h2>" + heatmap_svg(run) + "</section>";
+    h += "<section id=\"gradient-flow\"><h2>Gradient flow</h2>" + gradient_flow_svg(run) + "</section>";
+    h += "<section id=\"events\"><h2>Events</h2>" + events_svg(run) + "</section>";
+    h += "<section id=\"alerts\"><h2>Alerts</h2>" + alerts_html(summary) + "</section>";
+    return h;
+  }
+  /// What /state reports of the recorded steps.
+  void state(nlohmann::json& j) const {
+    std::optional<double> loss;
+    const HtmlRun run = snapshot(&loss);
+    j["steps"] = run.steps();
+    j["step"] = run.steps() > 0 ? nlohmann::json(run.last_step()) : nlohmann::json();
+    j["loss"] = loss ? json_number(*loss) : nlohmann::json();
+    j["events"] = run.events_total();
+    nlohmann::json layers = nlohmann::json::array();
+    for (const HtmlRun::Row* r : run.ordered_rows()) {
+      const int rank = r->cells.empty() ? 0 : r->cells.back();
+      layers.push_back({{"name", valid_utf8(r->name)}, {"state", rank_name(rank)}});
+    }
+    j["layers"] = std::move(layers);
+  }
+
+ protected:
+  void write_step_(const StepRecord& r) override {
+    run_.add(r);
+    if (r.loss) last_loss_ = *r.loss;
+  }
+
+ private:
+  HtmlRun snapshot(std::optional<double>* loss = nullptr) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (loss != nullptr) *loss = last_loss_;
+    return run_;
+  }
+  HtmlRun run_;
+  std::optional<double> last_loss_;
+};
+
+}  // namespace detail
+
+/// Serves the live page on its own thread until destroyed (or stop()).
+///
+/// Thread safety: construct and destroy on one thread; url(), port() and token() from any.
+/// The manager, monitor and reporter must outlive the server.
+class LiveServer {
+ public:
+  /// Starts serving; throws torchdbg::Error naming the address when it cannot listen there.
+  LiveServer(HookManager& hooks, HealthMonitor& health, Reporter& reporter, LiveOptions options = {})
+      : hooks_(hooks), health_(health), options_(std::move(options)) {
+    detail::require_at_least<int64_t>(static_cast<int64_t>(options_.max_connections()), 1,
+                                      "LiveOptions::max_connections");
+    detail::require_at_least<int64_t>(options_.timeout_seconds(), 1, "LiveOptions::timeout_seconds");
+    detail::require_at_least<int64_t>(options_.refresh_ms(), 100, "LiveOptions::refresh_ms");
+    if (options_.port() < 0 || options_.port() > 65535)
+      throw Error("torchdbg: LiveOptions::port must be in [0, 65535], got " + std::to_string(options_.port()));
+    token_ = options_.token().empty() ? detail::random_token() : options_.token();
+    record_ = std::make_shared<detail::LiveRecord>(options_.html());
+    reporter.add_exporter(record_);
+    routes();
+    const std::size_t workers = options_.max_connections();
+    server_.new_task_queue = [workers] { return new httplib::ThreadPool(workers); };
+    server_.set_payload_max_length(options_.max_request_bytes());
+    server_.set_read_timeout(static_cast<time_t>(options_.timeout_seconds()), 0);
+    server_.set_write_timeout(static_cast<time_t>(options_.timeout_seconds()), 0);
+    server_.set_keep_alive_max_count(16);
+    // SO_REUSEADDR only: cpp-httplib's default also sets SO_REUSEPORT, which would let a
+    // second server (or another process) bind the same port and take half its connections.
+    server_.set_socket_options([](auto sock) {
+      int yes = 1;
+      ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+    });
+    port_ = options_.port() == 0 ? server_.bind_to_any_port(options_.host())
+                                 : (server_.bind_to_port(options_.host(), options_.port()) ? options_.port() : -1);
+    if (port_ <= 0)
+      throw Error("torchdbg: LiveServer cannot listen on " + options_.host() + ":" + std::to_string(options_.port()));
+    thread_ = std::thread([this] {
+      server_.listen_after_bind();
+      finished_ = true;
+    });
+    // Serving once this returns: stop() before the server runs would not reach it.
+    for (int i = 0; i < 10000 && !server_.is_running() && !finished_; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  LiveServer(const LiveServer&) = delete;
+  LiveServer& operator=(const LiveServer&) = delete;
+  ~LiveServer() { stop(); }
+
+  /// The page's address with its token, e.g. http://127.0.0.1:40123/?token=...
+  [[nodiscard]] std::string url() const {
+    const std::string host = options_.host().find(':') != std::string::npos ? "[" + options_.host() + "]" : options_.host();
+    return "http://" + host + ":" + std::to_string(port_) + "/?token=" + token_;
+  }
+  [[nodiscard]] int port() const noexcept { return port_; }
+  [[nodiscard]] const std::string& token() const noexcept { return token_; }
+  /// Stops serving and joins the server's thread (the reporter keeps the record, unused).
+  void stop() {
+    if (!thread_.joinable()) return;
+    while (!finished_) {  // until the listening loop has seen it
+      server_.stop();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    thread_.join();
+  }
+
+ private:
+  bool allowed(const httplib::Request& req, httplib::Response& res) const {
+    std::string given = req.get_header_value("X-Torchdbg-Token");
+    if (given.empty() && req.has_param("token")) given = req.get_param_value("token");
+    if (detail::same_token(given, token_)) return true;
+    res.status = 403;
+    res.set_content("torchdbg live: a valid token is needed (the one in the printed URL)\n", "text/plain");
+    return false;
+  }
+  static void no_store(httplib::Response& res) {
+    res.set_header("Cache-Control", "no-store");
+    res.set_header("X-Content-Type-Options", "nosniff");
+    res.set_header("Content-Security-Policy",
+                   "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+                   "img-src data:");
+  }
+  /// The summary the sections show: the diagnosis while paused, and the alerts.
+  std::optional<RunSummary> summary() {
+    RunSummary s;
+    const auto alerts = hooks_.alerts();
+    s.alerts_total = hooks_.alert_count();
+    const std::size_t first = alerts.size() > 50 ? alerts.size() - 50 : 0;
+    s.alerts.assign(alerts.begin() + static_cast<std::ptrdiff_t>(first), alerts.end());
+    if (hooks_.is_paused()) s.diagnosis = diagnosis();
+    return s;
+  }
+  /// The diagnosis, made once per pause (diagnose() reads the monitor under its lock).
+  Diagnosis diagnosis() {
+    std::lock_guard<std::mutex> lock(diagnosis_mutex_);
+    const int64_t at = hooks_.step();
+    if (!diagnosis_ || diagnosis_step_ != at) {
+      diagnosis_ = diagnose(health_);
+      diagnosis_step_ = at;
+    }
+    return *diagnosis_;
+  }
+
+  std::string page() const {
+    std::string h =
+        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><meta name=\"viewport\" "
+        "content=\"width=device-width\"><title>" +
+        detail::html_escape(options_.html().title()) + "</title><style>";
+    h += detail::html_style();
+    h += "#bar{position:sticky;top:0;background:#fff;padding:6px 0;border-bottom:1px solid #ddd}"
+         "#bar button{margin-right:8px}#paused{color:#b3001b;font-weight:bold}";
+    h += "</style></head><body><h1>" + detail::html_escape(options_.html().title()) + "</h1>";
+    h += "<div id=\"bar\" class=\"kpi\"><div>step <b id=\"step\">-</b></div><div>loss <b id=\"loss\">-</b></div>"
+         "<div>state <b id=\"run-state\">-</b></div><div><button id=\"pause\">Pause now</button>"
+         "<button id=\"resume\">Resume</button></div></div>";
+    h += "<div id=\"sections\"></div>";
+    h += fmt::format(
+        "<script>(function(){{var token={};var every={};"
+        "function q(p){{return p+'?token='+encodeURIComponent(token);}}"
+        "function refresh(){{fetch(q('/state'),{{cache:'no-store'}}).then(function(r){{return r.json();}})"
+        ".then(function(s){{document.getElementById('step').textContent=s.step===null?'-':s.step;"
+        "document.getElementById('loss').textContent=s.loss===null?'-':Number(s.loss).toPrecision(4);"
+        "var st=document.getElementById('run-state');st.textContent=s.paused?'paused':'running';"
+        "st.className=s.paused?'paused':'';"
+        "document.body.setAttribute('data-step',s.step===null?'':s.step);"
+        "document.body.setAttribute('data-paused',s.paused?'1':'0');}}).catch(function(){{}});"
+        "fetch(q('/sections'),{{cache:'no-store'}}).then(function(r){{return r.text();}})"
+        ".then(function(t){{document.getElementById('sections').innerHTML=t;"
+        "document.body.setAttribute('data-refreshed',String(Date.now()));}}).catch(function(){{}});}}"
+        "function post(p){{fetch(q(p),{{method:'POST',headers:{{'X-Torchdbg-Token':token}}}}).then(refresh);}}"
+        "document.getElementById('pause').addEventListener('click',function(){{post('/pause');}});"
+        "document.getElementById('resume').addEventListener('click',function(){{post('/resume');}});"
+        "refresh();setInterval(refresh,every);}})();</script>",
+        nlohmann::json(token_).dump(), options_.refresh_ms());
+    h += "</body></html>\n";
+    return h;
+  }
+
+  void routes() {
+    server_.Get("/", [this](const httplib::Request& req, httplib::Response& res) {
+      if (!allowed(req, res)) return;
+      no_store(res);
+      res.set_content(page(), "text/html; charset=utf-8");
+    });
+    server_.Get("/state", [this](const httplib::Request& req, httplib::Response& res) {
+      if (!allowed(req, res)) return;
+      nlohmann::json j;
+      record_->state(j);
+      j["paused"] = hooks_.is_paused();
+      j["pause"] = nullptr;
+      if (const auto p = hooks_.pause_info(); p && hooks_.is_paused())
+        j["pause"] = {{"reason", detail::valid_utf8(p->reason)},
+                      {"layer", detail::valid_utf8(p->layer)},
+                      {"step", p->step},
+                      {"source", detail::valid_utf8(p->hook_name)}};
+      j["manager_step"] = hooks_.step();
+      j["alerts"] = hooks_.alert_count();
+      j["diagnosis"] = nullptr;
+      if (hooks_.is_paused()) {
+        const Diagnosis d = diagnosis();
+        nlohmann::json hyps = nlohmann::json::array();
+        for (std::size_t i = 0; i < d.hypotheses.size() && i < 10; ++i)
+          hyps.push_back({{"kind", to_string(d.hypotheses[i].kind)},
+                          {"layer", detail::valid_utf8(d.hypotheses[i].layer)},
+                          {"step", d.hypotheses[i].step},
+                          {"confidence", json_number(d.hypotheses[i].confidence)}});
+        j["diagnosis"] = {{"summary", detail::valid_utf8(d.summary())}, {"hypotheses", std::move(hyps)}};
+      }
+      no_store(res);
+      res.set_content(j.dump(), "application/json");
+    });
+    server_.Get("/sections", [this](const httplib::Request& req, httplib::Response& res) {
+      if (!allowed(req, res)) return;
+      no_store(res);
+      res.set_content(record_->sections(summary()), "text/html; charset=utf-8");
+    });
+    const auto act = [this](bool pause) {
+      return [this, pause](const httplib::Request& req, httplib::Response& res) {
+        if (!allowed(req, res)) return;
+        if (pause) {
+          hooks_.pause_training("paused from the live page");
+        } else {
+          hooks_.resume_training();
+        }
+        no_store(res);
+        res.set_content(nlohmann::json({{"paused", hooks_.is_paused()}}).dump(), "application/json");
+      };
+    };
+    server_.Post("/pause", act(true));
+    server_.Post("/resume", act(false));
+    const auto post_only = [](const httplib::Request&, httplib::Response& res) {
+      res.status = 405;
+      res.set_header("Allow", "POST");
+      res.set_content("torchdbg live: use POST\n", "text/plain");
+    };
+    server_.Get("/pause", post_only);
+    server_.Get("/resume", post_only);
+  }
+
+  HookManager& hooks_;
+  HealthMonitor& health_;
+  LiveOptions options_;
+  std::string token_;
+  std::shared_ptr<detail::LiveRecord> record_;
+  httplib::Server server_;
+  std::thread thread_;
+  std::atomic<bool> finished_{false};
+  int port_ = -1;
+  std::mutex diagnosis_mutex_;
+  std::optional<Diagnosis> diagnosis_;
+  int64_t diagnosis_step_ = 0;
+};
+
+}  // namespace torchdbg

@@ -1,0 +1,273 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#include <torch/torch.h>
+
+#include <atomic>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "catch.hpp"
+#include "helpers.hpp"
+#include "torchdbg/live.hpp"
+#include "torchdbg/torchdbg.hpp"
+
+namespace {
+
+struct LiveNet : torch::nn::Module {
+  LiveNet() {
+    fc0 = register_module("fc0", torch::nn::Linear(8, 16));
+    fc1 = register_module("fc1", torch::nn::Linear(16, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc2(torch::relu(fc1(torch::relu(fc0(x))))); }
+  torch::nn::Linear fc0{nullptr}, fc1{nullptr}, fc2{nullptr};
+};
+
+/// A monitored training loop the live page watches: attach, a pausing health monitor and a
+/// reporter, as the README's quick start plus `LiveServer`.
+struct Loop {
+  std::shared_ptr<LiveNet> net = std::make_shared<LiveNet>();
+  torch::optim::SGD opt{net->parameters(), 0.05};
+  torchdbg::HookManager hooks;
+  torchdbg::HealthMonitor health{torchdbg::HealthOptions().on_failure(torchdbg::OnFailure::Pause)};
+  torchdbg::Reporter reporter;
+  torchdbg::HealthInstallation<std::mutex, std::mutex> fed = health.install(hooks);
+  torchdbg::ReporterInstallation rep = reporter.install(hooks, &health);
+  torchdbg::AttachSession session = torchdbg::attach(*net, hooks);
+  torch::Tensor x = torch::randn({32, 8}), y = torch::randint(0, 3, {32});
+  double last_loss = 0;
+
+  /// One step (its update skipped when the step paused); false when paused.
+  bool step(int64_t s) {
+    hooks.set_step(s);
+    opt.zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);
+    last_loss = loss.item<double>();
+    hooks.set_loss(last_loss);
+    loss.backward();
+    if (hooks.is_paused()) return false;
+    opt.step();
+    return true;
+  }
+};
+
+httplib::Headers with_token(const std::string& token) { return {{"X-Torchdbg-Token", token}}; }
+
+}  // namespace
+
+TEST_CASE("live page: every route needs the token; pause and resume only by POST; nothing else is served",
+          "[live]") {
+  torchdbg::HookManager hooks;
+  torchdbg::HealthMonitor health;
+  torchdbg::Reporter reporter;
+  torchdbg::LiveServer live(hooks, health, reporter);
+  const std::string t = live.token();
+  CHECK(t.size() == 32);
+  CHECK(live.url() == "http://127.0.0.1:" + std::to_string(live.port()) + "/?token=" + t);
+  httplib::Client c("127.0.0.1", live.port());
+  c.set_read_timeout(10, 0);
+
+  // The page, with the token in the URL as printed.
+  auto r = c.Get(("/?token=" + t).c_str());
+  REQUIRE(r);
+  CHECK(r->status == 200);
+  CHECK(r->body.find("Pause now") != std::string::npos);
+  CHECK(r->body.find("Resume") != std::string::npos);
+  CHECK(r->get_header_value("Cache-Control") == "no-store");
+  // No token, a wrong one of the same length, a prefix, one with a byte more: refused.
+  std::string wrong = t;
+  wrong[7] = wrong[7] == 'a' ? 'b' : 'a';
+  for (const std::string& path : std::vector<std::string>{"/", "/?token=" + wrong, "/?token=" + t.substr(0, 31), "/?token=" + t + "0", "/state",
+        "/sections", "/state?token=", "/sections?token=" + wrong}) {
+    INFO(path);
+    auto x = c.Get(path.c_str());
+    REQUIRE(x);
+    CHECK(x->status == 403);
+    CHECK(x->body.find(t) == std::string::npos);
+  }
+  CHECK(c.Post("/pause", with_token(wrong), "", "text/plain")->status == 403);
+  CHECK_FALSE(hooks.is_paused());
+  // GET never changes state.
+  for (const char* p : {"/pause", "/resume"}) {
+    auto x = c.Get((std::string(p) + "?token=" + t).c_str());
+    REQUIRE(x);
+    CHECK(x->status == 405);
+    CHECK(x->get_header_value("Allow") == "POST");
+  }
+  CHECK_FALSE(hooks.is_paused());
+  // POST with the token, in a header or in the query.
+  r = c.Post("/pause", with_token(t), "", "text/plain");
+  REQUIRE(r);
+  CHECK(r->status == 200);
+  CHECK(nlohmann::json::parse(r->body)["paused"] == true);
+  CHECK(hooks.is_paused());
+  REQUIRE(hooks.pause_info().has_value());
+  CHECK(hooks.pause_info()->reason == "paused from the live page");
+  r = c.Post(("/resume?token=" + t).c_str(), "", "text/plain");
+  REQUIRE(r);
+  CHECK(r->status == 200);
+  CHECK_FALSE(hooks.is_paused());
+  // Only its own routes: paths outside them, traversals included, are not found.
+  for (const std::string& path : std::vector<std::string>{"/../etc/passwd", "/%2e%2e/%2e%2e/etc/passwd", "/state/../../etc/passwd",
+                                  "/index.html", "//etc/passwd", "/sections/x"}) {
+    INFO(path);
+    auto x = c.Get((path + "?token=" + t).c_str());
+    REQUIRE(x);
+    CHECK(x->status == 404);
+  }
+  // A body beyond max_request_bytes is refused before any handler runs.
+  r = c.Post("/pause", with_token(t), std::string(64 << 10, 'x'), "text/plain");
+  REQUIRE(r);
+  CHECK(r->status == 413);
+  CHECK_FALSE(hooks.is_paused());
+  // A request line or headers beyond the library's limit (8 KiB) are refused too.
+  r = c.Get(("/state?token=" + t + "&pad=" + std::string(16 << 10, 'y')).c_str());
+  CHECK((!r || r->status >= 400));
+}
+
+TEST_CASE("live page: options are checked and the address is the one named", "[live]") {
+  torchdbg::HookManager hooks;
+  torchdbg::HealthMonitor health;
+  torchdbg::Reporter reporter;
+  CHECK_THROWS_WITH(torchdbg::LiveServer(hooks, health, reporter, torchdbg::LiveOptions().port(70000)),
+                    Catch::Contains("LiveOptions::port") && Catch::Contains("70000"));
+  CHECK_THROWS_WITH(torchdbg::LiveServer(hooks, health, reporter, torchdbg::LiveOptions().max_connections(0)),
+                    Catch::Contains("max_connections"));
+  CHECK_THROWS_WITH(torchdbg::LiveServer(hooks, health, reporter, torchdbg::LiveOptions().refresh_ms(5)),
+                    Catch::Contains("refresh_ms"));
+  CHECK_THROWS_WITH(torchdbg::LiveServer(hooks, health, reporter, torchdbg::LiveOptions().host("no.such.host.invalid")),
+                    Catch::Contains("cannot listen") && Catch::Contains("no.such.host.invalid"));
+  // A port already taken: refused with the address named.
+  torchdbg::LiveServer first(hooks, health, reporter, torchdbg::LiveOptions().token("fixed-token"));
+  CHECK(first.token() == "fixed-token");
+  CHECK_THROWS_WITH(torchdbg::LiveServer(hooks, health, reporter, torchdbg::LiveOptions().port(first.port())),
+                    Catch::Contains("127.0.0.1:" + std::to_string(first.port())));
+  // Two servers on one run get different random tokens.
+  torchdbg::LiveServer second(hooks, health, reporter);
+  torchdbg::LiveServer third(hooks, health, reporter);
+  CHECK(second.token() != third.token());
+  second.stop();
+  second.stop();  // idempotent
+}
+
+TEST_CASE("live page: follows a training loop, shows the diagnosis when it pauses, resumes from the page",
+          "[live]") {
+  torch::manual_seed(21);
+  Loop loop;
+  torchdbg::LiveServer live(loop.hooks, loop.health, loop.reporter);
+  httplib::Client c("127.0.0.1", live.port());
+  c.set_read_timeout(30, 0);
+  const auto state = [&] {
+    auto r = c.Get("/state", with_token(live.token()));
+    REQUIRE(r);
+    REQUIRE(r->status == 200);
+    return nlohmann::json::parse(r->body);
+  };
+  auto s = state();
+  CHECK(s["step"].is_null());
+  CHECK(s["paused"] == false);
+  // The monitor finishes a step when the next one begins: the page shows the step before.
+  std::vector<double> losses;
+  for (int64_t step = 0; step < 6; ++step) {
+    REQUIRE(loop.step(step));
+    losses.push_back(loop.last_loss);
+    s = state();
+    CHECK(s["manager_step"] == step);
+    CHECK(s["steps"] == step);
+    if (step == 0) {
+      CHECK(s["step"].is_null());
+      CHECK(s["loss"].is_null());
+      continue;
+    }
+    CHECK(s["step"] == step - 1);
+    CHECK(s["loss"].get<double>() == losses[static_cast<std::size_t>(step - 1)]);
+  }
+  std::vector<std::string> names;
+  for (const auto& l : s["layers"]) names.push_back(l["name"]);
+  CHECK(std::find(names.begin(), names.end(), "fc1") != names.end());
+  for (const auto& l : s["layers"]) CHECK(l["state"] == "healthy");
+  auto sections = c.Get("/sections", with_token(live.token()));
+  REQUIRE(sections);
+  for (const char* id : {"id=\"loss-plot\"", "id=\"heatmap-plot\"", "id=\"gradient-flow-plot\"", "data-layer=\"fc1\""})
+    CHECK(sections->body.find(id) != std::string::npos);
+  CHECK(sections->body.find("id=\"causal-graph\"") == std::string::npos);  // not paused: no diagnosis
+
+  // fc1's weights explode: the monitor pauses the loop, and the page says where and why.
+  {
+    torch::NoGradGuard ng;
+    loop.net->fc1->weight.mul_(1e4);
+  }
+  int64_t step = 6;
+  while (loop.step(step) && step < 20) ++step;
+  REQUIRE(loop.hooks.is_paused());
+  s = state();
+  CHECK(s["paused"] == true);
+  REQUIRE(s["pause"].is_object());
+  CHECK(s["pause"]["layer"] == loop.hooks.pause_info()->layer);
+  CHECK(s["pause"]["source"] == "torchdbg.health");
+  REQUIRE(s["diagnosis"].is_object());
+  const torchdbg::Diagnosis d = torchdbg::diagnose(loop.health);
+  REQUIRE(d.top() != nullptr);
+  CHECK(s["diagnosis"]["summary"] == d.summary());
+  REQUIRE_FALSE(s["diagnosis"]["hypotheses"].empty());
+  CHECK(s["diagnosis"]["hypotheses"][0]["layer"] == d.top()->layer);
+  CHECK(d.top()->layer == "fc1");
+  sections = c.Get("/sections", with_token(live.token()));
+  REQUIRE(sections);
+  CHECK(sections->body.find("id=\"causal-graph\"") != std::string::npos);
+  CHECK(sections->body.find(torchdbg::detail::html_escape(d.summary())) != std::string::npos);
+
+  // Resume from the page: the loop's flag clears.
+  auto r = c.Post("/resume", with_token(live.token()), "", "text/plain");
+  REQUIRE(r);
+  CHECK_FALSE(loop.hooks.is_paused());
+  CHECK(state()["paused"] == false);
+}
+
+TEST_CASE("live page: readers on other threads while the loop trains; Pause now stops it between steps",
+          "[live][stress]") {
+  torch::manual_seed(5);
+  Loop loop;
+  torchdbg::LiveServer live(loop.hooks, loop.health, loop.reporter, torchdbg::LiveOptions().max_connections(2));
+  std::atomic<bool> done{false};
+  std::atomic<int> served{0}, failed{0};
+  std::vector<std::thread> readers;
+  for (int k = 0; k < 4; ++k)
+    readers.emplace_back([&, k] {
+      httplib::Client c("127.0.0.1", live.port());
+      c.set_read_timeout(30, 0);
+      int64_t last = -1;
+      while (!done.load()) {
+        auto r = c.Get(k % 2 == 0 ? "/state" : "/sections", with_token(live.token()));
+        if (!r || r->status != 200) {
+          ++failed;
+          continue;
+        }
+        ++served;
+        if (k % 2 == 0) {
+          const auto j = nlohmann::json::parse(r->body);
+          if (!j["step"].is_null()) {
+            const int64_t now = j["step"];
+            if (now < last) ++failed;  // steps only advance
+            last = now;
+          }
+        }
+      }
+    });
+  std::thread pauser([&] {
+    httplib::Client c("127.0.0.1", live.port());
+    while (served.load() < 20 && !done.load()) std::this_thread::yield();
+    c.Post("/pause", with_token(live.token()), "", "text/plain");
+  });
+  int64_t step = 0;
+  while (step < 100000 && !loop.hooks.is_paused()) loop.step(step++);
+  done = true;
+  pauser.join();
+  for (auto& t : readers) t.join();
+  CHECK(loop.hooks.is_paused());
+  CHECK(loop.hooks.pause_info()->reason == "paused from the live page");
+  CHECK(served.load() >= 20);
+  CHECK(failed.load() == 0);
+  live.stop();
+}
