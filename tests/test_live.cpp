@@ -2,7 +2,13 @@
 // SPDX-License-Identifier: MIT
 #include <torch/torch.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cmath>
 #include <string>
 #include <thread>
 #include <vector>
@@ -54,6 +60,26 @@ struct Loop {
 
 httplib::Headers with_token(const std::string& token) { return {{"X-Torchdbg-Token", token}}; }
 
+/// Sends `head` (a request's line and headers) on a new connection to 127.0.0.1:`port`, then
+/// nothing more, and returns the status of what comes back within 10 s (-1: nothing).
+int raw_status(int port, const std::string& head) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  timeval tv{10, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  REQUIRE(::send(fd, head.data(), head.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(head.size()));
+  char buf[64] = {};
+  const ssize_t n = ::recv(fd, buf, sizeof buf - 1, 0);
+  ::close(fd);
+  if (n < 12) return -1;
+  return std::atoi(buf + 9);  // "HTTP/1.1 413 ..."
+}
+
 }  // namespace
 
 TEST_CASE("live page: every route needs the token; pause and resume only by POST; nothing else is served",
@@ -87,6 +113,7 @@ TEST_CASE("live page: every route needs the token; pause and resume only by POST
     CHECK(x->body.find(t) == std::string::npos);
   }
   CHECK(c.Post("/pause", with_token(wrong), "", "text/plain")->status == 403);
+  CHECK(c.Get("/pause")->status == 403);  // the token first, whatever the route or method
   CHECK_FALSE(hooks.is_paused());
   // GET never changes state.
   for (const char* p : {"/pause", "/resume"}) {
@@ -121,6 +148,21 @@ TEST_CASE("live page: every route needs the token; pause and resume only by POST
   REQUIRE(r);
   CHECK(r->status == 413);
   CHECK_FALSE(hooks.is_paused());
+  // Bodies are refused before they are read, with or without the token: chunked, encoded,
+  // without a length, or a length that is not a small number.
+  const std::string tok = "X-Torchdbg-Token: " + t + "\r\n";
+  for (const auto& [head, status] : std::vector<std::pair<std::string, int>>{
+           {"POST /pause HTTP/1.1\r\nHost: x\r\n" + tok + "Transfer-Encoding: chunked\r\n\r\n", 413},
+           {"POST /nope HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", 403},
+           {"POST /pause HTTP/1.1\r\nHost: x\r\n" + tok + "Content-Encoding: gzip\r\nContent-Length: 20\r\n\r\n", 413},
+           {"POST /pause HTTP/1.1\r\nHost: x\r\n" + tok + "\r\n", 411},
+           {"POST /pause HTTP/1.1\r\nHost: x\r\n" + tok + "Content-Length: 99999999999999999999999\r\n\r\n", 413},
+           {"POST /pause HTTP/1.1\r\nHost: x\r\n" + tok + "Content-Length: 1e9\r\n\r\n", 413},
+           {"POST /pause HTTP/1.1\r\nHost: x\r\n" + tok + "Content-Length: 100000\r\n\r\n", 413}}) {
+    INFO(head);
+    CHECK(raw_status(live.port(), head) == status);
+  }
+  CHECK_FALSE(hooks.is_paused());
   // A request line or headers beyond the library's limit (8 KiB) are refused too.
   r = c.Get(("/state?token=" + t + "&pad=" + std::string(16 << 10, 'y')).c_str());
   CHECK((!r || r->status >= 400));
@@ -139,8 +181,13 @@ TEST_CASE("live page: options are checked and the address is the one named", "[l
   CHECK_THROWS_WITH(torchdbg::LiveServer(hooks, health, reporter, torchdbg::LiveOptions().host("no.such.host.invalid")),
                     Catch::Contains("cannot listen") && Catch::Contains("no.such.host.invalid"));
   // A port already taken: refused with the address named.
-  torchdbg::LiveServer first(hooks, health, reporter, torchdbg::LiveOptions().token("fixed-token"));
-  CHECK(first.token() == "fixed-token");
+  torchdbg::LiveServer first(hooks, health, reporter, torchdbg::LiveOptions().token("fixed-token-0123456789"));
+  CHECK(first.token() == "fixed-token-0123456789");
+  // A token of the user's: long enough, and only characters a URL carries as they are.
+  for (const std::string& bad : std::vector<std::string>{"short", "</script><script>x()</script>", "a b&c#d-0123456789",
+                                                         std::string("tok\xff\xfe-0123456789abcdef"), std::string(300, 'a')})
+    CHECK_THROWS_WITH(torchdbg::LiveServer(hooks, health, reporter, torchdbg::LiveOptions().token(bad)),
+                      Catch::Contains("LiveOptions::token"));
   CHECK_THROWS_WITH(torchdbg::LiveServer(hooks, health, reporter, torchdbg::LiveOptions().port(first.port())),
                     Catch::Contains("127.0.0.1:" + std::to_string(first.port())));
   // Two servers on one run get different random tokens.
@@ -193,7 +240,13 @@ TEST_CASE("live page: follows a training loop, shows the diagnosis when it pause
     CHECK(sections->body.find(id) != std::string::npos);
   CHECK(sections->body.find("id=\"causal-graph\"") == std::string::npos);  // not paused: no diagnosis
 
-  // fc1's weights explode: the monitor pauses the loop, and the page says where and why.
+  // Paused and resumed from the page at the start of step 6 (its diagnosis: no failure yet);
+  // then fc1's weights explode in that same step: the monitor pauses the loop, and the page
+  // says where and why, not what it said a moment before.
+  loop.hooks.set_step(6);
+  REQUIRE(c.Post("/pause", with_token(live.token()), "", "text/plain"));
+  CHECK(state()["diagnosis"].is_object());
+  REQUIRE(c.Post("/resume", with_token(live.token()), "", "text/plain"));
   {
     torch::NoGradGuard ng;
     loop.net->fc1->weight.mul_(1e4);
@@ -213,6 +266,14 @@ TEST_CASE("live page: follows a training loop, shows the diagnosis when it pause
   REQUIRE_FALSE(s["diagnosis"]["hypotheses"].empty());
   CHECK(s["diagnosis"]["hypotheses"][0]["layer"] == d.top()->layer);
   CHECK(d.top()->layer == "fc1");
+  // The layers as the monitor sees them now, in the paused step: fc1 is not healthy.
+  bool fc1_seen = false;
+  for (const auto& l : s["layers"])
+    if (l["name"] == "fc1") {
+      fc1_seen = true;
+      CHECK(l["state"] != "healthy");
+    }
+  CHECK(fc1_seen);
   sections = c.Get("/sections", with_token(live.token()));
   REQUIRE(sections);
   CHECK(sections->body.find("id=\"causal-graph\"") != std::string::npos);
@@ -223,6 +284,15 @@ TEST_CASE("live page: follows a training loop, shows the diagnosis when it pause
   REQUIRE(r);
   CHECK_FALSE(loop.hooks.is_paused());
   CHECK(state()["paused"] == false);
+
+  // A diverged loss is told from "no loss yet".
+  loop.hooks.set_step(step + 1);
+  loop.hooks.set_loss(std::nan(""));
+  loop.hooks.set_step(step + 2);  // the monitor finishes step + 1
+  s = state();
+  CHECK(s["step"] == step + 1);
+  CHECK(s["loss"].is_null());
+  CHECK(s["loss_text"] == "nan");
 }
 
 TEST_CASE("live page: readers on other threads while the loop trains; Pause now stops it between steps",

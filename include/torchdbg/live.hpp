@@ -15,16 +15,19 @@
 // ```
 //
 // Security: it binds to 127.0.0.1 unless LiveOptions::host names another address; every
-// request needs the random token of the printed URL (compared in constant time); pause and
-// resume only by POST; worker threads, request sizes and read/write times are bounded; only
-// its own routes exist. Requests read snapshots: the training thread never waits on one
-// beyond the reporter's and the monitor's own short locks.
+// request needs the random token of the printed URL (compared in constant time, before any
+// route and before a body is read); pause and resume only by POST; no chunked, encoded or
+// oversized bodies; worker threads are bounded; only its own routes exist. cpp-httplib's
+// timeouts apply per read: a client trickling bytes holds a worker (see docs/reports.md).
+// Requests read snapshots: the training thread never waits on one beyond the reporter's and
+// the monitor's own short locks.
 //
 // Routes (each with `?token=...`, or the token in an `X-Torchdbg-Token` header):
 //   GET  /          the page
-//   GET  /state     JSON: {"step" (the last recorded), "manager_step", "loss", "steps",
+//   GET  /state     JSON: {"step" (the last recorded), "manager_step", "loss" (null when
+//                   none or not finite), "loss_text" ("nan", "inf", or 4 digits), "steps",
 //                   "paused", "pause": {reason, layer, step, source} or null, "events",
-//                   "alerts", "layers": [{name, state}] (forward order, latest column),
+//                   "alerts", "layers": [{name, state}] (the monitor's now, forward order),
 //                   "diagnosis": {summary, hypotheses} or null (while paused)}
 //   GET  /sections  the page's sections as HTML (what the page refreshes)
 //   POST /pause     raises the pause flag (reason "paused from the live page")
@@ -34,8 +37,10 @@
 #include <nlohmann/json.hpp>
 #include <torch/arg.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -44,6 +49,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "torchdbg/diagnosis.hpp"
 #include "torchdbg/error.hpp"
@@ -123,17 +129,21 @@ class LiveRecord : public BaseExporter<std::mutex> {
     j["steps"] = run.steps();
     j["step"] = run.steps() > 0 ? nlohmann::json(run.last_step()) : nlohmann::json();
     j["loss"] = loss ? json_number(*loss) : nlohmann::json();
+    // A diverged loss is not "no loss yet": "nan", "inf", "-inf" or the number's 4 digits.
+    j["loss_text"] = loss ? nlohmann::json(loss_text(*loss)) : nlohmann::json();
     j["events"] = run.events_total();
-    nlohmann::json layers = nlohmann::json::array();
-    for (const HtmlRun::Row* r : run.ordered_rows()) {
-      const int rank = r->cells.empty() ? 0 : r->cells.back();
-      layers.push_back({{"name", valid_utf8(r->name)}, {"state", rank_name(rank)}});
-    }
-    j["layers"] = std::move(layers);
   }
+  static std::string loss_text(double v) {
+    if (std::isnan(v)) return "nan";
+    if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+    return html_number(v);
+  }
+  /// After the server is gone the reporter still calls this exporter: it records nothing.
+  void detach() noexcept { detached_ = true; }
 
  protected:
   void write_step_(const StepRecord& r) override {
+    if (detached_) return;
     run_.add(r);
     if (r.loss) last_loss_ = *r.loss;
   }
@@ -146,6 +156,7 @@ class LiveRecord : public BaseExporter<std::mutex> {
   }
   HtmlRun run_;
   std::optional<double> last_loss_;
+  std::atomic<bool> detached_{false};
 };
 
 }  // namespace detail
@@ -165,9 +176,8 @@ class LiveServer {
     detail::require_at_least<int64_t>(options_.refresh_ms(), 100, "LiveOptions::refresh_ms");
     if (options_.port() < 0 || options_.port() > 65535)
       throw Error("torchdbg: LiveOptions::port must be in [0, 65535], got " + std::to_string(options_.port()));
-    token_ = options_.token().empty() ? detail::random_token() : options_.token();
+    token_ = options_.token().empty() ? detail::random_token() : checked_token(options_.token());
     record_ = std::make_shared<detail::LiveRecord>(options_.html());
-    reporter.add_exporter(record_);
     routes();
     const std::size_t workers = options_.max_connections();
     server_.new_task_queue = [workers] { return new httplib::ThreadPool(workers); };
@@ -175,6 +185,7 @@ class LiveServer {
     server_.set_read_timeout(static_cast<time_t>(options_.timeout_seconds()), 0);
     server_.set_write_timeout(static_cast<time_t>(options_.timeout_seconds()), 0);
     server_.set_keep_alive_max_count(16);
+    server_.set_keep_alive_timeout(2);
     // SO_REUSEADDR only: cpp-httplib's default also sets SO_REUSEPORT, which would let a
     // second server (or another process) bind the same port and take half its connections.
     server_.set_socket_options([](auto sock) {
@@ -185,6 +196,7 @@ class LiveServer {
                                  : (server_.bind_to_port(options_.host(), options_.port()) ? options_.port() : -1);
     if (port_ <= 0)
       throw Error("torchdbg: LiveServer cannot listen on " + options_.host() + ":" + std::to_string(options_.port()));
+    reporter.add_exporter(record_);  // only once listening: a failed start leaves none behind
     thread_ = std::thread([this] {
       server_.listen_after_bind();
       finished_ = true;
@@ -195,7 +207,10 @@ class LiveServer {
   }
   LiveServer(const LiveServer&) = delete;
   LiveServer& operator=(const LiveServer&) = delete;
-  ~LiveServer() { stop(); }
+  ~LiveServer() {
+    stop();
+    record_->detach();
+  }
 
   /// The page's address with its token, e.g. http://127.0.0.1:40123/?token=...
   [[nodiscard]] std::string url() const {
@@ -215,13 +230,45 @@ class LiveServer {
   }
 
  private:
-  bool allowed(const httplib::Request& req, httplib::Response& res) const {
+  /// A token of the user's: 16 to 256 characters a URL carries as they are.
+  static std::string checked_token(const std::string& t) {
+    const bool plain = std::all_of(t.begin(), t.end(), [](char c) {
+      return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '_' ||
+             c == '.' || c == '~';
+    });
+    if (!plain || t.size() < 16 || t.size() > 256)
+      throw Error("torchdbg: LiveOptions::token must be 16 to 256 characters of A-Z, a-z, 0-9, '-', '_', '.', '~' (got " +
+                  std::to_string(t.size()) + " characters" + (plain ? "" : ", some of them others") + ")");
+    return t;
+  }
+  bool allowed(const httplib::Request& req) const {
     std::string given = req.get_header_value("X-Torchdbg-Token");
     if (given.empty() && req.has_param("token")) given = req.get_param_value("token");
-    if (detail::same_token(given, token_)) return true;
-    res.status = 403;
-    res.set_content("torchdbg live: a valid token is needed (the one in the printed URL)\n", "text/plain");
-    return false;
+    return detail::same_token(given, token_);
+  }
+  /// Before a request's body is read and before any route: the token, and no body beyond
+  /// max_request_bytes (pause and resume need none). A refusal closes the connection.
+  httplib::Server::HandlerResponse screen(const httplib::Request& req, httplib::Response& res) const {
+    const auto refuse = [&](int status, const std::string& why) {
+      res.status = status;
+      res.set_header("Connection", "close");
+      res.set_content("torchdbg live: " + why + "\n", "text/plain");
+      return httplib::Server::HandlerResponse::Handled;
+    };
+    if (!allowed(req)) return refuse(403, "a valid token is needed (the one in the printed URL)");
+    if (req.has_header("Transfer-Encoding") || req.has_header("Content-Encoding"))
+      return refuse(413, "no chunked or encoded request bodies");
+    if (req.has_header("Content-Length")) {
+      const std::string n = req.get_header_value("Content-Length");
+      const bool digits = !n.empty() && n.size() <= 18 && std::all_of(n.begin(), n.end(), [](char c) {
+        return c >= '0' && c <= '9';
+      });
+      if (!digits || std::stoull(n) > options_.max_request_bytes())
+        return refuse(413, "a request body is at most " + std::to_string(options_.max_request_bytes()) + " bytes");
+    } else if (req.method == "POST" || req.method == "PUT" || req.method == "PATCH") {
+      return refuse(411, "a Content-Length is needed");
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
   }
   static void no_store(httplib::Response& res) {
     res.set_header("Cache-Control", "no-store");
@@ -240,13 +287,15 @@ class LiveServer {
     if (hooks_.is_paused()) s.diagnosis = diagnosis();
     return s;
   }
-  /// The diagnosis, made once per pause (diagnose() reads the monitor under its lock).
+  /// The diagnosis, made once per pause (diagnose() reads the monitor under its lock): a
+  /// new step, pause or alert makes it again.
   Diagnosis diagnosis() {
     std::lock_guard<std::mutex> lock(diagnosis_mutex_);
-    const int64_t at = hooks_.step();
-    if (!diagnosis_ || diagnosis_step_ != at) {
+    std::string key = std::to_string(hooks_.step()) + "/" + std::to_string(hooks_.alert_count());
+    if (const auto p = hooks_.pause_info()) key += "/" + std::to_string(p->step) + "/" + p->hook_name + "/" + p->layer + "/" + p->reason;
+    if (!diagnosis_ || diagnosis_key_ != key) {
       diagnosis_ = diagnose(health_);
-      diagnosis_step_ = at;
+      diagnosis_key_ = std::move(key);
     }
     return *diagnosis_;
   }
@@ -269,7 +318,7 @@ class LiveServer {
         "function q(p){{return p+'?token='+encodeURIComponent(token);}}"
         "function refresh(){{fetch(q('/state'),{{cache:'no-store'}}).then(function(r){{return r.json();}})"
         ".then(function(s){{document.getElementById('step').textContent=s.step===null?'-':s.step;"
-        "document.getElementById('loss').textContent=s.loss===null?'-':Number(s.loss).toPrecision(4);"
+        "document.getElementById('loss').textContent=s.loss_text===null?'-':s.loss_text;"
         "var st=document.getElementById('run-state');st.textContent=s.paused?'paused':'running';"
         "st.className=s.paused?'paused':'';"
         "document.body.setAttribute('data-step',s.step===null?'':s.step);"
@@ -287,18 +336,30 @@ class LiveServer {
   }
 
   void routes() {
-    server_.Get("/", [this](const httplib::Request& req, httplib::Response& res) {
-      if (!allowed(req, res)) return;
+    server_.set_pre_routing_handler(
+        [this](const httplib::Request& req, httplib::Response& res) { return screen(req, res); });
+    server_.Get("/", [this](const httplib::Request&, httplib::Response& res) {
       no_store(res);
       res.set_content(page(), "text/html; charset=utf-8");
     });
-    server_.Get("/state", [this](const httplib::Request& req, httplib::Response& res) {
-      if (!allowed(req, res)) return;
+    server_.Get("/state", [this](const httplib::Request&, httplib::Response& res) {
       nlohmann::json j;
       record_->state(j);
-      j["paused"] = hooks_.is_paused();
+      const bool paused = hooks_.is_paused();  // read once: paused, pause and diagnosis agree
+      j["paused"] = paused;
       j["pause"] = nullptr;
-      if (const auto p = hooks_.pause_info(); p && hooks_.is_paused())
+      // The monitor's layers now (the record's last step ends when the next one begins).
+      std::vector<LayerHealth> now = health_.layers();
+      std::stable_sort(now.begin(), now.end(), [](const LayerHealth& a, const LayerHealth& b) { return a.order < b.order; });
+      nlohmann::json layers = nlohmann::json::array();
+      for (const LayerHealth& l : now) {
+        int rank = 0;
+        if (l.has_activation) rank = std::max(rank, detail::state_rank(to_string(l.activation)));
+        if (l.has_gradient) rank = std::max(rank, detail::state_rank(to_string(l.gradient)));
+        layers.push_back({{"name", detail::valid_utf8(l.name)}, {"state", detail::rank_name(rank)}});
+      }
+      j["layers"] = std::move(layers);
+      if (const auto p = hooks_.pause_info(); p && paused)
         j["pause"] = {{"reason", detail::valid_utf8(p->reason)},
                       {"layer", detail::valid_utf8(p->layer)},
                       {"step", p->step},
@@ -306,7 +367,7 @@ class LiveServer {
       j["manager_step"] = hooks_.step();
       j["alerts"] = hooks_.alert_count();
       j["diagnosis"] = nullptr;
-      if (hooks_.is_paused()) {
+      if (paused) {
         const Diagnosis d = diagnosis();
         nlohmann::json hyps = nlohmann::json::array();
         for (std::size_t i = 0; i < d.hypotheses.size() && i < 10; ++i)
@@ -319,14 +380,12 @@ class LiveServer {
       no_store(res);
       res.set_content(j.dump(), "application/json");
     });
-    server_.Get("/sections", [this](const httplib::Request& req, httplib::Response& res) {
-      if (!allowed(req, res)) return;
+    server_.Get("/sections", [this](const httplib::Request&, httplib::Response& res) {
       no_store(res);
       res.set_content(record_->sections(summary()), "text/html; charset=utf-8");
     });
     const auto act = [this](bool pause) {
-      return [this, pause](const httplib::Request& req, httplib::Response& res) {
-        if (!allowed(req, res)) return;
+      return [this, pause](const httplib::Request&, httplib::Response& res) {
         if (pause) {
           hooks_.pause_training("paused from the live page");
         } else {
@@ -358,7 +417,7 @@ class LiveServer {
   int port_ = -1;
   std::mutex diagnosis_mutex_;
   std::optional<Diagnosis> diagnosis_;
-  int64_t diagnosis_step_ = 0;
+  std::string diagnosis_key_;
 };
 
 }  // namespace torchdbg
