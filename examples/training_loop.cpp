@@ -7,17 +7,27 @@
 // diagnosis and the layers' health, restores the last good checkpoint with a sane learning
 // rate and resumes. At the end it prints what torchdbg did and what it cost per step (100 more
 // steps timed with and without it), writes an HTML report, a JSONL stream, a CSV table and a
-// JSON summary, and prints their paths.
+// JSON summary, and prints their paths. With --live it also serves the live page
+// (torchdbg/live.hpp): it prints the page's address, slows to about 20 steps a second so the
+// run can be watched, and when training pauses it waits for Resume on the page before
+// restoring the checkpoint; at the end the page stays up until Enter (or end of input).
 //
-//   training_loop [output directory]      (default: ./torchdbg-demo)
+//   training_loop [output directory] [--live]      (default: ./torchdbg-demo)
 #include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <sstream>
+#include <iostream>
+#include <string>
+#include <thread>
 #include <torchdbg/torchdbg.hpp>
+#if defined(TORCHDBG_DEMO_LIVE)
+#include <torchdbg/live.hpp>
+#endif
 
 namespace {
 
@@ -55,7 +65,23 @@ int main(int argc, char** argv) {
   torch::manual_seed(42);
   torch::set_num_threads(1);
   constexpr int64_t kSteps = 400, kBoostStep = 200, kBatch = 128, kIn = 64, kClasses = 10;
-  const std::filesystem::path out = std::filesystem::absolute(argc > 1 ? argv[1] : "torchdbg-demo");
+  std::string out_arg = "torchdbg-demo";
+  bool live_page = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--live") {
+      live_page = true;
+    } else {
+      out_arg = a;
+    }
+  }
+#if !defined(TORCHDBG_DEMO_LIVE)
+  if (live_page) {
+    fmt::print(stderr, "training_loop: built without cpp-httplib (libcpp-httplib-dev), so without --live\n");
+    return 2;
+  }
+#endif
+  const std::filesystem::path out = std::filesystem::absolute(out_arg);
   std::filesystem::create_directories(out);
 
   // Synthetic, learnable data: the class is the argmax of a fixed random projection.
@@ -97,6 +123,15 @@ int main(int argc, char** argv) {
   auto session = torchdbg::attach(*model, hooks);
   auto pause = hooks.pause_flag();
   // [/snippet]
+#if defined(TORCHDBG_DEMO_LIVE)
+  std::optional<torchdbg::LiveServer> live;
+  if (live_page) {
+    live.emplace(hooks, health, reporter,
+                 torchdbg::LiveOptions().html(torchdbg::HtmlOptions().title("torchdbg demo, live")));
+    fmt::print("live page: {}\n\n", live->url());
+    std::fflush(stdout);
+  }
+#endif
 
   std::string checkpoint = serialize(*model);
   int64_t checkpoint_step = 0;
@@ -125,6 +160,11 @@ int main(int argc, char** argv) {
       const auto d = torchdbg::diagnose(at_failure ? *at_failure : health.report());
       fmt::print("diagnosis: {}\n\n", d.summary());
       fmt::print("{}", torchdbg::health_table(health.layers()));
+      if (live_page) {  // the page shows the diagnosis; its Resume button clears the flag
+        fmt::print("\nwaiting for Resume on the live page\n");
+        std::fflush(stdout);
+        while (pause->load()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
       fmt::print("\nrestoring the checkpoint of step {} with learning rate 0.05 and resuming\n\n",
                  checkpoint_step);
       restore(*model, checkpoint);
@@ -139,6 +179,7 @@ int main(int argc, char** argv) {
       checkpoint_step = step;
     }
     opt.step();
+    if (live_page) std::this_thread::sleep_for(std::chrono::milliseconds(50));  // to be watched
     if (step % 50 == 0 || step == kSteps - 1) {
       fmt::print("{}\n", torchdbg::progress_line(step, kSteps, loss_value, hooks.alert_count(),
                                                  health.alarm_count(), health.loss_health()));
@@ -185,5 +226,11 @@ int main(int argc, char** argv) {
   fmt::print("\nreport: {}\nstream: {}\ntable:  {}\nsummary: {}\n", html, jsonl, csv, summary);
   if (reporter.exporter_errors() > 0)
     fmt::print("exporter errors {}: {}\n", reporter.exporter_errors(), reporter.last_error());
+  if (live_page) {
+    fmt::print("\nthe live page stays up until Enter\n");
+    std::fflush(stdout);
+    std::string line;
+    std::getline(std::cin, line);
+  }
   return 0;
 }

@@ -279,13 +279,14 @@ class LiveServer {
   }
   /// The summary the sections show: the diagnosis while paused, and the alerts.
   std::optional<RunSummary> summary() {
-    RunSummary s;
+    std::optional<RunSummary> out(std::in_place);
+    RunSummary& s = *out;
     const auto alerts = hooks_.alerts();
     s.alerts_total = hooks_.alert_count();
     const std::size_t first = alerts.size() > 50 ? alerts.size() - 50 : 0;
     s.alerts.assign(alerts.begin() + static_cast<std::ptrdiff_t>(first), alerts.end());
-    if (hooks_.is_paused()) s.diagnosis = diagnosis();
-    return s;
+    if (hooks_.is_paused()) s.diagnosis.emplace(diagnosis());
+    return out;
   }
   /// The diagnosis, made once per pause (diagnose() reads the monitor under its lock): a
   /// new step, pause or alert makes it again.
