@@ -17,9 +17,10 @@ fi
 pkgs+=(python3-torch python3-pandas)
 # cpp-httplib: the live page's server (torchdbg/live.hpp).
 pkgs+=(libcpp-httplib-dev)
-# Headless Chromium: the HTML report is loaded in a real browser (ctest label "browser").
-# Optional: when it cannot be installed the browser test says SKIPPED and why.
-optional=(chromium)
+# Headless Chromium: the HTML report and the live page are loaded in a real browser (ctest
+# label "browser"; python3-websocket drives the live page over DevTools). Optional: when they
+# cannot be installed the browser tests say SKIPPED and why.
+optional=(chromium python3-websocket)
 
 missing=()
 for p in "${pkgs[@]}"; do
