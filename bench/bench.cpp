@@ -6,7 +6,7 @@
 // from one run). Prints one line per model and mode and writes the same figures as JSON.
 //
 //   torchdbg_bench [--threads N] [--rounds R] [--steps S] [--rss-steps N] [--json FILE] [--models
-//   mlp,cnn,transformer,gru,tiny,one] [--modes detached,full,every10,idle] [--no-health]
+//   mlp,cnn,transformer,gru,tiny,one] [--modes detached,full,every10,idle,reporter,live] [--no-health]
 //   [--device cpu|cuda] [--default-malloc] [--count-ops]
 //
 // --count-ops also prints, per model, the LibTorch operators one baseline step and one full
@@ -20,6 +20,11 @@
 // its dynamic threshold, the baseline steps' allocation cost depends on what the monitored
 // steps freed before them.
 //
+// `reporter` is full with a Reporter (no exporter) fed by the health monitor; `live` is
+// reporter with the live page (torchdbg/live.hpp) serving and a page open: a thread that
+// fetches /state and /sections every second, as the page does, during the monitored steps.
+// live against reporter is what the page costs the run (built with cpp-httplib only).
+//
 // `tiny` is the MLP at 16 features: it prints what one delivery costs outside the kernel.
 // `one` is a single Linear with the README's quick start: what torchdbg costs per step.
 //
@@ -28,12 +33,16 @@
 // monitored step (StatsBatching::Device: one per step, not one per layer).
 #include <dlfcn.h>
 #include <malloc.h>
+#if defined(TORCHDBG_BENCH_LIVE)
+#include <torchdbg/live.hpp>
+#endif
 #include <ATen/record_function.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -42,6 +51,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <torchdbg/torchdbg.hpp>
@@ -286,10 +296,14 @@ struct Monitor {
       torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.0))};
   torchdbg::HealthMonitor health;
   torchdbg::HealthInstallation<std::mutex, std::mutex> fed;
-  /// `quick_start`: the README's quick start only (the health monitor, no other hook).
-  Monitor(bool every10, bool with_health = true, bool quick_start = false)
+  torchdbg::Reporter reporter;
+  torchdbg::ReporterInstallation reported;
+  /// `quick_start`: the README's quick start only (the health monitor, no other hook);
+  /// `with_reporter`: a Reporter fed by the monitor, as a live page needs.
+  Monitor(bool every10, bool with_health = true, bool quick_start = false, bool with_reporter = false)
       : health(torchdbg::HealthOptions().interval(every10 ? 10 : 1)) {
     if (with_health) fed = health.install(hooks);
+    if (with_reporter) reported = reporter.install(hooks, &health);
     if (quick_start) return;
     // every10 does full's work on every 10th step: the same hooks, each in its own direction
     // (every_n_steps alone fires in both, which would do twice full's work on a due step).
@@ -409,6 +423,77 @@ double delivered_bytes_per_step(Trainer<Model>& tr) {
   return bytes;
 }
 
+/// Whether the comma-separated `modes` names `mode`.
+inline bool has_mode(const std::string& modes, const std::string& mode) {
+  std::size_t at = 0;
+  while (at <= modes.size()) {
+    const std::size_t end = std::min(modes.find(',', at), modes.size());
+    if (modes.compare(at, end - at, mode) == 0) return true;
+    at = end + 1;
+  }
+  return false;
+}
+
+/// For the live mode: the live page serving `monitor` and a thread that reads it as an open
+/// page does (/state and /sections every second) while opened.
+class PageReader {
+ public:
+  explicit PageReader(Monitor* monitor) {
+    if (monitor == nullptr) return;
+#if defined(TORCHDBG_BENCH_LIVE)
+    server_.emplace(monitor->hooks, monitor->health, monitor->reporter, torchdbg::LiveOptions().print_url(false));
+    thread_ = std::thread([this] {
+      httplib::Client c("127.0.0.1", server_->port());
+      const httplib::Headers token{{"X-Torchdbg-Token", server_->token()}};
+      std::unique_lock<std::mutex> lock(mutex_);
+      while (!done_) {
+        if (open_) {
+          lock.unlock();
+          const bool ok = c.Get("/state", token) && c.Get("/sections", token);
+          lock.lock();
+          if (ok) ++reads_;
+        }
+        wake_.wait_for(lock, std::chrono::seconds(1), [this] { return done_; });
+      }
+    });
+#else
+    throw std::runtime_error("torchdbg_bench: built without cpp-httplib, so without the live mode");
+#endif
+  }
+  ~PageReader() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  /// The page reads while one of these lives.
+  struct Open {
+    explicit Open(PageReader& p) : p_(p) { p_.set(true); }
+    ~Open() { p_.set(false); }
+    PageReader& p_;
+  };
+  [[nodiscard]] int64_t reads() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return reads_;
+  }
+
+ private:
+  void set(bool open) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    open_ = open;
+  }
+#if defined(TORCHDBG_BENCH_LIVE)
+  std::optional<torchdbg::LiveServer> server_;
+#endif
+  std::thread thread_;
+  mutable std::mutex mutex_;
+  std::condition_variable wake_;
+  bool done_ = false, open_ = false;
+  int64_t reads_ = 0;
+};
+
 template <typename Model>
 nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, int64_t batch,
                            const Args& a, bool print = true, bool quick_start = false) {
@@ -417,14 +502,16 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
   nlohmann::json out;
   // "idle": attached to a manager with no hook at all, so nothing is ever due: what merely
   // having tensor hooks on the parameters does to LibTorch's step.
-  for (const std::string mode : {"detached", "full", "every10", "idle"}) {
-    if (a.modes.find(mode) == std::string::npos) continue;
+  for (const std::string mode : {"detached", "full", "every10", "idle", "reporter", "live"}) {
+    if (!has_mode(a.modes, mode)) continue;
     std::vector<double> base, mon;
     uint64_t copies = 0, deliveries = 0;
     // One monitor per mode, kept across rounds (its per-layer state is built once, as in a
     // real run); only the attachment comes and goes, so baseline steps run detached.
-    Monitor monitor(mode == "every10", a.health && mode != "idle", quick_start);
+    const bool reporting = mode == "reporter" || mode == "live";
+    Monitor monitor(mode == "every10", a.health && mode != "idle", quick_start, reporting && a.health);
     if (mode == "idle") monitor.hooks.clear_hooks();
+    PageReader page(mode == "live" ? &monitor : nullptr);
     for (int r = 0; r < a.rounds; ++r) {
       // ABBA: odd rounds run the monitored half first, so drift within a round (allocator,
       // caches, frequency) cancels instead of favouring one side.
@@ -433,6 +520,7 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
       };
       if (r % 2 == 0) run_base();
       {
+        PageReader::Open open(page);  // the page reads during the monitored half only
         std::optional<torchdbg::AttachSession> session;
         if (mode != "detached") session.emplace(torchdbg::attach(*tr.model, monitor.hooks));
         for (int s = 0; s < a.steps; ++s) {
@@ -469,6 +557,7 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
       fmt::print("  paired windows {} {}: {:.1f}% (median of {} windows of {} steps)\n", name, mode,
                  paired.percent, paired.windows, paired.steps_per_window);
       if (tr.device.is_cuda()) fmt::print("host copies per step {} {}: {:.2f}\n", name, mode, copies_per_step);
+      if (mode == "live") fmt::print("  page reads during live {}: {}\n", name, page.reads());
       std::fflush(stdout);
     }
     out[mode] = {{"overhead_percent", overhead},

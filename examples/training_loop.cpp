@@ -127,7 +127,7 @@ int main(int argc, char** argv) {
   std::optional<torchdbg::LiveServer> live;
   if (live_page) {
     live.emplace(hooks, health, reporter,
-                 torchdbg::LiveOptions().html(torchdbg::HtmlOptions().title("torchdbg demo, live")));
+                 torchdbg::LiveOptions().print_url(false).html(torchdbg::HtmlOptions().title("torchdbg demo, live")));
     fmt::print("live page: {}\n\n", live->url());
     std::fflush(stdout);
   }

@@ -239,6 +239,9 @@ TEST_CASE("live page: follows a training loop, shows the diagnosis when it pause
   for (const char* id : {"id=\"loss-plot\"", "id=\"heatmap-plot\"", "id=\"gradient-flow-plot\"", "data-layer=\"fc1\""})
     CHECK(sections->body.find(id) != std::string::npos);
   CHECK(sections->body.find("id=\"causal-graph\"") == std::string::npos);  // not paused: no diagnosis
+  // The per-layer table: the monitor's layers, each healthy.
+  CHECK(sections->body.find("<tr class=\"info\" data-layer=\"fc1\">") != std::string::npos);
+  CHECK(sections->body.find("<tr class=\"alarm\"") == std::string::npos);
 
   // Paused and resumed from the page at the start of step 6 (its diagnosis: no failure yet);
   // then fc1's weights explode in that same step: the monitor pauses the loop, and the page
@@ -278,6 +281,7 @@ TEST_CASE("live page: follows a training loop, shows the diagnosis when it pause
   REQUIRE(sections);
   CHECK(sections->body.find("id=\"causal-graph\"") != std::string::npos);
   CHECK(sections->body.find(torchdbg::detail::html_escape(d.summary())) != std::string::npos);
+  CHECK(sections->body.find("<tr class=\"alarm\"") != std::string::npos);  // the table shows the failure
 
   // Resume from the page: the loop's flag clears.
   auto r = c.Post("/resume", with_token(live.token()), "", "text/plain");

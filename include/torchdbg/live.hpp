@@ -80,6 +80,8 @@ struct LiveOptions {
   TORCH_ARG(int64_t, timeout_seconds) = 5;
   /// How often the page refreshes, in milliseconds.
   TORCH_ARG(int64_t, refresh_ms) = 1000;
+  /// Print "torchdbg live page: <url>" to stderr once serving.
+  TORCH_ARG(bool, print_url) = true;
   /// What the page keeps and draws (title, loss points, heatmap columns, ...).
   TORCH_ARG(HtmlOptions, html) = HtmlOptions().title("torchdbg live");
 };
@@ -111,10 +113,11 @@ class LiveRecord : public BaseExporter<std::mutex> {
   explicit LiveRecord(const HtmlOptions& options) : run_(options) {}
   /// The page's sections now, drawn from a copy of the record (the lock is held for the copy
   /// only, so the reporter's next step never waits on the drawing).
-  std::string sections(const std::optional<RunSummary>& summary) const {
+  std::string sections(const std::optional<RunSummary>& summary, const std::string& layers_table) const {
     const HtmlRun run = snapshot();
     std::string h;
     h += "<section id=\"diagnosis\"><h2>Diagnosis</h2>" + diagnosis_html(summary) + "</section>";
+    h += "<section id=\"layers\"><h2>Layers now</h2>" + layers_table + "</section>";
     h += "<section id=\"loss\"><h2>Loss</h2>" + loss_svg(run) + "</section>";
     h += "<section id=\"health-heatmap\"><h2>Health: layers &times; steps</h2>" + heatmap_svg(run) + "</section>";
     h += "<section id=\"gradient-flow\"><h2>Gradient flow</h2>" + gradient_flow_svg(run) + "</section>";
@@ -204,6 +207,7 @@ class LiveServer {
     // Serving once this returns: stop() before the server runs would not reach it.
     for (int i = 0; i < 10000 && !server_.is_running() && !finished_; ++i)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (options_.print_url()) fmt::print(stderr, "torchdbg live page: {}\n", url());
   }
   LiveServer(const LiveServer&) = delete;
   LiveServer& operator=(const LiveServer&) = delete;
@@ -277,6 +281,34 @@ class LiveServer {
                    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
                    "img-src data:");
   }
+  /// The monitor's layers now, in forward order.
+  std::vector<LayerHealth> layers_now() const {
+    std::vector<LayerHealth> now = health_.layers();
+    std::stable_sort(now.begin(), now.end(), [](const LayerHealth& a, const LayerHealth& b) { return a.order < b.order; });
+    return now;
+  }
+  static int layer_rank(const LayerHealth& l) {
+    int rank = 0;
+    if (l.has_activation) rank = std::max(rank, detail::state_rank(to_string(l.activation)));
+    if (l.has_gradient) rank = std::max(rank, detail::state_rank(to_string(l.gradient)));
+    return rank;
+  }
+  /// The per-layer health table: each layer's state (the worse of its two) and both states.
+  std::string layers_table() const {
+    const std::vector<LayerHealth> now = layers_now();
+    if (now.empty()) return "<p class=\"empty\">No layers observed yet.</p>";
+    std::string t =
+        "<table class=\"layers\"><tr><th>layer</th><th>state</th><th>activation</th><th>gradient</th></tr>";
+    for (const LayerHealth& l : now) {
+      const int rank = layer_rank(l);
+      t += fmt::format("<tr class=\"{}\" data-layer=\"{}\"><td>{}</td><td><i style=\"background:{}\"></i> {}</td>"
+                       "<td>{}</td><td>{}</td></tr>",
+                       rank > 1 ? "alarm" : "info", detail::html_escape(l.name), detail::html_escape(l.name),
+                       detail::rank_color(rank), detail::rank_name(rank),
+                       l.has_activation ? to_string(l.activation) : "-", l.has_gradient ? to_string(l.gradient) : "-");
+    }
+    return t + "</table>";
+  }
   /// The summary the sections show: the diagnosis while paused, and the alerts.
   std::optional<RunSummary> summary() {
     std::optional<RunSummary> out(std::in_place);
@@ -308,7 +340,8 @@ class LiveServer {
         detail::html_escape(options_.html().title()) + "</title><style>";
     h += detail::html_style();
     h += "#bar{position:sticky;top:0;background:#fff;padding:6px 0;border-bottom:1px solid #ddd}"
-         "#bar button{margin-right:8px}#paused{color:#b3001b;font-weight:bold}";
+         "#bar button{margin-right:8px}.paused{color:#b3001b}"
+         "table.layers i{display:inline-block;width:10px;height:10px;vertical-align:middle}";
     h += "</style></head><body><h1>" + detail::html_escape(options_.html().title()) + "</h1>";
     h += "<div id=\"bar\" class=\"kpi\"><div>step <b id=\"step\">-</b></div><div>loss <b id=\"loss\">-</b></div>"
          "<div>state <b id=\"run-state\">-</b></div><div><button id=\"pause\">Pause now</button>"
@@ -350,15 +383,9 @@ class LiveServer {
       j["paused"] = paused;
       j["pause"] = nullptr;
       // The monitor's layers now (the record's last step ends when the next one begins).
-      std::vector<LayerHealth> now = health_.layers();
-      std::stable_sort(now.begin(), now.end(), [](const LayerHealth& a, const LayerHealth& b) { return a.order < b.order; });
       nlohmann::json layers = nlohmann::json::array();
-      for (const LayerHealth& l : now) {
-        int rank = 0;
-        if (l.has_activation) rank = std::max(rank, detail::state_rank(to_string(l.activation)));
-        if (l.has_gradient) rank = std::max(rank, detail::state_rank(to_string(l.gradient)));
-        layers.push_back({{"name", detail::valid_utf8(l.name)}, {"state", detail::rank_name(rank)}});
-      }
+      for (const LayerHealth& l : layers_now())
+        layers.push_back({{"name", detail::valid_utf8(l.name)}, {"state", detail::rank_name(layer_rank(l))}});
       j["layers"] = std::move(layers);
       if (const auto p = hooks_.pause_info(); p && paused)
         j["pause"] = {{"reason", detail::valid_utf8(p->reason)},
@@ -383,7 +410,7 @@ class LiveServer {
     });
     server_.Get("/sections", [this](const httplib::Request&, httplib::Response& res) {
       no_store(res);
-      res.set_content(record_->sections(summary()), "text/html; charset=utf-8");
+      res.set_content(record_->sections(summary(), layers_table()), "text/html; charset=utf-8");
     });
     const auto act = [this](bool pause) {
       return [this, pause](const httplib::Request&, httplib::Response& res) {
