@@ -48,6 +48,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -74,6 +75,9 @@ struct LiveOptions {
   TORCH_ARG(std::string, token);
   /// Requests served at once (worker threads); more wait for a free worker.
   TORCH_ARG(std::size_t, max_connections) = 4;
+  /// Connections waiting for a worker at most; more are closed at once (cpp-httplib 0.14 and
+  /// later; older ones queue without a bound).
+  TORCH_ARG(std::size_t, max_queued) = 16;
   /// Bytes of a request body at most (pause and resume need none).
   TORCH_ARG(std::size_t, max_request_bytes) = 4096;
   /// Seconds a request may take to arrive or its response to leave.
@@ -98,6 +102,18 @@ inline bool same_token(const std::string& a, const std::string& b) {
     diff = static_cast<unsigned char>(diff | (x ^ y));
   }
   return diff == 0;
+}
+
+/// cpp-httplib's pool of `workers` threads; with 0.14 and later at most `queued` connections
+/// wait for one (more are closed), older ones have no bound.
+template <typename Pool = httplib::ThreadPool>
+httplib::TaskQueue* worker_pool(std::size_t workers, std::size_t queued) {
+  if constexpr (std::is_constructible_v<Pool, std::size_t, std::size_t>) {
+    return new Pool(workers, std::max<std::size_t>(queued, 1));
+  } else {
+    (void)queued;
+    return new Pool(workers);
+  }
 }
 
 inline std::string random_token() {
@@ -182,8 +198,8 @@ class LiveServer {
     token_ = options_.token().empty() ? detail::random_token() : checked_token(options_.token());
     record_ = std::make_shared<detail::LiveRecord>(options_.html());
     routes();
-    const std::size_t workers = options_.max_connections();
-    server_.new_task_queue = [workers] { return new httplib::ThreadPool(workers); };
+    const std::size_t workers = options_.max_connections(), queued = options_.max_queued();
+    server_.new_task_queue = [workers, queued] { return detail::worker_pool(workers, queued); };
     server_.set_payload_max_length(options_.max_request_bytes());
     server_.set_read_timeout(static_cast<time_t>(options_.timeout_seconds()), 0);
     server_.set_write_timeout(static_cast<time_t>(options_.timeout_seconds()), 0);
