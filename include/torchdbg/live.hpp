@@ -75,8 +75,8 @@ struct LiveOptions {
   TORCH_ARG(std::string, token);
   /// Requests served at once (worker threads); more wait for a free worker.
   TORCH_ARG(std::size_t, max_connections) = 4;
-  /// Connections waiting for a worker at most; more are closed at once (cpp-httplib 0.14 and
-  /// later; older ones queue without a bound).
+  /// Connections waiting for a worker at most; more are closed at once, where cpp-httplib's
+  /// pool takes a queue bound (0.18 does; 0.11 queues without one).
   TORCH_ARG(std::size_t, max_queued) = 16;
   /// Bytes of a request body at most (pause and resume need none).
   TORCH_ARG(std::size_t, max_request_bytes) = 4096;
@@ -104,8 +104,8 @@ inline bool same_token(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
-/// cpp-httplib's pool of `workers` threads; with 0.14 and later at most `queued` connections
-/// wait for one (more are closed), older ones have no bound.
+/// cpp-httplib's pool of `workers` threads; where its pool takes a queue bound (0.18 does,
+/// 0.11 does not), at most `queued` connections wait for one and more are closed.
 template <typename Pool = httplib::ThreadPool>
 httplib::TaskQueue* worker_pool(std::size_t workers, std::size_t queued) {
   if constexpr (std::is_constructible_v<Pool, std::size_t, std::size_t>) {
