@@ -124,13 +124,11 @@ int main(int argc, char** argv) {
   auto pause = hooks.pause_flag();
   // [/snippet]
 #if defined(TORCHDBG_DEMO_LIVE)
-  std::optional<torchdbg::LiveServer> live;
-  if (live_page) {
-    live.emplace(hooks, health, reporter,
-                 torchdbg::LiveOptions().print_url(false).html(torchdbg::HtmlOptions().title("torchdbg demo, live")));
-    fmt::print("live page: {}\n\n", live->url());
-    std::fflush(stdout);
-  }
+  // [snippet live]
+  std::optional<torchdbg::LiveServer> live;  // the live page (torchdbg/live.hpp), with --live
+  if (live_page)  // prints "torchdbg live page: http://127.0.0.1:PORT/?token=..." to stderr
+    live.emplace(hooks, health, reporter, torchdbg::LiveOptions().html(torchdbg::HtmlOptions().title("torchdbg demo")));
+  // [/snippet]
 #endif
 
   std::string checkpoint = serialize(*model);

@@ -48,7 +48,7 @@ def main():
     def reader():
         for line in proc.stdout:
             out.append(line)
-            m = re.match(r"live page: (http://\S+)", line)
+            m = re.search(r"live page: (http://\S+)", line)
             if m:
                 url[0] = m.group(1)
                 ready.set()
