@@ -13,14 +13,14 @@ Prints "SKIPPED: ..." and exits 0 when chromium or python3-websocket is missing.
 import json
 import base64
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
+
+import live_demo
 
 try:
     import websocket
@@ -72,22 +72,9 @@ class DevTools:
 def main():
     exe, work, out_dir = sys.argv[1], sys.argv[2], sys.argv[3]
     os.makedirs(out_dir, exist_ok=True)
-    demo = subprocess.Popen([exe, work, "--live"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    demo, out, url = live_demo.start(exe, work)
     procs.append(demo)
-    out, url, ready = [], [None], threading.Event()
-
-    def reader():
-        for line in demo.stdout:
-            out.append(line)
-            m = re.search(r"live page: (http://\S+)", line)
-            if m:
-                url[0] = m.group(1)
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=reader, daemon=True).start()
-    if not ready.wait(120) or url[0] is None:
+    if url is None:
         fail("the demo printed no live page address", out)
 
     profile = tempfile.mkdtemp(prefix="torchdbg-chromium-")
@@ -108,7 +95,7 @@ def main():
     dt = DevTools(page["webSocketDebuggerUrl"])
     dt.call("Runtime.enable")
     dt.call("Page.enable")
-    dt.call("Page.navigate", url=url[0])
+    dt.call("Page.navigate", url=url)
 
     # The step advances on the page, then the run pauses and the page shows why.
     seen, state, t0 = set(), None, time.time()

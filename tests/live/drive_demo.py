@@ -11,10 +11,11 @@ import json
 import re
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
+
+import live_demo
 
 
 def fail(msg, proc=None, out=None):
@@ -39,31 +40,16 @@ def request(url, method="GET", token=None):
 
 def main():
     exe, work = sys.argv[1], sys.argv[2]
-    proc = subprocess.Popen([exe, work, "--live"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    out = []
-    url = [None]
-    ready = threading.Event()
-
-    def reader():
-        for line in proc.stdout:
-            out.append(line)
-            m = re.search(r"live page: (http://\S+)", line)
-            if m:
-                url[0] = m.group(1)
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=reader, daemon=True).start()
-    if not ready.wait(120) or url[0] is None:
+    proc, out, url = live_demo.start(exe, work)
+    if url is None:
         fail("the demo printed no live page address", proc, out)
-    m = re.match(r"(http://[^/]+)/\?token=([A-Za-z0-9]+)$", url[0])
+    m = re.match(r"(http://[^/]+)/\?token=([A-Za-z0-9]+)$", url)
     if not m:
-        fail("unexpected address " + url[0], proc, out)
+        fail("unexpected address " + url, proc, out)
     base, token = m.group(1), m.group(2)
     if request(base + "/state")[0] != 403 or request(base + "/state", token="x" * 32)[0] != 403:
         fail("a request without the token was served", proc, out)
-    status, page = request(url[0])
+    status, page = request(url)
     if status != 200 or "Pause now" not in page or "Resume" not in page:
         fail("the page did not load (status %d)" % status, proc, out)
 
