@@ -20,7 +20,8 @@ import tempfile
 import time
 import urllib.request
 
-import live_demo
+sys.dont_write_bytecode = True  # nothing written into the source tree
+import live_demo  # noqa: E402
 
 try:
     import websocket

@@ -15,7 +15,8 @@ import time
 import urllib.error
 import urllib.request
 
-import live_demo
+sys.dont_write_bytecode = True  # nothing written into the source tree
+import live_demo  # noqa: E402
 
 
 def fail(msg, proc=None, out=None):
