@@ -247,7 +247,7 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-/// Whether `name` is one of the comma-separated `list`'s entries.
+/// Whether `name` is one of the comma-separated `list`'s entries (models, modes).
 bool model_listed(const std::string& list, const std::string& name) {
   std::size_t start = 0;
   while (start <= list.size()) {
@@ -423,17 +423,6 @@ double delivered_bytes_per_step(Trainer<Model>& tr) {
   return bytes;
 }
 
-/// Whether the comma-separated `modes` names `mode`.
-inline bool has_mode(const std::string& modes, const std::string& mode) {
-  std::size_t at = 0;
-  while (at <= modes.size()) {
-    const std::size_t end = std::min(modes.find(',', at), modes.size());
-    if (modes.compare(at, end - at, mode) == 0) return true;
-    at = end + 1;
-  }
-  return false;
-}
-
 /// For the live mode: the live page serving `monitor` and a thread that reads it as an open
 /// page does (/state and /sections every second) while opened.
 class PageReader {
@@ -503,7 +492,7 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
   // "idle": attached to a manager with no hook at all, so nothing is ever due: what merely
   // having tensor hooks on the parameters does to LibTorch's step.
   for (const std::string mode : {"detached", "full", "every10", "idle", "reporter", "live"}) {
-    if (!has_mode(a.modes, mode)) continue;
+    if (!model_listed(a.modes, mode)) continue;
     std::vector<double> base, mon;
     uint64_t copies = 0, deliveries = 0;
     // One monitor per mode, kept across rounds (its per-layer state is built once, as in a
