@@ -4,11 +4,15 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <chrono>
 #include <cmath>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -78,6 +82,56 @@ int raw_status(int port, const std::string& head) {
   ::close(fd);
   if (n < 12) return -1;
   return std::atoi(buf + 9);  // "HTTP/1.1 413 ..."
+}
+
+/// A new connection to 127.0.0.1:`port`.
+int connect_local(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  return fd;
+}
+
+/// Whether the server has ended connection `fd` (its end arrives, or the reset) within `ms`;
+/// whatever else it sent first is read and dropped.
+bool ended_within(int fd, int ms) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(std::max<int64_t>(left.count(), 0))) <= 0) return false;
+    char buf[4096];
+    const ssize_t n = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (n <= 0) return true;
+  }
+}
+
+/// Seconds since `t0`.
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/// One response read from `fd` (status line, headers, a Content-Length body): its status,
+/// or -1 when the connection ends first.
+int read_response(int fd) {
+  std::string got;
+  char buf[4096];
+  std::size_t body_at = std::string::npos, length = 0;
+  while (body_at == std::string::npos || got.size() < body_at + length) {
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) return -1;
+    got.append(buf, static_cast<std::size_t>(n));
+    if (body_at == std::string::npos && got.find("\r\n\r\n") != std::string::npos) {
+      body_at = got.find("\r\n\r\n") + 4;
+      const std::size_t cl = got.find("Content-Length: ");
+      if (cl != std::string::npos && cl < body_at) length = std::stoul(got.substr(cl + 16));
+    }
+  }
+  return std::atoi(got.c_str() + 9);
 }
 
 }  // namespace
@@ -344,4 +398,114 @@ TEST_CASE("live page: readers on other threads while the loop trains; Pause now 
   CHECK(served.load() >= 20);
   CHECK(failed.load() == 0);
   live.stop();
+}
+
+TEST_CASE("live page: connections are bounded in number, time and bytes in all; stopping does not wait for clients",
+          "[live]") {
+  torchdbg::HookManager hooks;
+  torchdbg::HealthMonitor health;
+  torchdbg::Reporter reporter;
+  const auto opts = torchdbg::LiveOptions().max_connections(1).max_queued(1).timeout_seconds(1).print_url(false);
+  const auto t0 = std::chrono::steady_clock::now();
+
+  SECTION("a request sent a byte at a time loses its connection at the timeout; the page answers again") {
+    torchdbg::LiveServer live(hooks, health, reporter, opts);
+    const int fd = connect_local(live.port());
+    const std::string head = "GET /state?token=" + live.token() + " HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+    REQUIRE(::send(fd, head.data(), head.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(head.size()));
+    const auto start = std::chrono::steady_clock::now();
+    bool ended = false;
+    while (!ended && since(start) < 10) {  // a byte every 50 ms: each read is far inside any timeout
+      ended = ::send(fd, "a", 1, MSG_NOSIGNAL) != 1 || ended_within(fd, 50);
+    }
+    const double took = since(start);
+    ::close(fd);
+    CHECK(ended);
+    CHECK(took > 0.9);
+    CHECK(took < 3.0);
+    httplib::Client c("127.0.0.1", live.port());
+    c.set_read_timeout(10, 0);
+    auto r = c.Get("/state", with_token(live.token()));
+    REQUIRE(r);
+    CHECK(r->status == 200);
+  }
+
+  SECTION("one worker, one waiting: a third idle connection is closed at once, the two others at their timeout") {
+    torchdbg::LiveServer live(hooks, health, reporter, opts);
+    const int busy = connect_local(live.port());
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // a worker holds it
+    const int waiting = connect_local(live.port());
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // it waits for the worker
+    const int third = connect_local(live.port());
+    const auto start = std::chrono::steady_clock::now();
+    CHECK(ended_within(third, 2000));
+    CHECK(since(start) < 0.5);
+    CHECK_FALSE(ended_within(busy, 0));
+    CHECK_FALSE(ended_within(waiting, 0));
+    CHECK(ended_within(busy, 3000));
+    CHECK(ended_within(waiting, 3000));
+    for (int fd : {busy, waiting, third}) ::close(fd);
+    httplib::Client c("127.0.0.1", live.port());
+    c.set_read_timeout(10, 0);
+    auto r = c.Get("/state", with_token(live.token()));
+    REQUIRE(r);
+    CHECK(r->status == 200);
+  }
+
+  SECTION("header lines without end: the connection is closed once the request passes its bytes") {
+    torchdbg::LiveServer live(hooks, health, reporter, torchdbg::LiveOptions(opts).timeout_seconds(30));
+    const int fd = connect_local(live.port());
+    const std::string head = "GET /state?token=" + live.token() + " HTTP/1.1\r\nHost: x\r\n";
+    REQUIRE(::send(fd, head.data(), head.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(head.size()));
+    const std::string line = "X-Fill: " + std::string(1000, 'f') + "\r\n";
+    std::string block;
+    while (block.size() < (64 << 10)) block += line;
+    std::size_t sent = 0;
+    const auto start = std::chrono::steady_clock::now();
+    timeval tv{0, 200000};
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    bool ended = false;
+    while (!ended && sent < (std::size_t{256} << 20) && since(start) < 20) {
+      const ssize_t n = ::send(fd, block.data(), block.size(), MSG_NOSIGNAL);
+      if (n > 0) sent += static_cast<std::size_t>(n);
+      ended = (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) || ended_within(fd, 0);
+    }
+    ::close(fd);
+    INFO("sent " << sent << " bytes in " << since(start) << " s");
+    CHECK(ended);
+    CHECK(sent < (std::size_t{48} << 20));  // the limit (68 KiB) plus the kernel's buffers
+  }
+
+  SECTION("stopping closes slow clients' connections first: the destructor does not wait for them") {
+    auto live = std::make_unique<torchdbg::LiveServer>(
+        hooks, health, reporter, torchdbg::LiveOptions(opts).max_connections(4).max_queued(4).timeout_seconds(60));
+    std::vector<int> slow;
+    for (int i = 0; i < 6; ++i) {
+      slow.push_back(connect_local(live->port()));
+      const std::string part = "GET /state?token=" + live->token() + " HTTP/1.1\r\nHost:";
+      REQUIRE(::send(slow.back(), part.data(), part.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(part.size()));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    const auto start = std::chrono::steady_clock::now();
+    live.reset();
+    CHECK(since(start) < 1.0);
+    for (int fd : slow) {
+      CHECK(ended_within(fd, 1000));
+      ::close(fd);
+    }
+  }
+
+  SECTION("a kept-alive connection's timeout starts again with each response") {
+    torchdbg::LiveServer live(hooks, health, reporter, opts);
+    const int fd = connect_local(live.port());
+    const std::string req = "GET /state?token=" + live.token() + " HTTP/1.1\r\nHost: x\r\n\r\n";
+    for (int i = 0; i < 6; ++i) {  // 6 x 400 ms on one connection, past the 1 s timeout
+      INFO("request " << i);
+      REQUIRE(::send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size()));
+      CHECK(read_response(fd) == 200);
+      std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    }
+    ::close(fd);
+  }
+  CHECK(since(t0) < 30);
 }

@@ -17,8 +17,8 @@
 // Security: it binds to 127.0.0.1 unless LiveOptions::host names another address; every
 // request needs the random token of the printed URL (compared in constant time, before any
 // route and before a body is read); pause and resume only by POST; no chunked, encoded or
-// oversized bodies; worker threads are bounded; only its own routes exist. cpp-httplib's
-// timeouts apply per read: a client trickling bytes holds a worker (see docs/reports.md).
+// oversized bodies; worker threads and waiting connections are bounded, and so are each
+// request's time and bytes in all (on Linux; see docs/reports.md); only its own routes exist.
 // Requests read snapshots: the training thread never waits on one beyond the reporter's and
 // the monitor's own short locks.
 //
@@ -52,6 +52,7 @@
 #include <utility>
 #include <vector>
 
+#include "torchdbg/detail/connection_guard.hpp"
 #include "torchdbg/diagnosis.hpp"
 #include "torchdbg/error.hpp"
 #include "torchdbg/exporters/exporter.hpp"
@@ -75,12 +76,14 @@ struct LiveOptions {
   TORCH_ARG(std::string, token);
   /// Requests served at once (worker threads); more wait for a free worker.
   TORCH_ARG(std::size_t, max_connections) = 4;
-  /// Connections waiting for a worker at most; more are closed at once, where cpp-httplib's
-  /// pool takes a queue bound (0.18 does; 0.11 queues without one).
+  /// Connections waiting for a worker at most; more are closed at once.
   TORCH_ARG(std::size_t, max_queued) = 16;
-  /// Bytes of a request body at most (pause and resume need none).
+  /// Bytes of a request body at most (pause and resume need none). A request's line and
+  /// headers may add 64 KiB; a connection that sends more before its response is closed.
   TORCH_ARG(std::size_t, max_request_bytes) = 4096;
-  /// Seconds a request may take to arrive or its response to leave.
+  /// Seconds a request may take in all, from when a worker takes its connection (or from
+  /// the previous response on it) to the end of its response; a slower one's connection is
+  /// closed (on Linux; elsewhere cpp-httplib's timeout applies to each read).
   TORCH_ARG(int64_t, timeout_seconds) = 5;
   /// How often the page refreshes, in milliseconds.
   TORCH_ARG(int64_t, refresh_ms) = 1000;
@@ -102,18 +105,6 @@ inline bool same_token(const std::string& a, const std::string& b) {
     diff = static_cast<unsigned char>(diff | (x ^ y));
   }
   return diff == 0;
-}
-
-/// cpp-httplib's pool of `workers` threads; where its pool takes a queue bound (0.18 does,
-/// 0.11 does not), at most `queued` connections wait for one and more are closed.
-template <typename Pool = httplib::ThreadPool>
-httplib::TaskQueue* worker_pool(std::size_t workers, std::size_t queued) {
-  if constexpr (std::is_constructible_v<Pool, std::size_t, std::size_t>) {
-    return new Pool(workers, std::max<std::size_t>(queued, 1));
-  } else {
-    (void)queued;
-    return new Pool(workers);
-  }
 }
 
 inline std::string random_token() {
@@ -198,8 +189,6 @@ class LiveServer {
     token_ = options_.token().empty() ? detail::random_token() : checked_token(options_.token());
     record_ = std::make_shared<detail::LiveRecord>(options_.html());
     routes();
-    const std::size_t workers = options_.max_connections(), queued = options_.max_queued();
-    server_.new_task_queue = [workers, queued] { return detail::worker_pool(workers, queued); };
     server_.set_payload_max_length(options_.max_request_bytes());
     server_.set_read_timeout(static_cast<time_t>(options_.timeout_seconds()), 0);
     server_.set_write_timeout(static_cast<time_t>(options_.timeout_seconds()), 0);
@@ -215,6 +204,16 @@ class LiveServer {
                                  : (server_.bind_to_port(options_.host(), options_.port()) ? options_.port() : -1);
     if (port_ <= 0)
       throw Error("torchdbg: LiveServer cannot listen on " + options_.host() + ":" + std::to_string(options_.port()));
+    detail::ConnectionLimits limits;
+    limits.workers = options_.max_connections();
+    limits.queued = options_.max_queued();
+    limits.request_time = std::chrono::seconds(options_.timeout_seconds());
+    limits.request_bytes = (uint64_t{64} << 10) + options_.max_request_bytes();
+    guard_ = std::make_shared<detail::ConnectionGuard>(port_, limits);
+    server_.new_task_queue = [guard = guard_] { return new detail::GuardedPool(guard); };
+    server_.set_logger([guard = guard_](const httplib::Request&, const httplib::Response&) {
+      guard->responded(detail::current_connection);
+    });
     reporter.add_exporter(record_);  // only once listening: a failed start leaves none behind
     thread_ = std::thread([this] {
       server_.listen_after_bind();
@@ -242,6 +241,7 @@ class LiveServer {
   /// Stops serving and joins the server's thread (the reporter keeps the record, unused).
   void stop() {
     if (!thread_.joinable()) return;
+    guard_->stop();  // open connections end now, slow clients' too
     while (!finished_) {  // until the listening loop has seen it
       server_.stop();
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -455,6 +455,7 @@ class LiveServer {
   LiveOptions options_;
   std::string token_;
   std::shared_ptr<detail::LiveRecord> record_;
+  std::shared_ptr<detail::ConnectionGuard> guard_;
   httplib::Server server_;
   std::thread thread_;
   std::atomic<bool> finished_{false};

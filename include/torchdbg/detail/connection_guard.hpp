@@ -1,0 +1,366 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+// The live page's connections: cpp-httplib's task queue with a bounded number of workers and
+// of waiting connections, and a watchdog that bounds the time and bytes of every request.
+//
+// cpp-httplib's own timeouts apply per read (a client trickling a byte a second holds a
+// worker forever) and 0.11 bounds neither the header lines nor the queue. It hands a task
+// queue each accepted connection as a closure, without its socket; on Linux the guard finds
+// that socket (the one on the server's port that it does not know yet, in /proc/self/fd,
+// right after the accept on the listening thread), keeps a duplicate of it and shuts it down
+// when its request runs past the deadline or the byte limit, or when the server stops.
+// Elsewhere, or when the socket cannot be told apart, only the bounded pool applies.
+
+#include <httplib.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <algorithm>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#ifdef __linux__
+#include <dirent.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#endif
+
+namespace torchdbg::detail {
+
+/// What one live server allows its connections.
+struct ConnectionLimits {
+  std::size_t workers = 4;      ///< requests served at once
+  std::size_t queued = 16;      ///< connections waiting for a worker; more are closed at once
+  std::chrono::milliseconds request_time{5000};  ///< from a worker's start or the last response
+  uint64_t request_bytes = 1 << 20;              ///< received since the connection or the last response
+};
+
+/// The connection a worker thread serves now (0: none or not known), for the response hook.
+inline thread_local uint64_t current_connection = 0;
+
+/// The accepted sockets of one listening port and the watchdog that ends those past their
+/// limits. Thread safety: every member from any thread.
+class ConnectionGuard {
+ public:
+  ConnectionGuard(int port, ConnectionLimits limits) : port_(port), limits_(limits) {
+#ifdef __linux__
+    watchdog_ = std::thread([this] { watch(); });
+#endif
+  }
+  ConnectionGuard(const ConnectionGuard&) = delete;
+  ConnectionGuard& operator=(const ConnectionGuard&) = delete;
+  ~ConnectionGuard() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ending_ = true;
+    }
+    wake_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
+#ifdef __linux__
+    for (const Connection& c : connections_) ::close(c.fd);
+#endif
+  }
+
+  [[nodiscard]] const ConnectionLimits& limits() const noexcept { return limits_; }
+
+  /// The connection accepted last (call on the listening thread, after its accept): its id,
+  /// or 0 when its socket cannot be found (then no deadline applies to it).
+  uint64_t adopt() {
+#ifdef __linux__
+    std::lock_guard<std::mutex> lock(mutex_);
+    int found = -1;
+    ino_t inode = 0;
+    std::size_t candidates = 0;
+    DIR* dir = ::opendir("/proc/self/fd");
+    if (dir == nullptr) return 0;
+    while (const dirent* e = ::readdir(dir)) {
+      char* end = nullptr;
+      const long fd = std::strtol(e->d_name, &end, 10);
+      if (end == e->d_name || *end != '\0' || fd == ::dirfd(dir)) continue;
+      struct stat st {};
+      if (::fstat(static_cast<int>(fd), &st) != 0 || !S_ISSOCK(st.st_mode) || known(st.st_ino)) continue;
+      if (!accepted_here(static_cast<int>(fd))) continue;
+      ++candidates;
+      found = static_cast<int>(fd);
+      inode = st.st_ino;
+    }
+    ::closedir(dir);
+    if (candidates != 1) return 0;
+    // A duplicate keeps the socket itself (not a number another thread may reuse) until the
+    // connection's task has ended.
+    const int copy = ::fcntl(found, F_DUPFD_CLOEXEC, 0);
+    struct stat st {};
+    if (copy < 0) return 0;
+    if (::fstat(copy, &st) != 0 || st.st_ino != inode) {
+      ::close(copy);
+      return 0;
+    }
+    Connection c;
+    c.id = ++last_id_;
+    c.fd = copy;
+    c.inode = inode;
+    c.deadline = Clock::now() + limits_.request_time;
+    c.bytes_base = bytes_received(copy);
+    if (stopping_) cut(c);
+    connections_.push_back(c);
+    wake_.notify_all();
+    return c.id;
+#else
+    return 0;
+#endif
+  }
+
+  /// The connection's task has ended (cpp-httplib closed its socket): forget it.
+  void release(uint64_t id) {
+    if (id == 0) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = connections_.begin(); it != connections_.end(); ++it) {
+      if (it->id != id) continue;
+#ifdef __linux__
+      ::close(it->fd);
+#endif
+      connections_.erase(it);
+      return;
+    }
+  }
+
+  /// Ends the connection now: its reads see the end, its writes fail.
+  void refuse(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (Connection& c : connections_)
+      if (c.id == id) cut(c);
+  }
+
+  /// A worker takes connection `id`: its first request's time counts from now (not from the
+  /// wait for a worker, which the other connections' limits bound).
+  void started(uint64_t id) {
+    if (id == 0) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (Connection& c : connections_)
+      if (c.id == id) c.deadline = Clock::now() + limits_.request_time;
+  }
+
+  /// A response has left on connection `id`: the next request's time and bytes count from now.
+  void responded(uint64_t id) {
+    if (id == 0) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (Connection& c : connections_) {
+      if (c.id != id) continue;
+      c.deadline = Clock::now() + limits_.request_time;
+      c.bytes_base = bytes_received(c.fd);
+    }
+  }
+
+  /// Ends every connection, and each one adopted from now on.
+  void stop() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+    for (Connection& c : connections_) cut(c);
+  }
+
+  /// Connections known and not yet released.
+  [[nodiscard]] std::size_t open() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return connections_.size();
+  }
+
+  /// Connections ended by the watchdog (past the deadline or the byte limit) so far.
+  [[nodiscard]] std::size_t cut_count() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return watchdog_cuts_;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct Connection {
+    uint64_t id = 0;
+    int fd = -1;
+    uint64_t inode = 0;
+    Clock::time_point deadline;
+    uint64_t bytes_base = 0;
+    bool cut = false;
+  };
+
+  bool known(uint64_t inode) const {
+    for (const Connection& c : connections_)
+      if (c.inode == inode) return true;
+    return false;
+  }
+
+  static void cut(Connection& c) {
+#ifdef __linux__
+    if (!c.cut) ::shutdown(c.fd, SHUT_RDWR);
+#endif
+    c.cut = true;
+  }
+
+#ifdef __linux__
+  /// A connected stream socket whose own end is the server's port (a connection it accepted;
+  /// a client's socket to it has another local port).
+  bool accepted_here(int fd) const {
+    int type = 0, listening = 0;
+    socklen_t n = sizeof type;
+    if (::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &n) != 0 || type != SOCK_STREAM) return false;
+    n = sizeof listening;
+    if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &n) != 0 || listening != 0) return false;
+    sockaddr_storage a{};
+    n = sizeof a;
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n) != 0) return false;
+    int port = -1;
+    if (a.ss_family == AF_INET) port = ntohs(reinterpret_cast<const sockaddr_in*>(&a)->sin_port);
+    if (a.ss_family == AF_INET6) port = ntohs(reinterpret_cast<const sockaddr_in6*>(&a)->sin6_port);
+    return port == port_;
+  }
+
+  /// Bytes the kernel has received on the socket: tcpi_bytes_received, at byte 128 of
+  /// struct tcp_info (linux/tcp.h, since Linux 4.1; the kernel only appends to it). glibc's
+  /// copy of the struct stops before it. 0 where the kernel is older.
+  static uint64_t bytes_received(int fd) {
+    constexpr std::size_t kOffset = 128;
+    unsigned char info[256] = {};
+    socklen_t n = sizeof info;
+    if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, info, &n) != 0 || n < kOffset + sizeof(uint64_t)) return 0;
+    uint64_t v = 0;
+    std::memcpy(&v, info + kOffset, sizeof v);
+    return v;
+  }
+
+  /// Every 20 ms while connections are open: ends those past their deadline or byte limit.
+  void watch() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!ending_) {
+      if (connections_.empty()) {
+        wake_.wait(lock, [this] { return ending_ || !connections_.empty(); });
+        continue;
+      }
+      wake_.wait_for(lock, std::chrono::milliseconds(20), [this] { return ending_; });
+      const Clock::time_point now = Clock::now();
+      for (Connection& c : connections_) {
+        if (c.cut) continue;
+        if (now > c.deadline || bytes_received(c.fd) - c.bytes_base > limits_.request_bytes) {
+          cut(c);
+          ++watchdog_cuts_;
+        }
+      }
+    }
+  }
+#endif
+
+  const int port_;
+  const ConnectionLimits limits_;
+  mutable std::mutex mutex_;
+  std::condition_variable wake_;
+  std::vector<Connection> connections_;
+  uint64_t last_id_ = 0;
+  std::size_t watchdog_cuts_ = 0;
+  bool stopping_ = false;
+  bool ending_ = false;
+  std::thread watchdog_;
+};
+
+/// cpp-httplib's task queue for one server: `workers` threads, at most `queued` connections
+/// waiting for one (more are closed at once), each connection adopted by the guard.
+class GuardedPool final : public httplib::TaskQueue {
+ public:
+  /// bool in cpp-httplib 0.18 (false: the server closes the socket), void in 0.11.
+  using EnqueueResult = decltype(std::declval<httplib::TaskQueue&>().enqueue(std::function<void()>()));
+
+  explicit GuardedPool(std::shared_ptr<ConnectionGuard> guard) : guard_(std::move(guard)) {
+    const std::size_t n = std::max<std::size_t>(guard_->limits().workers, 1);
+    for (std::size_t i = 0; i < n; ++i) workers_.emplace_back([this] { work(); });
+  }
+  GuardedPool(const GuardedPool&) = delete;
+  GuardedPool& operator=(const GuardedPool&) = delete;
+  ~GuardedPool() override { GuardedPool::shutdown(); }
+
+  EnqueueResult enqueue(std::function<void()> fn) override { return enqueue_as<EnqueueResult>(std::move(fn)); }
+
+  /// Serves what is queued, then joins the workers (cpp-httplib calls it as listening ends).
+  void shutdown() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ending_ = true;
+    }
+    ready_.notify_all();
+    for (std::thread& t : workers_)
+      if (t.joinable()) t.join();
+  }
+
+ private:
+  struct Task {
+    uint64_t id = 0;
+    std::function<void()> fn;
+  };
+
+  template <typename Result>
+  Result enqueue_as(std::function<void()> fn) {
+    constexpr bool closes = std::is_same_v<Result, bool>;  // cpp-httplib closes what is refused
+    const uint64_t id = guard_->adopt();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      // Without `closes`, a connection whose socket is unknown cannot be refused: it waits.
+      const bool room = queue_.size() < std::max<std::size_t>(guard_->limits().queued, 1);
+      if (!ending_ && (room || (id == 0 && !closes))) {
+        queue_.push_back({id, std::move(fn)});
+        ready_.notify_one();
+        if constexpr (closes) return true;
+        else return;
+      }
+    }
+    guard_->refuse(id);
+    if constexpr (closes) {
+      guard_->release(id);
+      return false;
+    } else {
+      run({id, std::move(fn)});  // on a shut-down socket: returns at once and closes it
+    }
+  }
+
+  void run(Task t) {
+    guard_->started(t.id);
+    current_connection = t.id;
+    try {
+      t.fn();
+    } catch (...) {  // cpp-httplib catches its handlers' exceptions; nothing may end a worker
+    }
+    current_connection = 0;
+    guard_->release(t.id);
+  }
+
+  void work() {
+    for (;;) {
+      Task t;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        ready_.wait(lock, [this] { return ending_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        t = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      run(std::move(t));
+    }
+  }
+
+  std::shared_ptr<ConnectionGuard> guard_;
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<Task> queue_;
+  bool ending_ = false;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace torchdbg::detail
