@@ -8,9 +8,10 @@
 // cpp-httplib's own timeouts apply per read (a client trickling a byte a second holds a
 // worker forever) and 0.11 bounds neither the header lines nor the queue. It hands a task
 // queue each accepted connection as a closure, without its socket; on Linux the guard finds
-// that socket (the one on the server's port that it does not know yet, in /proc/self/fd,
-// right after the accept on the listening thread), keeps a duplicate of it and shuts it down
-// when its request runs past the deadline or the byte limit, or when the server stops.
+// that socket right after the accept, on the listening thread (the one in /proc/self/fd it
+// does not know yet whose local port, in /proc/self/net/tcp, is the server's), keeps a
+// duplicate of it and shuts it down when its request runs past the deadline or the byte
+// limit, or when the server stops.
 // Elsewhere, or when the socket cannot be told apart, only the bounded pool applies.
 
 #include <httplib.h>
@@ -18,12 +19,16 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <algorithm>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <sstream>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -35,7 +40,6 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <unistd.h>
 #endif
 
@@ -82,8 +86,10 @@ class ConnectionGuard {
   uint64_t adopt() {
 #ifdef __linux__
     std::lock_guard<std::mutex> lock(mutex_);
+    // Touches no descriptor but the one found: other threads' sockets are theirs.
+    const std::vector<uint64_t> here = connections_on_port();
     int found = -1;
-    ino_t inode = 0;
+    uint64_t inode = 0;
     std::size_t candidates = 0;
     DIR* dir = ::opendir("/proc/self/fd");
     if (dir == nullptr) return 0;
@@ -91,21 +97,19 @@ class ConnectionGuard {
       char* end = nullptr;
       const long fd = std::strtol(e->d_name, &end, 10);
       if (end == e->d_name || *end != '\0' || fd == ::dirfd(dir)) continue;
-      struct stat st {};
-      if (::fstat(static_cast<int>(fd), &st) != 0 || !S_ISSOCK(st.st_mode) || known(st.st_ino)) continue;
-      if (!accepted_here(static_cast<int>(fd))) continue;
+      const uint64_t ino = socket_inode(static_cast<int>(fd));
+      if (ino == 0 || known(ino) || std::find(here.begin(), here.end(), ino) == here.end()) continue;
       ++candidates;
       found = static_cast<int>(fd);
-      inode = st.st_ino;
+      inode = ino;
     }
     ::closedir(dir);
     if (candidates != 1) return 0;
     // A duplicate keeps the socket itself (not a number another thread may reuse) until the
     // connection's task has ended.
     const int copy = ::fcntl(found, F_DUPFD_CLOEXEC, 0);
-    struct stat st {};
     if (copy < 0) return 0;
-    if (::fstat(copy, &st) != 0 || st.st_ino != inode) {
+    if (socket_inode(copy) != inode) {
       ::close(copy);
       return 0;
     }
@@ -209,21 +213,37 @@ class ConnectionGuard {
   }
 
 #ifdef __linux__
-  /// A connected stream socket whose own end is the server's port (a connection it accepted;
-  /// a client's socket to it has another local port).
-  bool accepted_here(int fd) const {
-    int type = 0, listening = 0;
-    socklen_t n = sizeof type;
-    if (::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &n) != 0 || type != SOCK_STREAM) return false;
-    n = sizeof listening;
-    if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &n) != 0 || listening != 0) return false;
-    sockaddr_storage a{};
-    n = sizeof a;
-    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n) != 0) return false;
-    int port = -1;
-    if (a.ss_family == AF_INET) port = ntohs(reinterpret_cast<const sockaddr_in*>(&a)->sin_port);
-    if (a.ss_family == AF_INET6) port = ntohs(reinterpret_cast<const sockaddr_in6*>(&a)->sin6_port);
-    return port == port_;
+  /// The inode of the socket behind descriptor `fd` ("socket:[N]"), or 0.
+  static uint64_t socket_inode(int fd) {
+    char path[64], target[64];
+    std::snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    const ssize_t n = ::readlink(path, target, sizeof target - 1);
+    if (n <= 8) return 0;
+    target[n] = '\0';
+    if (std::strncmp(target, "socket:[", 8) != 0) return 0;
+    return std::strtoull(target + 8, nullptr, 10);
+  }
+
+  /// The inodes of the TCP sockets whose own end is the server's port and that are not
+  /// listening: the connections it accepted (a client's socket to it has another local port).
+  std::vector<uint64_t> connections_on_port() const {
+    std::vector<uint64_t> out;
+    for (const char* table : {"/proc/self/net/tcp", "/proc/self/net/tcp6"}) {
+      std::ifstream in(table);
+      std::string line;
+      std::getline(in, line);  // the column names
+      while (std::getline(in, line)) {
+        // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+        std::istringstream row(line);
+        std::string sl, local, remote, state, queues, timer, retransmits, uid, timeout;
+        uint64_t ino = 0;
+        if (!(row >> sl >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >> ino)) continue;
+        const std::size_t colon = local.rfind(':');
+        if (colon == std::string::npos || state == "0A") continue;  // 0A: listening
+        if (std::strtol(local.c_str() + colon + 1, nullptr, 16) == port_) out.push_back(ino);
+      }
+    }
+    return out;
   }
 
   /// Bytes the kernel has received on the socket: tcpi_bytes_received, at byte 128 of
