@@ -115,6 +115,16 @@ double since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+/// Sends a byte every 50 ms on `fd` (each read far inside any timeout) until the server ends
+/// the connection: the seconds that took (10 s at most, then the test fails).
+double trickle(int fd) {
+  const auto start = std::chrono::steady_clock::now();
+  bool ended = false;
+  while (!ended && since(start) < 10) ended = ::send(fd, "a", 1, MSG_NOSIGNAL) != 1 || ended_within(fd, 50);
+  CHECK(ended);
+  return since(start);
+}
+
 /// One response read from `fd` (status line, headers, a Content-Length body): its status,
 /// or -1 when the connection ends first.
 int read_response(int fd) {
@@ -413,14 +423,8 @@ TEST_CASE("live page: connections are bounded in number, time and bytes in all; 
     const int fd = connect_local(live.port());
     const std::string head = "GET /state?token=" + live.token() + " HTTP/1.1\r\nHost: x\r\nX-Slow: ";
     REQUIRE(::send(fd, head.data(), head.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(head.size()));
-    const auto start = std::chrono::steady_clock::now();
-    bool ended = false;
-    while (!ended && since(start) < 10) {  // a byte every 50 ms: each read is far inside any timeout
-      ended = ::send(fd, "a", 1, MSG_NOSIGNAL) != 1 || ended_within(fd, 50);
-    }
-    const double took = since(start);
+    const double took = trickle(fd);
     ::close(fd);
-    CHECK(ended);
     CHECK(took > 0.9);
     CHECK(took < 3.0);
     httplib::Client c("127.0.0.1", live.port());
@@ -493,6 +497,29 @@ TEST_CASE("live page: connections are bounded in number, time and bytes in all; 
       CHECK(ended_within(fd, 1000));
       ::close(fd);
     }
+  }
+
+  SECTION("on an IPv6 address too: a request sent a byte at a time loses its connection at the timeout") {
+    std::unique_ptr<torchdbg::LiveServer> live;
+    try {
+      live = std::make_unique<torchdbg::LiveServer>(hooks, health, reporter, torchdbg::LiveOptions(opts).host("::1"));
+    } catch (const torchdbg::Error&) {
+      WARN("no IPv6 loopback here: skipped");
+      return;
+    }
+    const int fd = ::socket(AF_INET6, SOCK_STREAM, 0);
+    REQUIRE(fd >= 0);
+    sockaddr_in6 a{};
+    a.sin6_family = AF_INET6;
+    a.sin6_port = htons(static_cast<uint16_t>(live->port()));
+    a.sin6_addr = in6addr_loopback;
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    const std::string part = "GET /state?token=" + live->token() + " HTTP/1.1\r\nX-Slow: ";
+    REQUIRE(::send(fd, part.data(), part.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(part.size()));
+    const double took = trickle(fd);
+    ::close(fd);
+    CHECK(took > 0.9);
+    CHECK(took < 3.0);
   }
 
   SECTION("a kept-alive connection's timeout starts again with each response") {
