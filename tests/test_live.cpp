@@ -4,7 +4,9 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -520,6 +522,35 @@ TEST_CASE("live page: connections are bounded in number, time and bytes in all; 
     ::close(fd);
     CHECK(took > 0.9);
     CHECK(took < 3.0);
+  }
+
+  SECTION("a connection accepted while out of descriptors is bounded once the next one comes") {
+    torchdbg::LiveServer live(hooks, health, reporter, opts);
+    rlimit saved{};
+    REQUIRE(::getrlimit(RLIMIT_NOFILE, &saved) == 0);
+    // Room for two descriptors only: the client's socket and the server's accept; the guard
+    // cannot open /proc/self/fd or keep a duplicate, so that connection is not adopted.
+    int limit = 0;
+    for (int free_seen = 0; free_seen < 2; ++limit)
+      if (::fcntl(limit, F_GETFD) == -1) ++free_seen;
+    rlimit low = saved;
+    low.rlim_cur = static_cast<rlim_t>(limit);
+    REQUIRE(::setrlimit(RLIMIT_NOFILE, &low) == 0);
+    const int first = connect_local(live.port());
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    REQUIRE(::setrlimit(RLIMIT_NOFILE, &saved) == 0);
+    const std::string head = "GET /state?token=" + live.token() + " HTTP/1.1\r\nX-Slow: ";
+    REQUIRE(::send(first, head.data(), head.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(head.size()));
+    // The next connection finds two it does not know: each gets one request's time.
+    const int second = connect_local(live.port());
+    CHECK(trickle(first) < 3.0);
+    CHECK(ended_within(second, 3000));
+    for (int fd : {first, second}) ::close(fd);
+    httplib::Client c("127.0.0.1", live.port());
+    c.set_read_timeout(10, 0);
+    auto r = c.Get("/state", with_token(live.token()));
+    REQUIRE(r);
+    CHECK(r->status == 200);
   }
 
   SECTION("a kept-alive connection's timeout starts again with each response") {

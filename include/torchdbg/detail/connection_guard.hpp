@@ -12,7 +12,7 @@
 // does not know yet whose local port, in /proc/self/net/tcp, is the server's), keeps a
 // duplicate of it and shuts it down when its request runs past the deadline or the byte
 // limit, or when the server stops.
-// Elsewhere, or when the socket cannot be told apart, only the bounded pool applies.
+// Elsewhere only the bounded pool applies.
 
 #include <httplib.h>
 
@@ -22,12 +22,10 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
-#include <fstream>
 #include <algorithm>
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -88,9 +86,7 @@ class ConnectionGuard {
     std::lock_guard<std::mutex> lock(mutex_);
     // Touches no descriptor but the one found: other threads' sockets are theirs.
     const std::vector<uint64_t> here = connections_on_port();
-    int found = -1;
-    uint64_t inode = 0;
-    std::size_t candidates = 0;
+    std::vector<std::pair<int, uint64_t>> found;  // descriptor, inode
     DIR* dir = ::opendir("/proc/self/fd");
     if (dir == nullptr) return 0;
     while (const dirent* e = ::readdir(dir)) {
@@ -99,30 +95,35 @@ class ConnectionGuard {
       if (end == e->d_name || *end != '\0' || fd == ::dirfd(dir)) continue;
       const uint64_t ino = socket_inode(static_cast<int>(fd));
       if (ino == 0 || known(ino) || std::find(here.begin(), here.end(), ino) == here.end()) continue;
-      ++candidates;
-      found = static_cast<int>(fd);
-      inode = ino;
+      found.emplace_back(static_cast<int>(fd), ino);
     }
     ::closedir(dir);
-    if (candidates != 1) return 0;
-    // A duplicate keeps the socket itself (not a number another thread may reuse) until the
-    // connection's task has ended.
-    const int copy = ::fcntl(found, F_DUPFD_CLOEXEC, 0);
-    if (copy < 0) return 0;
-    if (socket_inode(copy) != inode) {
-      ::close(copy);
-      return 0;
+    // One unknown connection: the one just accepted. Several (one could not be adopted
+    // before, e.g. out of descriptors): which is which is not known, so each gets the
+    // time and bytes of one request from now, without the restart a response gives.
+    uint64_t id = 0;
+    for (const auto& [fd, inode] : found) {
+      // A duplicate keeps the socket itself (not a number another thread may reuse) until
+      // the connection's task has ended.
+      const int copy = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+      if (copy < 0) continue;
+      if (socket_inode(copy) != inode) {
+        ::close(copy);
+        continue;
+      }
+      Connection c;
+      c.id = ++last_id_;
+      c.fd = copy;
+      c.inode = inode;
+      c.deadline = Clock::now() + limits_.request_time;
+      c.bytes_base = bytes_received(copy);
+      c.orphan = found.size() != 1;
+      if (stopping_) cut(c);
+      connections_.push_back(c);
+      if (!c.orphan) id = c.id;
     }
-    Connection c;
-    c.id = ++last_id_;
-    c.fd = copy;
-    c.inode = inode;
-    c.deadline = Clock::now() + limits_.request_time;
-    c.bytes_base = bytes_received(copy);
-    if (stopping_) cut(c);
-    connections_.push_back(c);
     wake_.notify_all();
-    return c.id;
+    return id;
 #else
     return 0;
 #endif
@@ -197,6 +198,7 @@ class ConnectionGuard {
     Clock::time_point deadline;
     uint64_t bytes_base = 0;
     bool cut = false;
+    bool orphan = false;  ///< its task is not known: forgotten once cut
   };
 
   bool known(uint64_t inode) const {
@@ -229,18 +231,23 @@ class ConnectionGuard {
   std::vector<uint64_t> connections_on_port() const {
     std::vector<uint64_t> out;
     for (const char* table : {"/proc/self/net/tcp", "/proc/self/net/tcp6"}) {
-      std::ifstream in(table);
-      std::string line;
-      std::getline(in, line);  // the column names
-      while (std::getline(in, line)) {
-        // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
-        std::istringstream row(line);
-        std::string sl, local, remote, state, queues, timer, retransmits, uid, timeout;
-        uint64_t ino = 0;
-        if (!(row >> sl >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >> ino)) continue;
-        const std::size_t colon = local.rfind(':');
-        if (colon == std::string::npos || state == "0A") continue;  // 0A: listening
-        if (std::strtol(local.c_str() + colon + 1, nullptr, 16) == port_) out.push_back(ino);
+      const int fd = ::open(table, O_RDONLY | O_CLOEXEC);
+      if (fd < 0) continue;
+      std::string text;
+      char buf[16384];
+      for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) > 0;) text.append(buf, static_cast<std::size_t>(n));
+      ::close(fd);
+      std::size_t at = text.find('\n');  // past the column names
+      while (at != std::string::npos && at + 1 < text.size()) {
+        const std::size_t next = text.find('\n', at + 1);
+        const std::string line = text.substr(at + 1, next == std::string::npos ? std::string::npos : next - at - 1);
+        at = next;
+        // sl local_address(hex address:hex port) rem_address st(hex) tx:rx tr:when retrnsmt uid timeout inode
+        unsigned port = 0, state = 0;
+        unsigned long long inode = 0;
+        if (std::sscanf(line.c_str(), " %*s %*[0-9A-Fa-f]:%x %*s %x %*s %*s %*s %*s %*s %llu", &port, &state, &inode) != 3)
+          continue;
+        if (state != 0x0A && static_cast<int>(port) == port_) out.push_back(inode);  // 0A: listening
       }
     }
     return out;
@@ -274,6 +281,15 @@ class ConnectionGuard {
         if (now > c.deadline || bytes_received(c.fd) - c.bytes_base > limits_.request_bytes) {
           cut(c);
           ++watchdog_cuts_;
+        }
+      }
+      // No task releases an orphan: once cut, cpp-httplib ends it; the duplicate goes now.
+      for (auto it = connections_.begin(); it != connections_.end();) {
+        if (it->orphan && it->cut) {
+          ::close(it->fd);
+          it = connections_.erase(it);
+        } else {
+          ++it;
         }
       }
     }
