@@ -66,26 +66,6 @@ struct Loop {
 
 httplib::Headers with_token(const std::string& token) { return {{"X-Torchdbg-Token", token}}; }
 
-/// Sends `head` (a request's line and headers) on a new connection to 127.0.0.1:`port`, then
-/// nothing more, and returns the status of what comes back within 10 s (-1: nothing).
-int raw_status(int port, const std::string& head) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-  timeval tv{10, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  REQUIRE(::send(fd, head.data(), head.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(head.size()));
-  char buf[64] = {};
-  const ssize_t n = ::recv(fd, buf, sizeof buf - 1, 0);
-  ::close(fd);
-  if (n < 12) return -1;
-  return std::atoi(buf + 9);  // "HTTP/1.1 413 ..."
-}
-
 /// A new connection to 127.0.0.1:`port`.
 int connect_local(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -96,6 +76,25 @@ int connect_local(int port) {
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
   return fd;
+}
+
+/// Sends all of `text` on `fd`.
+void send_all(int fd, const std::string& text) {
+  REQUIRE(::send(fd, text.data(), text.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(text.size()));
+}
+
+/// Sends `head` (a request's line and headers) on a new connection to 127.0.0.1:`port`, then
+/// nothing more, and returns the status of what comes back within 10 s (-1: nothing).
+int raw_status(int port, const std::string& head) {
+  const int fd = connect_local(port);
+  timeval tv{10, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  send_all(fd, head);
+  char buf[64] = {};
+  const ssize_t n = ::recv(fd, buf, sizeof buf - 1, 0);
+  ::close(fd);
+  if (n < 12) return -1;
+  return std::atoi(buf + 9);  // "HTTP/1.1 413 ..."
 }
 
 /// Whether the server has ended connection `fd` (its end arrives, or the reset) within `ms`;
@@ -115,6 +114,14 @@ bool ended_within(int fd, int ms) {
 /// Seconds since `t0`.
 double since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/// Whether the page answers a request for /state (a new connection, 10 s at most).
+bool answers(const torchdbg::LiveServer& live) {
+  httplib::Client c("127.0.0.1", live.port());
+  c.set_read_timeout(10, 0);
+  auto r = c.Get("/state", with_token(live.token()));
+  return r && r->status == 200;
 }
 
 /// Sends a byte every 50 ms on `fd` (each read far inside any timeout) until the server ends
@@ -424,16 +431,12 @@ TEST_CASE("live page: connections are bounded in number, time and bytes in all; 
     torchdbg::LiveServer live(hooks, health, reporter, opts);
     const int fd = connect_local(live.port());
     const std::string head = "GET /state?token=" + live.token() + " HTTP/1.1\r\nHost: x\r\nX-Slow: ";
-    REQUIRE(::send(fd, head.data(), head.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(head.size()));
+    send_all(fd, head);
     const double took = trickle(fd);
     ::close(fd);
     CHECK(took > 0.9);
     CHECK(took < 3.0);
-    httplib::Client c("127.0.0.1", live.port());
-    c.set_read_timeout(10, 0);
-    auto r = c.Get("/state", with_token(live.token()));
-    REQUIRE(r);
-    CHECK(r->status == 200);
+    CHECK(answers(live));
   }
 
   SECTION("one worker, one waiting: a third idle connection is closed at once, the two others at their timeout") {
@@ -451,18 +454,14 @@ TEST_CASE("live page: connections are bounded in number, time and bytes in all; 
     CHECK(ended_within(busy, 3000));
     CHECK(ended_within(waiting, 3000));
     for (int fd : {busy, waiting, third}) ::close(fd);
-    httplib::Client c("127.0.0.1", live.port());
-    c.set_read_timeout(10, 0);
-    auto r = c.Get("/state", with_token(live.token()));
-    REQUIRE(r);
-    CHECK(r->status == 200);
+    CHECK(answers(live));
   }
 
   SECTION("header lines without end: the connection is closed once the request passes its bytes") {
     torchdbg::LiveServer live(hooks, health, reporter, torchdbg::LiveOptions(opts).timeout_seconds(30));
     const int fd = connect_local(live.port());
     const std::string head = "GET /state?token=" + live.token() + " HTTP/1.1\r\nHost: x\r\n";
-    REQUIRE(::send(fd, head.data(), head.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(head.size()));
+    send_all(fd, head);
     const std::string line = "X-Fill: " + std::string(1000, 'f') + "\r\n";
     std::string block;
     while (block.size() < (64 << 10)) block += line;
@@ -489,7 +488,7 @@ TEST_CASE("live page: connections are bounded in number, time and bytes in all; 
     for (int i = 0; i < 6; ++i) {
       slow.push_back(connect_local(live->port()));
       const std::string part = "GET /state?token=" + live->token() + " HTTP/1.1\r\nHost:";
-      REQUIRE(::send(slow.back(), part.data(), part.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(part.size()));
+      send_all(slow.back(), part);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     const auto start = std::chrono::steady_clock::now();
@@ -517,7 +516,7 @@ TEST_CASE("live page: connections are bounded in number, time and bytes in all; 
     a.sin6_addr = in6addr_loopback;
     REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
     const std::string part = "GET /state?token=" + live->token() + " HTTP/1.1\r\nX-Slow: ";
-    REQUIRE(::send(fd, part.data(), part.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(part.size()));
+    send_all(fd, part);
     const double took = trickle(fd);
     ::close(fd);
     CHECK(took > 0.9);
@@ -540,17 +539,13 @@ TEST_CASE("live page: connections are bounded in number, time and bytes in all; 
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     REQUIRE(::setrlimit(RLIMIT_NOFILE, &saved) == 0);
     const std::string head = "GET /state?token=" + live.token() + " HTTP/1.1\r\nX-Slow: ";
-    REQUIRE(::send(first, head.data(), head.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(head.size()));
+    send_all(first, head);
     // The next connection finds two it does not know: each gets one request's time.
     const int second = connect_local(live.port());
     CHECK(trickle(first) < 3.0);
     CHECK(ended_within(second, 3000));
     for (int fd : {first, second}) ::close(fd);
-    httplib::Client c("127.0.0.1", live.port());
-    c.set_read_timeout(10, 0);
-    auto r = c.Get("/state", with_token(live.token()));
-    REQUIRE(r);
-    CHECK(r->status == 200);
+    CHECK(answers(live));
   }
 
   SECTION("a kept-alive connection's timeout starts again with each response") {
@@ -559,7 +554,7 @@ TEST_CASE("live page: connections are bounded in number, time and bytes in all; 
     const std::string req = "GET /state?token=" + live.token() + " HTTP/1.1\r\nHost: x\r\n\r\n";
     for (int i = 0; i < 6; ++i) {  // 6 x 400 ms on one connection, past the 1 s timeout
       INFO("request " << i);
-      REQUIRE(::send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size()));
+      send_all(fd, req);
       CHECK(read_response(fd) == 200);
       std::this_thread::sleep_for(std::chrono::milliseconds(400));
     }
