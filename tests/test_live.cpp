@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -78,6 +79,18 @@ int connect_local(int port) {
   return fd;
 }
 
+/// A new connection to [::1]:`port`.
+int connect_local6(int port) {
+  const int fd = ::socket(AF_INET6, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in6 a{};
+  a.sin6_family = AF_INET6;
+  a.sin6_port = htons(static_cast<uint16_t>(port));
+  a.sin6_addr = in6addr_loopback;
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  return fd;
+}
+
 /// Sends all of `text` on `fd`.
 void send_all(int fd, const std::string& text) {
   REQUIRE(::send(fd, text.data(), text.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(text.size()));
@@ -125,13 +138,13 @@ bool answers(const torchdbg::LiveServer& live) {
 }
 
 /// Sends a byte every 50 ms on `fd` (each read far inside any timeout) until the server ends
-/// the connection: the seconds that took (10 s at most, then the test fails).
+/// the connection: the seconds that took, or infinity when it had not after 10 s. No
+/// assertions: it runs on other threads too.
 double trickle(int fd) {
   const auto start = std::chrono::steady_clock::now();
-  bool ended = false;
-  while (!ended && since(start) < 10) ended = ::send(fd, "a", 1, MSG_NOSIGNAL) != 1 || ended_within(fd, 50);
-  CHECK(ended);
-  return since(start);
+  while (since(start) < 10)
+    if (::send(fd, "a", 1, MSG_NOSIGNAL) != 1 || ended_within(fd, 50)) return since(start);
+  return std::numeric_limits<double>::infinity();
 }
 
 /// One response read from `fd` (status line, headers, a Content-Length body): its status,
@@ -508,13 +521,7 @@ TEST_CASE("live page: connections are bounded in number, time and bytes in all; 
       WARN("no IPv6 loopback here: skipped");
       return;
     }
-    const int fd = ::socket(AF_INET6, SOCK_STREAM, 0);
-    REQUIRE(fd >= 0);
-    sockaddr_in6 a{};
-    a.sin6_family = AF_INET6;
-    a.sin6_port = htons(static_cast<uint16_t>(live->port()));
-    a.sin6_addr = in6addr_loopback;
-    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    const int fd = connect_local6(live->port());
     const std::string part = "GET /state?token=" + live->token() + " HTTP/1.1\r\nX-Slow: ";
     send_all(fd, part);
     const double took = trickle(fd);
@@ -546,6 +553,68 @@ TEST_CASE("live page: connections are bounded in number, time and bytes in all; 
     CHECK(ended_within(second, 3000));
     for (int fd : {first, second}) ::close(fd);
     CHECK(answers(live));
+  }
+
+  SECTION("two servers on one port number, IPv4 and IPv6: neither takes the other's connections for its own") {
+    torchdbg::LiveServer v4(hooks, health, reporter, opts);
+    std::unique_ptr<torchdbg::LiveServer> v6;
+    try {
+      v6 = std::make_unique<torchdbg::LiveServer>(hooks, health, reporter,
+                                                  torchdbg::LiveOptions(opts).host("::1").port(v4.port()));
+    } catch (const torchdbg::Error&) {
+      WARN("no IPv6 loopback on this port here: skipped");
+      return;
+    }
+    // A kept-alive connection to the IPv4 server, used past its 1 s timeout while the IPv6
+    // server accepts connections of its own: each response restarts its time.
+    const int kept = connect_local(v4.port());
+    const std::string req = "GET /state?token=" + v4.token() + " HTTP/1.1\r\nHost: x\r\n\r\n";
+    const std::string req6 = "GET /state?token=" + v6->token() + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    for (int i = 0; i < 6; ++i) {
+      INFO("request " << i);
+      send_all(kept, req);
+      CHECK(read_response(kept) == 200);
+      const int other = connect_local6(v6->port());
+      send_all(other, req6);
+      CHECK(read_response(other) == 200);
+      ::close(other);
+      std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    }
+    ::close(kept);
+  }
+
+  SECTION("an honest request waiting behind slow ones is served, not cut, when a worker is free") {
+    torchdbg::LiveServer live(hooks, health, reporter, torchdbg::LiveOptions(opts).max_queued(4));
+    const std::string slow_head = "GET /state?token=" + live.token() + " HTTP/1.1\r\nX-Slow: ";
+    std::vector<std::thread> slow;
+    std::vector<double> slow_took(2);
+    for (std::size_t i = 0; i < 2; ++i) {  // one holds the worker, one waits ahead of the honest one
+      const int fd = connect_local(live.port());
+      send_all(fd, slow_head);
+      slow.emplace_back([fd, &slow_took, i] {
+        slow_took[i] = trickle(fd);
+        ::close(fd);
+      });
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    const int honest = connect_local(live.port());
+    timeval tv{10, 0};
+    ::setsockopt(honest, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    const auto start = std::chrono::steady_clock::now();
+    send_all(honest, "GET /state?token=" + live.token() + " HTTP/1.1\r\nHost: x\r\n\r\n");
+    CHECK(read_response(honest) == 200);
+    CHECK(since(start) > 1.0);  // it waited for both slow ones
+    ::close(honest);
+    for (std::thread& t : slow) t.join();
+    for (double took : slow_took) CHECK(took < 3.5);
+  }
+
+  SECTION("stop() from several threads at once") {
+    torchdbg::LiveServer live(hooks, health, reporter, opts);
+    std::vector<std::thread> stoppers;
+    for (int i = 0; i < 4; ++i) stoppers.emplace_back([&live] { live.stop(); });
+    for (std::thread& t : stoppers) t.join();
+    CHECK_FALSE(answers(live));
   }
 
   SECTION("a kept-alive connection's timeout starts again with each response") {

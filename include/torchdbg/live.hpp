@@ -173,7 +173,8 @@ class LiveRecord : public BaseExporter<std::mutex> {
 
 /// Serves the live page on its own thread until destroyed (or stop()).
 ///
-/// Thread safety: construct and destroy on one thread; url(), port() and token() from any.
+/// Thread safety: construct and destroy on one thread; url(), port(), token() and stop() from
+/// any while the server exists (a stop() waits for one under way on another thread).
 /// The manager, monitor and reporter must outlive the server.
 class LiveServer {
  public:
@@ -209,7 +210,7 @@ class LiveServer {
     limits.queued = options_.max_queued();
     limits.request_time = std::chrono::seconds(options_.timeout_seconds());
     limits.request_bytes = (uint64_t{64} << 10) + options_.max_request_bytes();
-    guard_ = std::make_shared<detail::ConnectionGuard>(port_, limits);
+    guard_ = std::make_shared<detail::ConnectionGuard>(options_.host(), port_, limits);
     server_.new_task_queue = [guard = guard_] { return new detail::GuardedPool(guard); };
     server_.set_logger([guard = guard_](const httplib::Request&, const httplib::Response&) {
       guard->responded(detail::current_connection);
@@ -238,8 +239,10 @@ class LiveServer {
   }
   [[nodiscard]] int port() const noexcept { return port_; }
   [[nodiscard]] const std::string& token() const noexcept { return token_; }
-  /// Stops serving and joins the server's thread (the reporter keeps the record, unused).
+  /// Stops serving: closes every open connection and joins the server's thread (the
+  /// reporter keeps the record, unused).
   void stop() {
+    std::lock_guard<std::mutex> lock(stop_mutex_);  // one stop at a time, the destructor's too
     if (!thread_.joinable()) return;
     guard_->stop();  // open connections end now, slow clients' too
     while (!finished_) {  // until the listening loop has seen it
@@ -458,6 +461,7 @@ class LiveServer {
   std::shared_ptr<detail::ConnectionGuard> guard_;
   httplib::Server server_;
   std::thread thread_;
+  std::mutex stop_mutex_;
   std::atomic<bool> finished_{false};
   int port_ = -1;
   std::mutex diagnosis_mutex_;

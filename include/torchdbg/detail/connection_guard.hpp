@@ -9,9 +9,10 @@
 // worker forever) and 0.11 bounds neither the header lines nor the queue. It hands a task
 // queue each accepted connection as a closure, without its socket; on Linux the guard finds
 // that socket right after the accept, on the listening thread (the one in /proc/self/fd it
-// does not know yet whose local port, in /proc/self/net/tcp, is the server's), keeps a
-// duplicate of it and shuts it down when its request runs past the deadline or the byte
-// limit, or when the server stops.
+// does not know yet whose local address and port, in /proc/self/net/tcp, are the server's),
+// keeps a duplicate of it and shuts it down when its request runs past the deadline or the
+// byte limit, or when the server stops. A connection waits for a worker without a deadline
+// (the others' deadlines bound the wait).
 // Elsewhere only the bounded pool applies.
 
 #include <httplib.h>
@@ -35,6 +36,7 @@
 #ifdef __linux__
 #include <dirent.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -58,9 +60,13 @@ inline thread_local uint64_t current_connection = 0;
 /// limits. Thread safety: every member from any thread.
 class ConnectionGuard {
  public:
-  ConnectionGuard(int port, ConnectionLimits limits) : port_(port), limits_(limits) {
+  /// For the server listening on `host` (an address or a name, as given to cpp-httplib) and `port`.
+  ConnectionGuard(const std::string& host, int port, ConnectionLimits limits) : port_(port), limits_(limits) {
 #ifdef __linux__
+    addresses_ = local_addresses(host, port);
     watchdog_ = std::thread([this] { watch(); });
+#else
+    (void)host;
 #endif
   }
   ConnectionGuard(const ConnectionGuard&) = delete;
@@ -83,9 +89,15 @@ class ConnectionGuard {
   /// or 0 when its socket cannot be found (then no deadline applies to it).
   uint64_t adopt() {
 #ifdef __linux__
-    std::lock_guard<std::mutex> lock(mutex_);
-    // Touches no descriptor but the one found: other threads' sockets are theirs.
-    const std::vector<uint64_t> here = connections_on_port();
+    // Touches no descriptor but the one found (other threads' sockets are theirs), and reads
+    // the tables without the lock: only this thread adopts, and what the others change
+    // (releases) cannot make a socket of the tables unknown.
+    const std::vector<uint64_t> here = connections_here();
+    std::vector<uint64_t> before;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (const Connection& c : connections_) before.push_back(c.inode);
+    }
     std::vector<std::pair<int, uint64_t>> found;  // descriptor, inode
     DIR* dir = ::opendir("/proc/self/fd");
     if (dir == nullptr) return 0;
@@ -94,7 +106,9 @@ class ConnectionGuard {
       const long fd = std::strtol(e->d_name, &end, 10);
       if (end == e->d_name || *end != '\0' || fd == ::dirfd(dir)) continue;
       const uint64_t ino = socket_inode(static_cast<int>(fd));
-      if (ino == 0 || known(ino) || std::find(here.begin(), here.end(), ino) == here.end()) continue;
+      if (ino == 0 || std::find(here.begin(), here.end(), ino) == here.end() ||
+          std::find(before.begin(), before.end(), ino) != before.end())
+        continue;
       found.emplace_back(static_cast<int>(fd), ino);
     }
     ::closedir(dir);
@@ -102,6 +116,7 @@ class ConnectionGuard {
     // before, e.g. out of descriptors): which is which is not known, so each gets the
     // time and bytes of one request from now, without the restart a response gives.
     uint64_t id = 0;
+    std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& [fd, inode] : found) {
       // A duplicate keeps the socket itself (not a number another thread may reuse) until
       // the connection's task has ended.
@@ -155,8 +170,11 @@ class ConnectionGuard {
   void started(uint64_t id) {
     if (id == 0) return;
     std::lock_guard<std::mutex> lock(mutex_);
-    for (Connection& c : connections_)
-      if (c.id == id) c.deadline = Clock::now() + limits_.request_time;
+    for (Connection& c : connections_) {
+      if (c.id != id) continue;
+      c.deadline = Clock::now() + limits_.request_time;
+      c.started = true;
+    }
   }
 
   /// A response has left on connection `id`: the next request's time and bytes count from now.
@@ -198,14 +216,9 @@ class ConnectionGuard {
     Clock::time_point deadline;
     uint64_t bytes_base = 0;
     bool cut = false;
-    bool orphan = false;  ///< its task is not known: forgotten once cut
+    bool started = false;  ///< a worker serves it: its deadline applies
+    bool orphan = false;   ///< its task is not known: its deadline applies, forgotten once cut
   };
-
-  bool known(uint64_t inode) const {
-    for (const Connection& c : connections_)
-      if (c.inode == inode) return true;
-    return false;
-  }
 
   static void cut(Connection& c) {
 #ifdef __linux__
@@ -226,28 +239,91 @@ class ConnectionGuard {
     return std::strtoull(target + 8, nullptr, 10);
   }
 
-  /// The inodes of the TCP sockets whose own end is the server's port and that are not
-  /// listening: the connections it accepted (a client's socket to it has another local port).
-  std::vector<uint64_t> connections_on_port() const {
+  /// A local address the server listens on, as the kernel's TCP tables print it: the 32-bit
+  /// words of the address in memory order (one for IPv4, four for IPv6), or any address of
+  /// the family.
+  struct LocalAddress {
+    bool v6 = false;
+    bool any = false;
+    uint32_t words[4] = {};
+  };
+
+  /// The addresses `host` stands for, as cpp-httplib resolves it to listen (empty: unknown,
+  /// then the port alone tells the server's connections).
+  static std::vector<LocalAddress> local_addresses(const std::string& host, int port) {
+    std::vector<LocalAddress> out;
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    addrinfo* list = nullptr;
+    if (::getaddrinfo(host.empty() ? nullptr : host.c_str(), std::to_string(port).c_str(), &hints, &list) != 0) return out;
+    for (const addrinfo* ai = list; ai != nullptr; ai = ai->ai_next) {
+      LocalAddress a;
+      if (ai->ai_family == AF_INET) {
+        const in_addr& v4 = reinterpret_cast<const sockaddr_in*>(ai->ai_addr)->sin_addr;
+        std::memcpy(a.words, &v4, sizeof v4);
+        a.any = v4.s_addr == htonl(INADDR_ANY);
+      } else if (ai->ai_family == AF_INET6) {
+        const in6_addr& v6 = reinterpret_cast<const sockaddr_in6*>(ai->ai_addr)->sin6_addr;
+        std::memcpy(a.words, &v6, sizeof v6);
+        a.v6 = true;
+        a.any = IN6_IS_ADDR_UNSPECIFIED(&v6);
+      } else {
+        continue;
+      }
+      out.push_back(a);
+    }
+    ::freeaddrinfo(list);
+    return out;
+  }
+
+  /// Whether a table row's local address (hex words, as the kernel prints them) is one the
+  /// server listens on.
+  bool listens_on(const char* hex, bool v6) const {
+    if (addresses_.empty()) return true;
+    uint32_t words[4] = {};
+    for (int i = 0; i < (v6 ? 4 : 1); ++i) {
+      char word[9] = {};
+      std::memcpy(word, hex + 8 * i, 8);
+      words[i] = static_cast<uint32_t>(std::strtoul(word, nullptr, 16));
+    }
+    for (const LocalAddress& a : addresses_) {
+      if (a.v6 != v6) continue;
+      if (a.any || std::memcmp(a.words, words, (v6 ? 4 : 1) * sizeof(uint32_t)) == 0) return true;
+    }
+    return false;
+  }
+
+  /// The inodes of the TCP sockets that are the server's connections: not listening, their
+  /// own end on its port and one of its addresses (a client's socket to it has another local
+  /// port; another server's, another address). Only rows that name the port are parsed.
+  std::vector<uint64_t> connections_here() const {
     std::vector<uint64_t> out;
-    for (const char* table : {"/proc/self/net/tcp", "/proc/self/net/tcp6"}) {
-      const int fd = ::open(table, O_RDONLY | O_CLOEXEC);
+    char needle[8];
+    std::snprintf(needle, sizeof needle, ":%04X ", static_cast<unsigned>(port_));
+    for (const bool v6 : {false, true}) {
+      const int fd = ::open(v6 ? "/proc/self/net/tcp6" : "/proc/self/net/tcp", O_RDONLY | O_CLOEXEC);
       if (fd < 0) continue;
       std::string text;
       char buf[16384];
       for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) > 0;) text.append(buf, static_cast<std::size_t>(n));
       ::close(fd);
-      std::size_t at = text.find('\n');  // past the column names
-      while (at != std::string::npos && at + 1 < text.size()) {
-        const std::size_t next = text.find('\n', at + 1);
-        const std::string line = text.substr(at + 1, next == std::string::npos ? std::string::npos : next - at - 1);
-        at = next;
-        // sl local_address(hex address:hex port) rem_address st(hex) tx:rx tr:when retrnsmt uid timeout inode
+      for (std::size_t hit = text.find(needle); hit != std::string::npos;) {
+        const std::size_t begin = text.rfind('\n', hit) + 1;  // the first line has no port
+        const std::size_t end = std::min(text.find('\n', hit), text.size());
+        hit = text.find(needle, end);
+        // sl local_address(hex:port) rem_address st(hex) tx:rx tr:when retrnsmt uid timeout inode
+        const std::string line = text.substr(begin, end - begin);
+        char address[40] = {};
         unsigned port = 0, state = 0;
         unsigned long long inode = 0;
-        if (std::sscanf(line.c_str(), " %*s %*[0-9A-Fa-f]:%x %*s %x %*s %*s %*s %*s %*s %llu", &port, &state, &inode) != 3)
+        if (std::sscanf(line.c_str(), " %*s %39[0-9A-Fa-f]:%x %*s %x %*s %*s %*s %*s %*s %llu", address, &port,
+                        &state, &inode) != 4)
           continue;
-        if (state != 0x0A && static_cast<int>(port) == port_) out.push_back(inode);  // 0A: listening
+        if (static_cast<int>(port) != port_ || state == 0x0A) continue;  // 0A: listening
+        if (std::strlen(address) != (v6 ? 32u : 8u) || !listens_on(address, v6)) continue;
+        out.push_back(inode);
       }
     }
     return out;
@@ -278,7 +354,8 @@ class ConnectionGuard {
       const Clock::time_point now = Clock::now();
       for (Connection& c : connections_) {
         if (c.cut) continue;
-        if (now > c.deadline || bytes_received(c.fd) - c.bytes_base > limits_.request_bytes) {
+        const bool late = (c.started || c.orphan) && now > c.deadline;  // waiting is not late
+        if (late || bytes_received(c.fd) - c.bytes_base > limits_.request_bytes) {
           cut(c);
           ++watchdog_cuts_;
         }
@@ -298,6 +375,9 @@ class ConnectionGuard {
 
   const int port_;
   const ConnectionLimits limits_;
+#ifdef __linux__
+  std::vector<LocalAddress> addresses_;
+#endif
   mutable std::mutex mutex_;
   std::condition_variable wake_;
   std::vector<Connection> connections_;
