@@ -166,6 +166,34 @@ int read_response(int fd) {
   return std::atoi(got.c_str() + 9);
 }
 
+/// Two servers on one port number (`connect_a`/`connect_b` reach each): a kept-alive
+/// connection to each, used past its 1 s timeout while both accept new connections; each
+/// response restarts its time, and neither server's guard takes the other's connections.
+void keep_apart(const torchdbg::LiveServer& a, int (*connect_a)(int), const torchdbg::LiveServer& b,
+                int (*connect_b)(int)) {
+  const auto request = [](const torchdbg::LiveServer& s, bool close) {
+    return "GET /state?token=" + s.token() + " HTTP/1.1\r\nHost: x\r\n" + (close ? "Connection: close\r\n" : "") +
+           "\r\n";
+  };
+  const int kept_a = connect_a(a.port()), kept_b = connect_b(b.port());
+  for (int i = 0; i < 6; ++i) {
+    INFO("round " << i);
+    send_all(kept_a, request(a, false));
+    CHECK(read_response(kept_a) == 200);
+    send_all(kept_b, request(b, false));
+    CHECK(read_response(kept_b) == 200);
+    for (const auto& [server, connect] : {std::pair{&a, connect_a}, std::pair{&b, connect_b}}) {
+      const int fresh = connect(server->port());
+      send_all(fresh, request(*server, true));
+      CHECK(read_response(fresh) == 200);
+      ::close(fresh);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  }
+  ::close(kept_a);
+  ::close(kept_b);
+}
+
 }  // namespace
 
 TEST_CASE("live page: every route needs the token; pause and resume only by POST; nothing else is served",
@@ -556,31 +584,42 @@ TEST_CASE("live page: connections are bounded in number, time and bytes in all; 
   }
 
   SECTION("two servers on one port number, IPv4 and IPv6: neither takes the other's connections for its own") {
-    torchdbg::LiveServer v4(hooks, health, reporter, opts);
+    const auto two = torchdbg::LiveOptions(opts).max_connections(2);  // a kept connection and a new one
+    torchdbg::LiveServer v4(hooks, health, reporter, two);
     std::unique_ptr<torchdbg::LiveServer> v6;
     try {
       v6 = std::make_unique<torchdbg::LiveServer>(hooks, health, reporter,
-                                                  torchdbg::LiveOptions(opts).host("::1").port(v4.port()));
+                                                  torchdbg::LiveOptions(two).host("::1").port(v4.port()));
     } catch (const torchdbg::Error&) {
       WARN("no IPv6 loopback on this port here: skipped");
       return;
     }
-    // A kept-alive connection to the IPv4 server, used past its 1 s timeout while the IPv6
-    // server accepts connections of its own: each response restarts its time.
-    const int kept = connect_local(v4.port());
-    const std::string req = "GET /state?token=" + v4.token() + " HTTP/1.1\r\nHost: x\r\n\r\n";
-    const std::string req6 = "GET /state?token=" + v6->token() + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
-    for (int i = 0; i < 6; ++i) {
-      INFO("request " << i);
-      send_all(kept, req);
-      CHECK(read_response(kept) == 200);
-      const int other = connect_local6(v6->port());
-      send_all(other, req6);
-      CHECK(read_response(other) == 200);
-      ::close(other);
-      std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    keep_apart(v4, connect_local, *v6, connect_local6);
+  }
+
+  SECTION("a host name of two addresses: the server's connections are those of the address it listens on") {
+    // "localhost" is 127.0.0.1 and ::1 on Debian; cpp-httplib listens on the first that works,
+    // and another server takes the other address on the same port.
+    const auto two = torchdbg::LiveOptions(opts).max_connections(2);
+    torchdbg::LiveServer named(hooks, health, reporter, torchdbg::LiveOptions(two).host("localhost"));
+    std::unique_ptr<torchdbg::LiveServer> other;
+    int (*connect_named)(int) = nullptr;
+    int (*connect_other)(int) = nullptr;
+    for (const bool v6 : {false, true}) {
+      try {
+        other = std::make_unique<torchdbg::LiveServer>(
+            hooks, health, reporter, torchdbg::LiveOptions(two).host(v6 ? "::1" : "127.0.0.1").port(named.port()));
+        connect_other = v6 ? connect_local6 : connect_local;
+        connect_named = v6 ? connect_local : connect_local6;
+        break;
+      } catch (const torchdbg::Error&) {
+      }
     }
-    ::close(kept);
+    if (!other) {
+      WARN("localhost has one address here: skipped");
+      return;
+    }
+    keep_apart(named, connect_named, *other, connect_other);
   }
 
   SECTION("an honest request waiting behind slow ones is served, not cut, when a worker is free") {

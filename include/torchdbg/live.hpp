@@ -201,6 +201,7 @@ class LiveServer {
       int yes = 1;
       ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
     });
+    const std::vector<uint64_t> listening = detail::ConnectionGuard::listening_sockets();
     port_ = options_.port() == 0 ? server_.bind_to_any_port(options_.host())
                                  : (server_.bind_to_port(options_.host(), options_.port()) ? options_.port() : -1);
     if (port_ <= 0)
@@ -210,7 +211,7 @@ class LiveServer {
     limits.queued = options_.max_queued();
     limits.request_time = std::chrono::seconds(options_.timeout_seconds());
     limits.request_bytes = (uint64_t{64} << 10) + options_.max_request_bytes();
-    guard_ = std::make_shared<detail::ConnectionGuard>(options_.host(), port_, limits);
+    guard_ = std::make_shared<detail::ConnectionGuard>(options_.host(), port_, limits, listening);
     server_.new_task_queue = [guard = guard_] { return new detail::GuardedPool(guard); };
     server_.set_logger([guard = guard_](const httplib::Request&, const httplib::Response&) {
       guard->responded(detail::current_connection);

@@ -28,6 +28,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -60,14 +61,35 @@ inline thread_local uint64_t current_connection = 0;
 /// limits. Thread safety: every member from any thread.
 class ConnectionGuard {
  public:
-  /// For the server listening on `host` (an address or a name, as given to cpp-httplib) and `port`.
-  ConnectionGuard(const std::string& host, int port, ConnectionLimits limits) : port_(port), limits_(limits) {
+  /// For the server listening on `host` (an address or a name, as given to cpp-httplib) and
+  /// `port`; `listening_before` (listening_sockets() before it bound) tells its own listening
+  /// socket, whose address is then the one its connections have.
+  ConnectionGuard(const std::string& host, int port, ConnectionLimits limits,
+                  const std::vector<uint64_t>& listening_before = {})
+      : port_(port), limits_(limits) {
 #ifdef __linux__
-    addresses_ = local_addresses(host, port);
+    std::vector<LocalAddress> bound;
+    for_each_row(port, [&](const TableRow& r) {
+      if (r.state == kListening && std::find(listening_before.begin(), listening_before.end(), r.inode) == listening_before.end())
+        bound.push_back(r.address);
+    });
+    addresses_ = bound.size() == 1 ? bound : local_addresses(host, port);  // a name's addresses: all of them
     watchdog_ = std::thread([this] { watch(); });
 #else
     (void)host;
+    (void)listening_before;
 #endif
+  }
+
+  /// The inodes of the listening TCP sockets of the network namespace now (Linux; else none).
+  static std::vector<uint64_t> listening_sockets() {
+    std::vector<uint64_t> out;
+#ifdef __linux__
+    for_each_row(-1, [&](const TableRow& r) {
+      if (r.state == kListening) out.push_back(r.inode);
+    });
+#endif
+    return out;
   }
   ConnectionGuard(const ConnectionGuard&) = delete;
   ConnectionGuard& operator=(const ConnectionGuard&) = delete;
@@ -89,27 +111,30 @@ class ConnectionGuard {
   /// or 0 when its socket cannot be found (then no deadline applies to it).
   uint64_t adopt() {
 #ifdef __linux__
-    // Touches no descriptor but the one found (other threads' sockets are theirs), and reads
-    // the tables without the lock: only this thread adopts, and what the others change
-    // (releases) cannot make a socket of the tables unknown.
-    const std::vector<uint64_t> here = connections_here();
-    std::vector<uint64_t> before;
+    // The server's connections it does not know yet, from the TCP tables; then their
+    // descriptors. Touches no descriptor but those (other threads' sockets are theirs), and
+    // reads without the lock: only this thread adopts, and what the others change (releases)
+    // cannot make a known socket unknown.
+    std::vector<uint64_t> unknown = connections_here();
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      for (const Connection& c : connections_) before.push_back(c.inode);
+      for (const Connection& c : connections_) unknown.erase(std::remove(unknown.begin(), unknown.end(), c.inode), unknown.end());
     }
+    if (unknown.empty()) return 0;
+    // Their descriptors, in ascending order (as /proc lists them): an accept takes the lowest
+    // free number, so the scan usually ends long before the process's last descriptor.
     std::vector<std::pair<int, uint64_t>> found;  // descriptor, inode
     DIR* dir = ::opendir("/proc/self/fd");
     if (dir == nullptr) return 0;
-    while (const dirent* e = ::readdir(dir)) {
+    while (found.size() < unknown.size()) {
+      const dirent* e = ::readdir(dir);
+      if (e == nullptr) break;
       char* end = nullptr;
       const long fd = std::strtol(e->d_name, &end, 10);
       if (end == e->d_name || *end != '\0' || fd == ::dirfd(dir)) continue;
       const uint64_t ino = socket_inode(static_cast<int>(fd));
-      if (ino == 0 || std::find(here.begin(), here.end(), ino) == here.end() ||
-          std::find(before.begin(), before.end(), ino) != before.end())
-        continue;
-      found.emplace_back(static_cast<int>(fd), ino);
+      if (ino != 0 && std::find(unknown.begin(), unknown.end(), ino) != unknown.end())
+        found.emplace_back(static_cast<int>(fd), ino);
     }
     ::closedir(dir);
     // One unknown connection: the one just accepted. Several (one could not be adopted
@@ -278,30 +303,32 @@ class ConnectionGuard {
     return out;
   }
 
-  /// Whether a table row's local address (hex words, as the kernel prints them) is one the
-  /// server listens on.
-  bool listens_on(const char* hex, bool v6) const {
+  /// Whether a connection's local address is one the server listens on.
+  bool listens_on(const LocalAddress& local) const {
     if (addresses_.empty()) return true;
-    uint32_t words[4] = {};
-    for (int i = 0; i < (v6 ? 4 : 1); ++i) {
-      char word[9] = {};
-      std::memcpy(word, hex + 8 * i, 8);
-      words[i] = static_cast<uint32_t>(std::strtoul(word, nullptr, 16));
-    }
     for (const LocalAddress& a : addresses_) {
-      if (a.v6 != v6) continue;
-      if (a.any || std::memcmp(a.words, words, (v6 ? 4 : 1) * sizeof(uint32_t)) == 0) return true;
+      if (a.v6 != local.v6) continue;
+      if (a.any || std::memcmp(a.words, local.words, sizeof a.words) == 0) return true;
     }
     return false;
   }
 
-  /// The inodes of the TCP sockets that are the server's connections: not listening, their
-  /// own end on its port and one of its addresses (a client's socket to it has another local
-  /// port; another server's, another address). Only rows that name the port are parsed.
-  std::vector<uint64_t> connections_here() const {
-    std::vector<uint64_t> out;
-    char needle[8];
-    std::snprintf(needle, sizeof needle, ":%04X ", static_cast<unsigned>(port_));
+  static constexpr unsigned kTimeWait = 0x06, kListening = 0x0A;
+
+  /// A row of /proc/self/net/tcp or tcp6.
+  struct TableRow {
+    LocalAddress address;  ///< the socket's own end
+    int port = 0;
+    unsigned state = 0;
+    uint64_t inode = 0;
+  };
+
+  /// Calls `f` with each row of the process's TCP tables (IPv4, then IPv6) whose own end is on
+  /// `port` (every row when `port` < 0). Rows not naming the port are skipped unparsed.
+  template <typename F>
+  static void for_each_row(int port, F&& f) {
+    char needle[16];
+    std::snprintf(needle, sizeof needle, ":%04X ", static_cast<unsigned>(port < 0 ? 0 : port) & 0xFFFFu);
     for (const bool v6 : {false, true}) {
       const int fd = ::open(v6 ? "/proc/self/net/tcp6" : "/proc/self/net/tcp", O_RDONLY | O_CLOEXEC);
       if (fd < 0) continue;
@@ -309,23 +336,64 @@ class ConnectionGuard {
       char buf[16384];
       for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) > 0;) text.append(buf, static_cast<std::size_t>(n));
       ::close(fd);
-      for (std::size_t hit = text.find(needle); hit != std::string::npos;) {
-        const std::size_t begin = text.rfind('\n', hit) + 1;  // the first line has no port
-        const std::size_t end = std::min(text.find('\n', hit), text.size());
-        hit = text.find(needle, end);
-        // sl local_address(hex:port) rem_address st(hex) tx:rx tr:when retrnsmt uid timeout inode
-        const std::string line = text.substr(begin, end - begin);
-        char address[40] = {};
-        unsigned port = 0, state = 0;
-        unsigned long long inode = 0;
-        if (std::sscanf(line.c_str(), " %*s %39[0-9A-Fa-f]:%x %*s %x %*s %*s %*s %*s %*s %llu", address, &port,
-                        &state, &inode) != 4)
-          continue;
-        if (static_cast<int>(port) != port_ || state == 0x0A) continue;  // 0A: listening
-        if (std::strlen(address) != (v6 ? 32u : 8u) || !listens_on(address, v6)) continue;
-        out.push_back(inode);
+      const std::size_t first = text.find('\n');  // past the column names
+      if (first == std::string::npos) continue;
+      for (std::size_t at = first + 1; at < text.size();) {
+        if (port >= 0) {  // the next row naming the port
+          const std::size_t hit = text.find(needle, at);
+          if (hit == std::string::npos) break;
+          at = text.rfind('\n', hit) + 1;
+        }
+        const std::size_t end = std::min(text.find('\n', at), text.size());
+        TableRow row;
+        if (parse_row(std::string_view(text).substr(at, end - at), v6, row) && (port < 0 || row.port == port)) f(row);
+        at = end + 1;
       }
     }
+  }
+
+  /// "sl local(hex address:hex port) remote state(hex) tx:rx tr:when retransmits uid timeout
+  /// inode ...": the fields a guard needs.
+  static bool parse_row(std::string_view line, bool v6, TableRow& row) {
+    std::string_view field[10];
+    std::size_t n = 0;
+    for (std::size_t i = 0; i < line.size() && n < 10;) {
+      while (i < line.size() && line[i] == ' ') ++i;
+      const std::size_t j = std::min(line.find(' ', i), line.size());
+      if (j > i) field[n++] = line.substr(i, j - i);
+      i = j;
+    }
+    if (n < 10) return false;
+    const std::string_view local = field[1];
+    const std::size_t colon = local.find(':');
+    const std::size_t hex_len = v6 ? 32 : 8;
+    if (colon != hex_len || local.size() > colon + 5) return false;
+    row.address.v6 = v6;
+    for (std::size_t w = 0; w < hex_len / 8; ++w) {
+      char word[9] = {};
+      local.copy(word, 8, 8 * w);
+      row.address.words[w] = static_cast<uint32_t>(std::strtoul(word, nullptr, 16));
+    }
+    char small[24] = {};
+    local.substr(colon + 1).copy(small, sizeof small - 1);
+    row.port = static_cast<int>(std::strtol(small, nullptr, 16));
+    std::memset(small, 0, sizeof small);
+    field[3].substr(0, sizeof small - 1).copy(small, sizeof small - 1);
+    row.state = static_cast<unsigned>(std::strtoul(small, nullptr, 16));
+    std::memset(small, 0, sizeof small);
+    field[9].substr(0, sizeof small - 1).copy(small, sizeof small - 1);
+    row.inode = std::strtoull(small, nullptr, 10);
+    return true;
+  }
+
+  /// The inodes of the TCP sockets that are the server's connections: not listening, their
+  /// own end on its port and one of its addresses (a client's socket to it has another local
+  /// port; another server's, another address).
+  std::vector<uint64_t> connections_here() const {
+    std::vector<uint64_t> out;
+    for_each_row(port_, [&](const TableRow& r) {
+      if (r.state != kListening && r.state != kTimeWait && r.inode != 0 && listens_on(r.address)) out.push_back(r.inode);
+    });
     return out;
   }
 
