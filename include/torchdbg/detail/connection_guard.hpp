@@ -8,12 +8,11 @@
 // cpp-httplib's own timeouts apply per read (a client trickling a byte a second holds a
 // worker forever) and 0.11 bounds neither the header lines nor the queue. It hands a task
 // queue each accepted connection as a closure, without its socket; on Linux the guard finds
-// that socket right after the accept, on the listening thread (the one in /proc/self/fd it
-// does not know yet whose local address and port, in /proc/self/net/tcp, are the server's),
+// that socket right after the accept, on the listening thread: the socket in /proc/self/fd
+// it does not know yet whose own end (getsockname) is the server's address and port. It
 // keeps a duplicate of it and shuts it down when its request runs past the deadline or the
 // byte limit, or when the server stops. A connection waits for a worker without a deadline
 // (the others' deadlines bound the wait).
-// Elsewhere only the bounded pool applies.
 
 #include <httplib.h>
 
@@ -24,11 +23,11 @@
 #include <cstring>
 #include <deque>
 #include <algorithm>
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <string_view>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -69,9 +68,12 @@ class ConnectionGuard {
       : port_(port), limits_(limits) {
 #ifdef __linux__
     std::vector<LocalAddress> bound;
-    for_each_row(port, [&](const TableRow& r) {
-      if (r.state == kListening && std::find(listening_before.begin(), listening_before.end(), r.inode) == listening_before.end())
-        bound.push_back(r.address);
+    for_each_socket([&](int fd, uint64_t inode) {
+      SocketEnd end;
+      if (std::find(listening_before.begin(), listening_before.end(), inode) == listening_before.end() &&
+          socket_end(fd, end) && end.listening && end.port == port)
+        bound.push_back(end.address);
+      return true;
     });
     addresses_ = bound.size() == 1 ? bound : local_addresses(host, port);  // a name's addresses: all of them
     watchdog_ = std::thread([this] { watch(); });
@@ -81,16 +83,19 @@ class ConnectionGuard {
 #endif
   }
 
-  /// The inodes of the listening TCP sockets of the network namespace now (Linux; else none).
+  /// The inodes of the process's listening sockets now (Linux; else none).
   static std::vector<uint64_t> listening_sockets() {
     std::vector<uint64_t> out;
 #ifdef __linux__
-    for_each_row(-1, [&](const TableRow& r) {
-      if (r.state == kListening) out.push_back(r.inode);
+    for_each_socket([&](int fd, uint64_t inode) {
+      SocketEnd end;
+      if (socket_end(fd, end) && end.listening) out.push_back(inode);
+      return true;
     });
 #endif
     return out;
   }
+
   ConnectionGuard(const ConnectionGuard&) = delete;
   ConnectionGuard& operator=(const ConnectionGuard&) = delete;
   ~ConnectionGuard() {
@@ -111,32 +116,36 @@ class ConnectionGuard {
   /// or 0 when its socket cannot be found (then no deadline applies to it).
   uint64_t adopt() {
 #ifdef __linux__
-    // The server's connections it does not know yet, from the TCP tables; then their
-    // descriptors. Touches no descriptor but those (other threads' sockets are theirs), and
-    // reads without the lock: only this thread adopts, and what the others change (releases)
-    // cannot make a known socket unknown.
-    std::vector<uint64_t> unknown = connections_here();
+    // The process's sockets, from the highest descriptor down: the one just accepted took the
+    // lowest free number, usually the highest or close to it. Only sockets not seen before
+    // are asked for their address; the scan ends at the first of the server's it does not
+    // know, unless an earlier adoption failed (then all of them are looked for).
+    std::vector<uint64_t> known_now;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      for (const Connection& c : connections_) unknown.erase(std::remove(unknown.begin(), unknown.end(), c.inode), unknown.end());
+      for (const Connection& c : connections_) known_now.push_back(c.inode);
     }
-    if (unknown.empty()) return 0;
-    // Their descriptors, in ascending order (as /proc lists them): an accept takes the lowest
-    // free number, so the scan usually ends long before the process's last descriptor.
     std::vector<std::pair<int, uint64_t>> found;  // descriptor, inode
-    DIR* dir = ::opendir("/proc/self/fd");
-    if (dir == nullptr) return 0;
-    while (found.size() < unknown.size()) {
-      const dirent* e = ::readdir(dir);
-      if (e == nullptr) break;
-      char* end = nullptr;
-      const long fd = std::strtol(e->d_name, &end, 10);
-      if (end == e->d_name || *end != '\0' || fd == ::dirfd(dir)) continue;
-      const uint64_t ino = socket_inode(static_cast<int>(fd));
-      if (ino != 0 && std::find(unknown.begin(), unknown.end(), ino) != unknown.end())
-        found.emplace_back(static_cast<int>(fd), ino);
-    }
-    ::closedir(dir);
+    std::vector<uint64_t> foreign;
+    const bool look_for_all = suspect_.exchange(false);
+    const bool complete = for_each_socket(
+        [&](int fd, uint64_t inode) {
+          if (std::find(known_now.begin(), known_now.end(), inode) != known_now.end()) return true;
+          SocketEnd end;
+          if (std::binary_search(foreign_.begin(), foreign_.end(), inode) || !socket_end(fd, end) || end.listening ||
+              end.port != port_ || !listens_on(end.address)) {
+            foreign.push_back(inode);  // another's socket, or not a connection: never one of ours
+            return true;
+          }
+          found.emplace_back(fd, inode);
+          return look_for_all;
+        },
+        /*descending=*/true);
+    if (complete || foreign_.size() > 4096) foreign_.clear();  // what a whole scan did not see is gone
+    foreign_.insert(foreign_.end(), foreign.begin(), foreign.end());
+    std::sort(foreign_.begin(), foreign_.end());
+    foreign_.erase(std::unique(foreign_.begin(), foreign_.end()), foreign_.end());
+    if (found.empty()) suspect_ = true;  // an accepted connection not found: look for it next time
     // One unknown connection: the one just accepted. Several (one could not be adopted
     // before, e.g. out of descriptors): which is which is not known, so each gets the
     // time and bytes of one request from now, without the restart a response gives.
@@ -146,9 +155,9 @@ class ConnectionGuard {
       // A duplicate keeps the socket itself (not a number another thread may reuse) until
       // the connection's task has ended.
       const int copy = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
-      if (copy < 0) continue;
-      if (socket_inode(copy) != inode) {
-        ::close(copy);
+      if (copy < 0 || socket_inode(copy) != inode) {
+        if (copy >= 0) ::close(copy);
+        suspect_ = true;
         continue;
       }
       Connection c;
@@ -313,88 +322,59 @@ class ConnectionGuard {
     return false;
   }
 
-  static constexpr unsigned kTimeWait = 0x06, kListening = 0x0A;
-
-  /// A row of /proc/self/net/tcp or tcp6.
-  struct TableRow {
-    LocalAddress address;  ///< the socket's own end
-    int port = 0;
-    unsigned state = 0;
-    uint64_t inode = 0;
+  /// A socket's own end, as getsockname and SO_ACCEPTCONN tell it.
+  struct SocketEnd {
+    LocalAddress address;
+    int port = -1;
+    bool listening = false;
   };
 
-  /// Calls `f` with each row of the process's TCP tables (IPv4, then IPv6) whose own end is on
-  /// `port` (every row when `port` < 0). Rows not naming the port are skipped unparsed.
-  template <typename F>
-  static void for_each_row(int port, F&& f) {
-    char needle[16];
-    std::snprintf(needle, sizeof needle, ":%04X ", static_cast<unsigned>(port < 0 ? 0 : port) & 0xFFFFu);
-    for (const bool v6 : {false, true}) {
-      const int fd = ::open(v6 ? "/proc/self/net/tcp6" : "/proc/self/net/tcp", O_RDONLY | O_CLOEXEC);
-      if (fd < 0) continue;
-      std::string text;
-      char buf[16384];
-      for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) > 0;) text.append(buf, static_cast<std::size_t>(n));
-      ::close(fd);
-      const std::size_t first = text.find('\n');  // past the column names
-      if (first == std::string::npos) continue;
-      for (std::size_t at = first + 1; at < text.size();) {
-        if (port >= 0) {  // the next row naming the port
-          const std::size_t hit = text.find(needle, at);
-          if (hit == std::string::npos) break;
-          at = text.rfind('\n', hit) + 1;
-        }
-        const std::size_t end = std::min(text.find('\n', at), text.size());
-        TableRow row;
-        if (parse_row(std::string_view(text).substr(at, end - at), v6, row) && (port < 0 || row.port == port)) f(row);
-        at = end + 1;
-      }
+  /// The own end of stream socket `fd` (false: not a TCP socket, or gone).
+  static bool socket_end(int fd, SocketEnd& end) {
+    int type = 0, listening = 0;
+    socklen_t n = sizeof type;
+    if (::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &n) != 0 || type != SOCK_STREAM) return false;
+    n = sizeof listening;
+    if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &n) != 0) return false;
+    sockaddr_storage a{};
+    n = sizeof a;
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n) != 0) return false;
+    if (a.ss_family == AF_INET) {
+      const auto* v4 = reinterpret_cast<const sockaddr_in*>(&a);
+      std::memcpy(end.address.words, &v4->sin_addr, sizeof v4->sin_addr);
+      end.port = ntohs(v4->sin_port);
+    } else if (a.ss_family == AF_INET6) {
+      const auto* v6 = reinterpret_cast<const sockaddr_in6*>(&a);
+      std::memcpy(end.address.words, &v6->sin6_addr, sizeof v6->sin6_addr);
+      end.address.v6 = true;
+      end.port = ntohs(v6->sin6_port);
+    } else {
+      return false;
     }
-  }
-
-  /// "sl local(hex address:hex port) remote state(hex) tx:rx tr:when retransmits uid timeout
-  /// inode ...": the fields a guard needs.
-  static bool parse_row(std::string_view line, bool v6, TableRow& row) {
-    std::string_view field[10];
-    std::size_t n = 0;
-    for (std::size_t i = 0; i < line.size() && n < 10;) {
-      while (i < line.size() && line[i] == ' ') ++i;
-      const std::size_t j = std::min(line.find(' ', i), line.size());
-      if (j > i) field[n++] = line.substr(i, j - i);
-      i = j;
-    }
-    if (n < 10) return false;
-    const std::string_view local = field[1];
-    const std::size_t colon = local.find(':');
-    const std::size_t hex_len = v6 ? 32 : 8;
-    if (colon != hex_len || local.size() > colon + 5) return false;
-    row.address.v6 = v6;
-    for (std::size_t w = 0; w < hex_len / 8; ++w) {
-      char word[9] = {};
-      local.copy(word, 8, 8 * w);
-      row.address.words[w] = static_cast<uint32_t>(std::strtoul(word, nullptr, 16));
-    }
-    char small[24] = {};
-    local.substr(colon + 1).copy(small, sizeof small - 1);
-    row.port = static_cast<int>(std::strtol(small, nullptr, 16));
-    std::memset(small, 0, sizeof small);
-    field[3].substr(0, sizeof small - 1).copy(small, sizeof small - 1);
-    row.state = static_cast<unsigned>(std::strtoul(small, nullptr, 16));
-    std::memset(small, 0, sizeof small);
-    field[9].substr(0, sizeof small - 1).copy(small, sizeof small - 1);
-    row.inode = std::strtoull(small, nullptr, 10);
+    end.listening = listening != 0;
     return true;
   }
 
-  /// The inodes of the TCP sockets that are the server's connections: not listening, their
-  /// own end on its port and one of its addresses (a client's socket to it has another local
-  /// port; another server's, another address).
-  std::vector<uint64_t> connections_here() const {
-    std::vector<uint64_t> out;
-    for_each_row(port_, [&](const TableRow& r) {
-      if (r.state != kListening && r.state != kTimeWait && r.inode != 0 && listens_on(r.address)) out.push_back(r.inode);
-    });
-    return out;
+  /// Calls `f(fd, inode)` for each socket descriptor of the process (ascending, or descending)
+  /// until it returns false; true when it saw them all. Reads /proc/self/fd's links only.
+  template <typename F>
+  static bool for_each_socket(F&& f, bool descending = false) {
+    std::vector<int> fds;
+    DIR* dir = ::opendir("/proc/self/fd");
+    if (dir == nullptr) return false;
+    while (const dirent* e = ::readdir(dir)) {
+      char* end = nullptr;
+      const long fd = std::strtol(e->d_name, &end, 10);
+      if (end != e->d_name && *end == '\0' && fd != ::dirfd(dir)) fds.push_back(static_cast<int>(fd));
+    }
+    ::closedir(dir);
+    std::sort(fds.begin(), fds.end());
+    if (descending) std::reverse(fds.begin(), fds.end());
+    for (int fd : fds) {
+      const uint64_t inode = socket_inode(fd);
+      if (inode != 0 && !f(fd, inode)) return false;
+    }
+    return true;
   }
 
   /// Bytes the kernel has received on the socket: tcpi_bytes_received, at byte 128 of
@@ -429,10 +409,13 @@ class ConnectionGuard {
         }
       }
       // No task releases an orphan: once cut, cpp-httplib ends it; the duplicate goes now.
+      // Until cpp-httplib has closed its own descriptor the socket looks unknown again, so
+      // the next adoption looks at every socket.
       for (auto it = connections_.begin(); it != connections_.end();) {
         if (it->orphan && it->cut) {
           ::close(it->fd);
           it = connections_.erase(it);
+          suspect_ = true;
         } else {
           ++it;
         }
@@ -445,6 +428,8 @@ class ConnectionGuard {
   const ConnectionLimits limits_;
 #ifdef __linux__
   std::vector<LocalAddress> addresses_;
+  std::vector<uint64_t> foreign_;  ///< sorted inodes of sockets not the server's (adopt's thread only)
+  std::atomic<bool> suspect_{false};  ///< a connection of the server's may be unknown
 #endif
   mutable std::mutex mutex_;
   std::condition_variable wake_;
