@@ -273,9 +273,8 @@ class ConnectionGuard {
     return std::strtoull(target + 8, nullptr, 10);
   }
 
-  /// A local address the server listens on, as the kernel's TCP tables print it: the 32-bit
-  /// words of the address in memory order (one for IPv4, four for IPv6), or any address of
-  /// the family.
+  /// A socket's local address: its bytes as 32-bit words (one for IPv4, four for IPv6), or,
+  /// for a listening address, any address of the family.
   struct LocalAddress {
     bool v6 = false;
     bool any = false;
