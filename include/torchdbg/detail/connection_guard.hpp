@@ -229,18 +229,6 @@ class ConnectionGuard {
     for (Connection& c : connections_) cut(c);
   }
 
-  /// Connections known and not yet released.
-  [[nodiscard]] std::size_t open() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return connections_.size();
-  }
-
-  /// Connections ended by the watchdog (past the deadline or the byte limit) so far.
-  [[nodiscard]] std::size_t cut_count() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return watchdog_cuts_;
-  }
-
  private:
   using Clock = std::chrono::steady_clock;
   struct Connection {
@@ -402,10 +390,7 @@ class ConnectionGuard {
       for (Connection& c : connections_) {
         if (c.cut) continue;
         const bool late = (c.started || c.orphan) && now > c.deadline;  // waiting is not late
-        if (late || bytes_received(c.fd) - c.bytes_base > limits_.request_bytes) {
-          cut(c);
-          ++watchdog_cuts_;
-        }
+        if (late || bytes_received(c.fd) - c.bytes_base > limits_.request_bytes) cut(c);
       }
       // No task releases an orphan: once cut, cpp-httplib ends it; the duplicate goes now.
       // Until cpp-httplib has closed its own descriptor the socket looks unknown again, so
@@ -430,11 +415,10 @@ class ConnectionGuard {
   std::vector<uint64_t> foreign_;  ///< sorted inodes of sockets not the server's (adopt's thread only)
   std::atomic<bool> suspect_{false};  ///< a connection of the server's may be unknown
 #endif
-  mutable std::mutex mutex_;
+  std::mutex mutex_;
   std::condition_variable wake_;
   std::vector<Connection> connections_;
   uint64_t last_id_ = 0;
-  std::size_t watchdog_cuts_ = 0;
   bool stopping_ = false;
   bool ending_ = false;
   std::thread watchdog_;
