@@ -480,6 +480,25 @@ TEST_CASE("live page: connections are bounded in number, time and bytes in all; 
     CHECK(answers(live));
   }
 
+  SECTION("on any address (0.0.0.0, ::): a request sent a byte at a time loses its connection at the timeout") {
+    for (const char* host : {"0.0.0.0", "::"}) {
+      INFO(host);
+      std::unique_ptr<torchdbg::LiveServer> live;
+      try {
+        live = std::make_unique<torchdbg::LiveServer>(hooks, health, reporter, torchdbg::LiveOptions(opts).host(host));
+      } catch (const torchdbg::Error&) {
+        WARN(std::string("cannot listen on ") + host + " here: skipped");
+        continue;
+      }
+      const int fd = connect_local(live->port());  // 127.0.0.1 (IPv4-mapped on ::)
+      send_all(fd, "GET /state?token=" + live->token() + " HTTP/1.1\r\nX-Slow: ");
+      const double took = trickle(fd);
+      ::close(fd);
+      CHECK(took > 0.9);
+      CHECK(took < 3.0);
+    }
+  }
+
   SECTION("one worker, one waiting: a third idle connection is closed at once, the two others at their timeout") {
     torchdbg::LiveServer live(hooks, health, reporter, opts);
     const int busy = connect_local(live.port());

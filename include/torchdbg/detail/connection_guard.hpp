@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <atomic>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -339,6 +340,8 @@ class ConnectionGuard {
       return false;
     }
     end.listening = listening != 0;
+    // Bound to 0.0.0.0 or ::, a listening socket takes connections on any address of its family.
+    end.address.any = std::all_of(std::begin(end.address.words), std::end(end.address.words), [](uint32_t w) { return w == 0; });
     return true;
   }
 
