@@ -48,7 +48,6 @@
 #include <random>
 #include <string>
 #include <thread>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
