@@ -133,6 +133,45 @@ TEST_CASE("every child's forward output equals running that child alone, once pe
   }
 }
 
+TEST_CASE("an output changed in place with gradients off is delivered as the module returned it", "[attach]") {
+  // With gradients off the observer skips operators, except one reading a pending output: it
+  // is delivered before the operator changes it (a metric's in-place clamp, a masked fill).
+  torchdbg_test::SeededRng rng(5);
+  for (const bool inference : {false, true}) {
+    INFO("inference mode " << inference);
+    auto fc = torch::nn::Linear(6, 4);
+    HookManager hooks;
+    std::vector<torch::Tensor> got;
+    hooks.register_callback("rec", [&](const torchdbg::HookContext& c) {
+      if (c.is_forward()) got.push_back(c.tensor().detach().clone());
+    });
+    hooks.register_hook(HookConfig().trigger(HookTrigger::every_forward()).actions({HookAction::custom_callback("rec")}));
+    auto session = torchdbg::attach(*fc, hooks);
+    for (int64_t step = 0; step < 3; ++step) {
+      hooks.set_step(step);
+      got.clear();
+      const auto x = torch::randn({5, 6});
+      torch::Tensor expected;
+      {
+        torch::NoGradGuard guard;  // fc's own arithmetic, computed unobserved
+        expected = torch::addmm(fc->bias, x, fc->weight.t());
+      }
+      auto y = fc(x);  // nothing with gradients on reads y before the change
+      if (inference) {
+        c10::InferenceMode guard;
+        y.detach().mul_(0.0).add_(7.0);  // the same storage, changed
+      } else {
+        torch::NoGradGuard guard;
+        y.mul_(0.0).add_(7.0);
+      }
+      session.flush();
+      REQUIRE(got.size() == 1);
+      CHECK(torch::allclose(got[0], expected, 1e-6, 1e-7));
+      CHECK(torch::equal(y.detach(), torch::full_like(y, 7.0)));
+    }
+  }
+}
+
 TEST_CASE("optimizer updates and no-grad passes are not forward outputs unless asked", "[attach]") {
   torchdbg_test::SeededRng rng(11);
   auto net = std::make_shared<Net>(4);

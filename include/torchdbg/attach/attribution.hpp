@@ -266,6 +266,23 @@ class Attribution : protected ObserverState {
     return ctx;
   }
 
+  /// Whether operator `fn` reads a session's pending module output on this thread.
+  static bool reads_pending(const at::RecordFunction& fn, const Tls& t) {
+    bool any = false;
+    for (const auto& p : t.pending) any = any || (p.core && p.out.defined());
+    if (!any) return false;
+    bool found = false;
+    for (const c10::IValue& v : safe_inputs(fn)) {
+      for_each_tensor(v, [&](const at::Tensor& x) {
+        if (found || !x.defined()) return;
+        for (const auto& p : t.pending)
+          if (p.core && p.out.defined() && p.out.unsafeGetTensorImpl() == x.unsafeGetTensorImpl()) found = true;
+      });
+      if (found) return true;
+    }
+    return false;
+  }
+
   /// At the operator's end: what each session decided is done with its output.
   static void finish(const at::RecordFunction& fn, OpCtx& ctx, Tls& t) {
     at::Tensor out;

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string_view>
@@ -51,6 +52,7 @@ class ForwardObserver : private Attribution {
     if (on && !present) next->push_back(core);
     if (on == present) return;
     std::atomic_store(&cores_, std::shared_ptr<const std::vector<std::shared_ptr<AttachCore>>>(next));
+    generation_.fetch_add(1, std::memory_order_release);  // after the store: a reader sees it
     if (!next->empty() && handle_ == 0 && !paused_) {
       handle_ = add_callback();
     } else if (next->empty()) {
@@ -92,6 +94,19 @@ class ForwardObserver : private Attribution {
   /// The sessions served now (a snapshot: hold it for as long as it is used).
   std::shared_ptr<const std::vector<std::shared_ptr<AttachCore>>> cores() const {
     return std::atomic_load(&cores_);
+  }
+
+  /// The sessions served now, as this thread's cached snapshot: refreshed when set() changed
+  /// them since this thread last looked (an atomic load per operator, no shared_ptr copy).
+  static const std::vector<std::shared_ptr<AttachCore>>& sessions(Tls& t) {
+    const uint64_t g = instance().generation_.load(std::memory_order_acquire);
+    if (g != t.sessions_generation) {
+      t.sessions = instance().cores();
+      t.sessions_generation = g;
+      t.sessions_no_grad = std::any_of(t.sessions->begin(), t.sessions->end(),
+                                       [](const auto& c) { return c->options.no_grad_forward(); });
+    }
+    return *t.sessions;
   }
 
   /// Puts the callback back after a backward pass (if some session still wants it).
@@ -165,9 +180,13 @@ class ForwardObserver : private Attribution {
     }
     if (t.skip_depth > 0) t.inner_ops.count();
     if (t.backward_depth > 0 || t.skip_depth > 0) return nullptr;
-    const auto cores = instance().cores();  // held while it is read
-    if (cores->empty()) return nullptr;
-    std::unique_ptr<OpCtx> ctx = attribute(fn, t, *cores);
+    const auto& cores = sessions(t);  // held by `t` while it is read
+    if (cores.empty()) return nullptr;
+    // With gradients off (an optimizer's step, evaluation, metrics) no session decides
+    // anything unless one observes no-grad forwards, or the operator reads a pending output
+    // (delivered before the operator may change it).
+    if (!t.sessions_no_grad && !at::GradMode::is_enabled() && !reads_pending(fn, t)) return nullptr;
+    std::unique_ptr<OpCtx> ctx = attribute(fn, t, cores);
     if (ctx) {
       ++t.skip_depth;  // what runs inside it is its own
       ctx->quiet_inside = quiet_inside(fn);
@@ -226,6 +245,7 @@ class ForwardObserver : private Attribution {
   std::shared_ptr<const std::vector<std::shared_ptr<AttachCore>>> cores_ =
       std::make_shared<const std::vector<std::shared_ptr<AttachCore>>>();
   at::CallbackHandle handle_ = 0;
+  std::atomic<uint64_t> generation_{1};  // changes with cores_; Tls::sessions_generation 0 is stale
 };
 
 }  // namespace torchdbg::detail

@@ -141,6 +141,12 @@ class ObserverState {
     uint64_t seq = 0;
     /// Sessions that made a call on this thread since a backward pass last began here.
     std::vector<uint64_t> forward_cores;
+    /// The observed sessions as this thread last read them, and the observer's generation
+    /// then (ForwardObserver::sessions): one atomic load per operator instead of a shared_ptr
+    /// copy. Held until the thread's next operator after a change.
+    std::shared_ptr<const std::vector<std::shared_ptr<AttachCore>>> sessions;
+    uint64_t sessions_generation = 0;  // 0: never read
+    bool sessions_no_grad = false;     // some session observes no-grad forwards
     // on_start's scratch, kept allocated
     std::vector<const c10::TensorImpl*> grads_of_owned;
     std::vector<Candidate> candidates;
