@@ -172,6 +172,57 @@ TEST_CASE("an output changed in place with gradients off is delivered as the mod
   }
 }
 
+TEST_CASE("a no-grad call reading a tensor made from the module's weights is no forward output, "
+          "whatever other sessions observe",
+          "[attach]") {
+  // A module keeping a weight computed from its parameters (`(v * 2).t()`, kept between calls)
+  // is called with gradients off between two training calls; another model's session
+  // observing no-grad forwards must not make it this session's call.
+  struct CachedImpl : torch::nn::Module {
+    torch::Tensor v, b, cached;
+    CachedImpl() {
+      v = register_parameter("v", torch::randn({3, 4}));
+      b = register_parameter("b", torch::zeros({3}));
+    }
+    torch::Tensor forward(const torch::Tensor& x) {
+      if (!cached.defined()) cached = (v * 2.0).t().detach();
+      return x.matmul(cached) + b;
+    }
+  };
+  torchdbg_test::SeededRng rng(23);
+  for (const bool other_no_grad : {false, true}) {
+    INFO("another model's session observes no-grad forwards: " << other_no_grad);
+    auto m = std::make_shared<CachedImpl>();
+    torch::nn::Linear other(2, 2);
+    HookManager hooks, other_hooks;
+    std::vector<std::pair<int64_t, std::string>> got;  // (step, call)
+    hooks.register_callback("rec", [&](const torchdbg::HookContext& c) {
+      const auto call = c.metadata_value("call");
+      got.emplace_back(c.step(), call ? std::string(*call) : "-");
+    });
+    hooks.register_hook(HookConfig().trigger(HookTrigger::every_forward()).actions({HookAction::custom_callback("rec")}));
+    other_hooks.register_callback("n", [](const torchdbg::HookContext&) {});
+    other_hooks.register_hook(
+        HookConfig().trigger(HookTrigger::every_forward()).actions({HookAction::custom_callback("n")}));
+    auto session = torchdbg::attach(*m, hooks);
+    std::optional<torchdbg::AttachSession> other_session;
+    if (other_no_grad) other_session.emplace(torchdbg::attach(*other, other_hooks, AttachOptions().no_grad_forward(true)));
+    for (int64_t step = 0; step < 3; ++step) {
+      hooks.set_step(step);
+      m->forward(torch::randn({2, 4})).sum().backward();
+      {
+        torch::NoGradGuard guard;  // an evaluation call
+        (void)m->forward(torch::randn({2, 4}));
+      }
+      auto y = m->forward(torch::randn({2, 4}));
+      session.flush();
+    }
+    // per step: the training call, and the one after its backward pass (calls count from 0 again)
+    const std::vector<std::pair<int64_t, std::string>> expected{{0, "0"}, {0, "0"}, {1, "0"}, {1, "0"}, {2, "0"}, {2, "0"}};
+    CHECK(got == expected);
+  }
+}
+
 TEST_CASE("optimizer updates and no-grad passes are not forward outputs unless asked", "[attach]") {
   torchdbg_test::SeededRng rng(11);
   auto net = std::make_shared<Net>(4);

@@ -112,6 +112,7 @@ class Attribution : protected ObserverState {
             const AttachCore& c = *cores[ci];
             if (c.id != d.core) continue;
             module_tensor = true;
+            if (!grad_mode && !c.options.no_grad_forward()) continue;  // as for its own tensors
             auto it = c.owner.find(d.source);
             if (it == c.owner.end()) continue;
             add_candidates(ci, it->second, /*direct=*/false);
