@@ -6,8 +6,11 @@
 // from one run). Prints one line per model and mode and writes the same figures as JSON.
 //
 //   torchdbg_bench [--threads N] [--rounds R] [--steps S] [--rss-steps N] [--json FILE] [--models
-//   mlp,cnn,transformer,gru,tiny,one] [--modes detached,full,every10,idle,reporter,live] [--no-health]
-//   [--device cpu|cuda] [--default-malloc] [--count-ops]
+//   mlp,cnn,transformer,gru,tiny,one] [--modes detached,full,sampled,every10,idle,reporter,live]
+//   [--sample K] [--no-health] [--device cpu|cuda] [--default-malloc] [--count-ops]
+//
+// `sampled` is full with HookManagerOptions().sampling(StatsSampling().stride(K)) (K = 8 by
+// default): the statistics of tensors above 32768 values estimated from one block in K.
 //
 // --count-ops also prints, per model, the LibTorch operators one baseline step and one full
 // step dispatch (with the most frequent extra ones and the .item() reads): on a GPU each
@@ -197,7 +200,8 @@ struct Args {
   std::string json = "torchdbg_bench.json";
   // tiny: the per-delivery cost; one: the fixed cost
   std::string models = "mlp,cnn,transformer,gru,tiny,one";
-  std::string modes = "detached,full,every10,idle";
+  std::string modes = "detached,full,sampled,every10,idle";
+  int64_t sample = 8;  // --sample: the stride of `sampled` (StatsSampling::stride)
   bool health = true;  // --no-health: statistics hooks only, to see the health monitor's share
   std::string device = "cpu";
   bool fixed_malloc = true;  // --default-malloc: glibc's dynamic mmap/trim thresholds
@@ -236,6 +240,10 @@ Args parse(int argc, char** argv) {
         ok = false;
       }
       if (!ok) throw std::runtime_error("--device: expected cpu, cuda or cuda:N, got '" + a.device + "'");
+    }
+    else if (!std::strcmp(argv[i], "--sample")) {
+      a.sample = std::stoll(next("--sample"));
+      if (a.sample < 2) throw std::runtime_error("--sample: expected a stride of at least 2, got " + std::to_string(a.sample));
     }
     else if (!std::strcmp(argv[i], "--no-health"))
       a.health = false;
@@ -292,16 +300,20 @@ std::map<std::string, int64_t> count_operators(F&& f) {
 /// gradient statistics of every parameter, and the health monitor (states, events) on all of
 /// them (every step, or every 10th).
 struct Monitor {
-  torchdbg::HookManager hooks{
-      torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.0))};
+  torchdbg::HookManager hooks;
   torchdbg::HealthMonitor health;
   torchdbg::HealthInstallation<std::mutex, std::mutex> fed;
   torchdbg::Reporter reporter;
   torchdbg::ReporterInstallation reported;
   /// `quick_start`: the README's quick start only (the health monitor, no other hook);
   /// `with_reporter`: a Reporter fed by the monitor, as a live page needs.
-  Monitor(bool every10, bool with_health = true, bool quick_start = false, bool with_reporter = false)
-      : health(torchdbg::HealthOptions().interval(every10 ? 10 : 1)) {
+  /// `sample_stride` > 1: statistics of large tensors from a sample (StatsSampling).
+  Monitor(bool every10, bool with_health = true, bool quick_start = false, bool with_reporter = false,
+          int64_t sample_stride = 1)
+      : hooks(torchdbg::HookManagerOptions()
+                  .inspector(torchdbg::InspectorOptions().sample_rate(0.0))
+                  .sampling(torchdbg::StatsSampling().stride(sample_stride))),
+        health(torchdbg::HealthOptions().interval(every10 ? 10 : 1)) {
     if (with_health) fed = health.install(hooks);
     if (with_reporter) reported = reporter.install(hooks, &health);
     if (quick_start) return;
@@ -491,14 +503,15 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
   nlohmann::json out;
   // "idle": attached to a manager with no hook at all, so nothing is ever due: what merely
   // having tensor hooks on the parameters does to LibTorch's step.
-  for (const std::string mode : {"detached", "full", "every10", "idle", "reporter", "live"}) {
+  for (const std::string mode : {"detached", "full", "sampled", "every10", "idle", "reporter", "live"}) {
     if (!model_listed(a.modes, mode)) continue;
     std::vector<double> base, mon;
     uint64_t copies = 0, deliveries = 0;
     // One monitor per mode, kept across rounds (its per-layer state is built once, as in a
     // real run); only the attachment comes and goes, so baseline steps run detached.
     const bool reporting = mode == "reporter" || mode == "live";
-    Monitor monitor(mode == "every10", a.health && mode != "idle", quick_start, reporting && a.health);
+    Monitor monitor(mode == "every10", a.health && mode != "idle", quick_start, reporting && a.health,
+                    mode == "sampled" ? a.sample : 1);
     if (mode == "idle") monitor.hooks.clear_hooks();
     PageReader page(mode == "live" ? &monitor : nullptr);
     for (int r = 0; r < a.rounds; ++r) {

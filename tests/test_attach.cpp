@@ -2327,3 +2327,47 @@ TEST_CASE("the operators inside a decided composite operator are not boxed for t
   CHECK(without.at("aten::native_layer_norm") > 0);
   CHECK(without.at("aten::native_batch_norm") > 0);
 }
+
+TEST_CASE("a sampling manager's gradient norms are estimates within their sampling error; NaN gradients stay exact",
+          "[attach]") {
+  torchdbg_test::SeededRng rng(82);
+  auto net = torch::nn::Sequential(torch::nn::Linear(400, 300), torch::nn::Tanh(), torch::nn::Linear(300, 5));
+  torchdbg::HookManager hooks(torchdbg::HookManagerOptions().sampling(torchdbg::StatsSampling().stride(4)));
+  hooks.create_gradient_tracking_hook({});
+  std::map<std::string, torchdbg::TensorStats> grads;
+  hooks.register_callback("grads", [&](const torchdbg::HookContext& c) {
+    if (!c.is_forward()) grads[std::string(c.layer_name()) + "." + std::string(*c.metadata_value("parameter"))] = c.moment_stats();
+  });
+  hooks.register_hook(HookConfig().name("grads").trigger(HookTrigger::every_n_steps(1)).actions(
+      {HookAction::custom_callback("grads")}));
+  auto session = torchdbg::attach(*net, hooks);
+  for (int step = 0; step < 3; ++step) {
+    hooks.set_step(step);
+    net->zero_grad();
+    grads.clear();
+    const auto x = torch::randn({64, 400});
+    net->forward(x).pow(2).mean().backward();
+    const auto w = net[0]->as<torch::nn::Linear>()->weight.grad();  // 120000 values: sampled
+    INFO("step " << step);
+    REQUIRE(grads.count("0.weight") == 1);
+    const auto& s = grads.at("0.weight");
+    CHECK(s.sampled_count > 0);
+    CHECK(s.sampled_count < w.numel());
+    const double exact = w.to(torch::kDouble).norm().item<double>();
+    CHECK(std::fabs(s.l2_norm - exact) < 0.1 * exact);
+    CHECK(grads.at("0.bias").sampled_count == 0);  // 300 values: read whole
+    double global = 0.0;
+    for (const auto& p : net->parameters()) global += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
+    REQUIRE(hooks.reported_gradient_norm());
+    CHECK(std::fabs(*hooks.reported_gradient_norm() - std::sqrt(global)) < 0.1 * std::sqrt(global));
+  }
+  // A NaN in the input makes every gradient NaN: counted exactly, not estimated.
+  hooks.set_step(3);
+  net->zero_grad();
+  auto x = torch::randn({64, 400});
+  x[5][7] = std::numeric_limits<float>::quiet_NaN();
+  net->forward(x).pow(2).mean().backward();
+  const auto& s = grads.at("0.weight");
+  CHECK(s.sampled_count == 0);
+  CHECK(s.nan_count == net[0]->as<torch::nn::Linear>()->weight.grad().isnan().sum().item<int64_t>());
+}

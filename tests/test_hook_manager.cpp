@@ -714,3 +714,43 @@ TEST_CASE("the manager prints its step, hooks in order with their runs, alerts a
   st.set_step(3);
   CHECK(fmt::format("{}", st) == "HookManagerSt(step 3, 0 hooks, 0 alerts, running)");
 }
+
+TEST_CASE("a manager that samples gives its hooks estimated statistics of large tensors, exact ones of the rest",
+          "[hooks]") {
+  torchdbg_test::SeededRng rng(81);
+  torchdbg::HookManager hooks(
+      torchdbg::HookManagerOptions().sampling(torchdbg::StatsSampling().stride(8).above(50000)));
+  CHECK(hooks.options().sampling().stride() == 8);
+  std::vector<torchdbg::TensorStats> seen, moments, with_distribution;
+  hooks.register_callback("read", [&](const torchdbg::HookContext& ctx) { seen.push_back(ctx.stats()); });
+  hooks.register_callback("moments", [&](const torchdbg::HookContext& ctx) { moments.push_back(ctx.moment_stats()); },
+                          torchdbg::CallbackStats::Moments);
+  hooks.register_callback("dist", [&](const torchdbg::HookContext& ctx) {
+    with_distribution.push_back(ctx.stats_with_distribution(10));
+  });
+  hooks.register_hook(torchdbg::HookConfig().name("all").trigger(torchdbg::HookTrigger::every_n_steps(1)).actions(
+      {torchdbg::HookAction::custom_callback("read"), torchdbg::HookAction::custom_callback("moments"),
+       torchdbg::HookAction::custom_callback("dist")}));
+  const auto large = torch::randn({400, 250}) * 3.0 + 1.0, small = torch::randn({100, 250});
+  hooks.execute_hooks("large", large, true);
+  hooks.execute_hooks("small", small, true);
+  REQUIRE(seen.size() == 2);
+  REQUIRE(moments.size() == 2);
+  REQUIRE(with_distribution.size() == 2);
+  CHECK(seen[0].sampled_count > 0);
+  CHECK(seen[0].sampled_count < large.numel());
+  CHECK(std::fabs(seen[0].std - large.std(/*unbiased=*/false).item<double>()) < 0.1 * 3.0);
+  CHECK(moments[0].sampled_count > 0);
+  CHECK(seen[1].sampled_count == 0);
+  // The distribution is of every value, and its summary too.
+  for (const auto& s : with_distribution) {
+    CHECK(s.sampled_count == 0);
+    CHECK(s.distribution.has_value());
+  }
+  CHECK(with_distribution[0].mean == torchdbg::compute_stats(large).mean);
+  CHECK_THROWS_WITH(torchdbg::HookManager(torchdbg::HookManagerOptions().sampling(torchdbg::StatsSampling().stride(0))),
+                    Catch::Contains("stride must be at least 1, got 0"));
+  CHECK_THROWS_WITH(
+      torchdbg::HookManager(torchdbg::HookManagerOptions().sampling(torchdbg::StatsSampling().above(-1))),
+      Catch::Contains("above must be at least 0, got -1"));
+}

@@ -1421,3 +1421,222 @@ TEST_CASE("property: printed statistics read back as the reference's, to 4 signi
   CHECK(fmt::format("{}", torchdbg::compute_stats(torch::full({3}, kNaN))) ==
         "TensorStats(Float [3] cpu, mean nan, std nan, min nan, max nan, nan 3, inf 0)");
 }
+
+namespace {
+
+/// `n` values of one of six kinds: iid normal with an offset, ReLU'd normal (zeros), a heavy
+/// tail (normal cubed), rows of very different scales, a trend along the tensor, and groups of
+/// `stride` blocks of 2048 whose blocks carry different offsets (a sampler taking the same
+/// place in every group would be biased there).
+torch::Tensor sampled_kind_data(int kind, int64_t n, int64_t stride, std::mt19937_64& gen) {
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  const double scale = std::pow(10.0, -6.0 + 12.0 * u(gen));
+  const double offset = scale * (6.0 * u(gen) - 3.0);
+  switch (kind) {
+    case 0:
+      return torch::randn({n}) * scale + offset;
+    case 1:
+      return torch::relu(torch::randn({n}) + 0.3) * scale;
+    case 2:
+      return torch::randn({n}).pow(3) * scale + offset;
+    case 3: {
+      const int64_t cols = 512, rows = n / cols;
+      auto t = torch::randn({rows, cols}) * torch::exp(2.0 * torch::randn({rows, 1}));
+      return torch::cat({t.reshape(-1), torch::randn({n - rows * cols})}) * scale;
+    }
+    case 4:
+      return (torch::linspace(0.0, 1.0, n) + 0.01 * torch::randn({n})) * scale + offset;
+    default: {
+      auto block_offsets = torch::randn({stride}) * 5.0;
+      auto idx = torch::floor_divide(torch::arange(n), 2048).remainder(stride);
+      return (torch::randn({n}) + block_offsets.index_select(0, idx)) * scale;
+    }
+  }
+}
+
+struct DoubleRef {
+  double mean, std, min, max;
+  int64_t zeros, negatives;
+};
+
+DoubleRef double_ref(const torch::Tensor& t) {
+  const auto d = t.to(torch::kDouble);
+  return {d.mean().item<double>(), d.std(/*unbiased=*/false).item<double>(), d.min().item<double>(),
+          d.max().item<double>(), (d == 0).sum().item<int64_t>(), (d < 0).sum().item<int64_t>()};
+}
+
+}  // namespace
+
+TEST_CASE("property: a sampled reading's counts are exact and its mean and std fall within their stated errors",
+          "[stats]") {
+  namespace d = torchdbg::detail;
+  torchdbg_test::SeededRng rng(77);
+  std::mt19937_64 gen(77);
+  constexpr int kTrials = 180;
+  int mean_within = 0, std_within = 0;
+  for (int trial = 0; trial < kTrials; ++trial) {
+    const int kind = trial % 6;
+    const int64_t stride = 2 + (trial * 7) % 15;
+    const int64_t n = 2 * 16 * 2048 + static_cast<int64_t>(gen() % 200000);
+    const bool signs = trial % 3 != 0;
+    const auto t = sampled_kind_data(kind, n, stride, gen).contiguous();
+    INFO("trial " << trial << " kind " << kind << " n " << n << " stride " << stride << " signs " << signs);
+    REQUIRE(t.scalar_type() == torch::kFloat);
+    const DoubleRef r = double_ref(t);
+    d::Moments m;
+    d::SampleInfo info;
+    REQUIRE(d::sample_float(t.data_ptr<float>(), n, signs, stride, /*seed=*/trial, m, info));
+    CHECK(m.count == n);
+    CHECK(m.finite == n);
+    CHECK(m.nan + m.pos_inf + m.neg_inf == 0);
+    const int64_t blocks = (n + 2047) / 2048, groups = (blocks + stride - 1) / stride;
+    CHECK(info.values > (groups - 1) * 2048);
+    CHECK(info.values <= groups * 2048);
+    CHECK(m.min >= r.min);  // the sampled blocks' extrema: within the true range
+    CHECK(m.max <= r.max);
+    CHECK(m.abs_max <= std::max(-r.min, r.max));
+    if (m.signs) {
+      CHECK(m.zeros + m.negatives + m.positives == n);
+      CHECK(m.zeros >= 0);
+      CHECK(m.negatives >= 0);
+      if (r.zeros == 0) CHECK(m.zeros == 0);
+      if (r.negatives == 0) CHECK(m.negatives == 0);
+    } else {
+      CHECK(!signs);
+    }
+    CHECK(info.mean_error >= 0.0);
+    CHECK(info.std_error >= 0.0);
+    const double tol = 1e-6 * (std::fabs(r.mean) + r.std);  // the float block sums
+    if (std::fabs(m.mean - r.mean) <= 4.0 * info.mean_error + tol) ++mean_within;
+    const double sd = std::sqrt(m.variance());
+    if (std::fabs(sd - r.std) <= 4.0 * info.std_error + tol) ++std_within;
+    // The same seed reads the same blocks; another seed other ones.
+    d::Moments again;
+    d::SampleInfo info2;
+    REQUIRE(d::sample_float(t.data_ptr<float>(), n, signs, stride, trial, again, info2));
+    CHECK(again.mean == m.mean);
+    CHECK(info2.values == info.values);
+    if (kind == 0) {  // iid data: thousands of sampled values give std to a few percent
+      CHECK(std::fabs(sd - r.std) < 0.05 * r.std);
+      CHECK(std::fabs(m.mean - r.mean) < 0.05 * r.std);
+    }
+  }
+  // Standard errors from few blocks are estimates themselves: most, not all, trials are
+  // within four of them.
+  INFO("mean within 4 errors " << mean_within << ", std " << std_within << " of " << kTrials);
+  CHECK(mean_within >= kTrials * 9 / 10);
+  CHECK(std_within >= kTrials * 9 / 10);
+}
+
+TEST_CASE("a sampled reading of constant data is exact; data holding NaN/Inf or too few blocks is read whole",
+          "[stats]") {
+  namespace d = torchdbg::detail;
+  const int64_t n = 200000;
+  auto c = torch::full({n}, 2.5f);
+  d::Moments m;
+  d::SampleInfo info;
+  REQUIRE(d::sample_float(c.data_ptr<float>(), n, true, 8, 3, m, info));
+  CHECK(m.mean == 2.5);
+  CHECK(m.variance() == 0.0);
+  CHECK(info.mean_error == 0.0);
+  CHECK(info.std_error == 0.0);
+  CHECK(m.positives == n);
+  torchdbg_test::SeededRng rng(78);
+  std::mt19937_64 gen(78);
+  for (int trial = 0; trial < 60; ++trial) {
+    auto t = torch::randn({n});
+    const auto pos = static_cast<int64_t>(gen() % n);
+    const float bad = trial % 3 == 0   ? std::numeric_limits<float>::quiet_NaN()
+                      : trial % 3 == 1 ? std::numeric_limits<float>::infinity()
+                                       : -std::numeric_limits<float>::infinity();
+    t[pos] = bad;
+    INFO("trial " << trial << " at " << pos);
+    d::Moments s;
+    d::SampleInfo si;
+    CHECK_FALSE(d::sample_float(t.data_ptr<float>(), n, trial % 2 == 0, 2 + trial % 9, trial, s, si));
+    CHECK(si.values == 0);
+  }
+  // Fewer than two groups of blocks: nothing to estimate an error from.
+  auto small = torch::randn({2048 * 15});
+  CHECK_FALSE(d::sample_float(small.data_ptr<float>(), small.numel(), true, 8, 1, m, info));
+  CHECK_FALSE(d::sample_float(small.data_ptr<float>(), small.numel(), true, 1, 1, m, info));
+}
+
+TEST_CASE("every vector width finds a NaN or Inf anywhere, and nothing in finite data", "[stats]") {
+  namespace d = torchdbg::detail;
+  torchdbg_test::SeededRng rng(79);
+  for (const auto& k : d::block_kernel_variants()) {
+    INFO("variant " << k.name);
+    for (int64_t n : {0, 1, 15, 16, 63, 64, 65, 127, 128, 129, 2048, 5000}) {
+      auto t = torch::randn({n}) * 1e30;  // large finite values: no false alarm
+      if (n > 0) t[n - 1] = std::numeric_limits<float>::max();
+      CHECK(k.all_finite(t.data_ptr<float>(), n));
+      for (int64_t pos : {int64_t{0}, n / 2, n - 1}) {
+        if (n == 0) continue;
+        for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity()}) {
+          auto u = t.clone();
+          u[pos] = bad;
+          INFO("n " << n << " pos " << pos << " value " << bad);
+          CHECK_FALSE(k.all_finite(u.data_ptr<float>(), n));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("compute_stats with sampling: large float32 tensors estimated, the rest read whole, bad options named",
+          "[stats]") {
+  using torchdbg::StatsOptions;
+  using torchdbg::StatsSampling;
+  torchdbg_test::SeededRng rng(80);
+  const auto sampled = StatsOptions().sampling(StatsSampling().stride(8));
+  const auto exact_json = [](const torch::Tensor& t) {
+    return nlohmann::json(torchdbg::compute_stats(t)).dump();
+  };
+  for (int trial = 0; trial < 20; ++trial) {
+    const int64_t n = 40000 + trial * 9973;
+    auto t = torch::randn({n / 100, 100}) * (1.0 + trial) - 0.5 * trial;
+    t = t.contiguous();
+    INFO("trial " << trial << " n " << t.numel());
+    const auto s = torchdbg::compute_stats(t, sampled);
+    const DoubleRef r = double_ref(t);
+    CHECK(s.sampled_count > 0);
+    CHECK(s.sampled_count < s.numel);
+    CHECK(s.numel == t.numel());
+    CHECK(s.finite_count == t.numel());
+    CHECK(s.nan_count + s.inf_count == 0);
+    CHECK(s.min >= r.min);
+    CHECK(s.max <= r.max);
+    CHECK(std::fabs(s.std - r.std) < 0.1 * r.std);
+    CHECK(s.mean_error > 0.0);
+    CHECK(s.std_error > 0.0);
+    CHECK(s.zero_count + s.negative_count + s.positive_count == s.numel);
+    const auto j = nlohmann::json(s);
+    CHECK(j.at("sampled_count").get<int64_t>() == s.sampled_count);
+    CHECK(j.at("mean_error").get<double>() == s.mean_error);
+    // A NaN or Inf anywhere: every value is read, as without sampling.
+    auto bad = t.clone();
+    bad.view({-1})[(trial * 7919) % bad.numel()] = trial % 2 ? std::numeric_limits<float>::quiet_NaN()
+                                                             : -std::numeric_limits<float>::infinity();
+    const auto b = torchdbg::compute_stats(bad, sampled);
+    CHECK(b.sampled_count == 0);
+    CHECK(nlohmann::json(b).dump() == exact_json(bad));
+  }
+  // Read whole: small, float64, half, strided, a distribution, stride 1.
+  const auto big = torch::randn({300, 200});
+  for (const auto& t : {torch::randn({32768}), big.to(torch::kDouble), big.to(torch::kHalf), big.t(),
+                        big.to(torch::kInt)}) {
+    INFO(t.scalar_type() << " " << t.sizes() << " contiguous " << t.is_contiguous());
+    const auto s = torchdbg::compute_stats(t, sampled);
+    CHECK(s.sampled_count == 0);
+    CHECK(nlohmann::json(s).dump() == exact_json(t));
+  }
+  CHECK(torchdbg::compute_stats(big, StatsOptions().sampling(StatsSampling().stride(1))).sampled_count == 0);
+  CHECK(torchdbg::compute_stats(big, StatsOptions(sampled).distribution(true)).sampled_count == 0);
+  CHECK(torchdbg::compute_stats(big, StatsOptions().sampling(StatsSampling().stride(8).above(1000))).sampled_count > 0);
+  CHECK_THROWS_WITH(torchdbg::compute_stats(big, StatsOptions().sampling(StatsSampling().stride(0))),
+                    Catch::Contains("stride must be at least 1, got 0"));
+  CHECK_THROWS_WITH(torchdbg::compute_stats(big, StatsOptions().sampling(StatsSampling().stride(4).above(-5))),
+                    Catch::Contains("above must be at least 0, got -5"));
+}

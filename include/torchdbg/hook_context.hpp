@@ -92,11 +92,12 @@ class HookContext {
     return it == prefetched_->end() ? nullptr : &it->second;
   }
 
-  /// One-pass statistics of the tensor, computed on first use.
+  /// One-pass statistics of the tensor, computed on first use (estimated from a sample of
+  /// a large tensor when the manager samples: HookManagerOptions::sampling).
   [[nodiscard]] const TensorStats& stats() const {
     if (stats_ && stats_->sign_counts) return *stats_;
     if (precomputed_ != nullptr && precomputed_->sign_counts) return *precomputed_;
-    stats_ = compute_stats(tensor_);
+    stats_ = compute_stats(tensor_, StatsOptions().sampling(sampling_));
     return *stats_;
   }
 
@@ -114,15 +115,17 @@ class HookContext {
   [[nodiscard]] const TensorStats& moment_stats() const {
     if (stats_) return *stats_;
     if (precomputed_ != nullptr && (precomputed_->sign_counts || !sign_counts_wanted_)) return *precomputed_;
-    stats_ = compute_stats(tensor_, StatsOptions().sign_counts(sign_counts_wanted_));
+    stats_ = compute_stats(tensor_, StatsOptions().sign_counts(sign_counts_wanted_).sampling(sampling_));
     return *stats_;
   }
 
-  /// Statistics with the distribution part, computed on first use (reusing the summary).
+  /// Statistics with the distribution part, computed on first use (reusing the summary when
+  /// it read every value).
   [[nodiscard]] const TensorStats& stats_with_distribution(int64_t histogram_bins) const {
     // The caller's statistics are not ours to extend: they are copied first.
-    if (!stats_ || !stats_->sign_counts) {
-      stats_ = precomputed_ != nullptr && precomputed_->sign_counts ? *precomputed_ : compute_stats(tensor_);
+    const auto whole = [](const TensorStats& s) { return s.sign_counts && s.sampled_count == 0; };
+    if (!stats_ || !whole(*stats_)) {
+      stats_ = precomputed_ != nullptr && whole(*precomputed_) ? *precomputed_ : compute_stats(tensor_);
     }
     const TensorStats& s = *stats_;
     if (!s.distribution || distribution_bins_ != histogram_bins) {
@@ -146,6 +149,7 @@ class HookContext {
   mutable std::optional<TensorStats> stats_;
   mutable int64_t distribution_bins_ = 0;
   bool sign_counts_wanted_ = false;  // a later hook will read stats(): moment_stats() computes them
+  StatsSampling sampling_;           // the manager's
 };
 
 }  // namespace torchdbg

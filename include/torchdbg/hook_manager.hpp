@@ -49,6 +49,9 @@ struct HookManagerOptions {
   TORCH_ARG(std::size_t, alert_capacity) = 1000;
   /// Layer names whose pattern match each hook remembers (cleared when full).
   TORCH_ARG(std::size_t, layer_match_cache) = 4096;
+  /// Statistics of large tensors estimated from a sample (StatsSampling; off by default):
+  /// what hooks read (HookContext::stats, moment_stats) and attach's gradient norms.
+  TORCH_ARG(StatsSampling, sampling);
 };
 
 /// A registry of hooks that a training loop drives.
@@ -96,9 +99,9 @@ class BasicHookManager {
   explicit BasicHookManager(HookManagerOptions options = {})
       : inspector(options.inspector()),
         visualizer(options.visualizer()),
-        options_(std::move(options)),
+        options_(checked(std::move(options))),
         log_(options_.alert_capacity()),
-        executor_(registry_, log_, state_, inspector, visualizer) {}
+        executor_(registry_, log_, state_, inspector, visualizer, options_.sampling()) {}
 
   ~BasicHookManager();
   BasicHookManager(const BasicHookManager&) = delete;
@@ -302,6 +305,9 @@ class BasicHookManager {
 
   /// The alert log, oldest first (bounded by alert_capacity).
   [[nodiscard]] std::vector<Alert> alerts() const { return log_.alerts(); }
+  /// The options the manager was made with.
+  [[nodiscard]] const HookManagerOptions& options() const noexcept { return options_; }
+
   /// Raises a warning that no hook made (torchdbg's own advice, e.g. attach noticing that no
   /// gradient arrives): an Alert with `hook_name` = `source`, at the current step, in the log
   /// and to the sink.
@@ -326,6 +332,15 @@ class BasicHookManager {
                    const Prefetched* prefetched, Results* out) {
     if (enabled_.load(std::memory_order_relaxed))
       executor_.run_checked(layer, tensor, is_forward, metadata, precomputed, prefetched, out);
+  }
+  static HookManagerOptions checked(HookManagerOptions o) {
+    if (o.sampling().stride() < 1)
+      throw Error("torchdbg: HookManagerOptions::sampling stride must be at least 1, got " +
+                  std::to_string(o.sampling().stride()));
+    if (o.sampling().above() < 0)
+      throw Error("torchdbg: HookManagerOptions::sampling above must be at least 0, got " +
+                  std::to_string(o.sampling().above()));
+    return o;
   }
   HookManagerOptions options_;
   detail::HookRegistry<Mutex> registry_;

@@ -21,6 +21,30 @@
 
 namespace torchdbg {
 
+/// Estimating the statistics of large tensors from a sample of their values, for a cost
+/// below one full read (off by default: every value is read).
+///
+/// A contiguous float32 CPU tensor of more than `above` values is split into blocks of 2048
+/// values taken in groups of `stride`; one block of each group, drawn afresh on every reading,
+/// is read for moments, extrema and sign counts, and stands for its group. Every other block
+/// is only checked for NaN/Inf (one multiply-add per 16 values), and a tensor holding any
+/// NaN/Inf is read whole. So numel, finite, NaN and Inf counts are exact; mean, std, norms,
+/// sign counts and sparsity are unbiased estimates with TensorStats::mean_error and
+/// std_error their estimated standard errors; min, max and the L-infinity norm are those of
+/// the sampled blocks (within the true range). Other tensors, and statistics with the
+/// distribution, are read whole (TensorStats::sampled_count is 0).
+///
+/// ```cpp
+/// torchdbg::HookManager hooks(torchdbg::HookManagerOptions().sampling(
+///     torchdbg::StatsSampling().stride(8)));  // one block in 8 of tensors above 32768 values
+/// ```
+struct StatsSampling {
+  /// One block in this many is read; 1 reads every value.
+  TORCH_ARG(int64_t, stride) = 1;
+  /// Tensors of at most this many values are read whole.
+  TORCH_ARG(int64_t, above) = int64_t{1} << 15;
+};
+
 /// What `compute_stats` computes beyond the one-pass summary.
 ///
 /// ```cpp
@@ -40,6 +64,9 @@ struct StatsOptions {
   /// data this halves the kernel's work; norms, mean, std, extrema and NaN/Inf counts are
   /// the same as with them.
   TORCH_ARG(bool, sign_counts) = true;
+  /// Estimate the summary of large tensors from a sample (StatsSampling); ignored when
+  /// `distribution` is set.
+  TORCH_ARG(StatsSampling, sampling);
 };
 
 /// The distribution part of TensorStats, over finite values only.
@@ -92,6 +119,12 @@ struct TensorStats {
   double sparsity = detail::kNaN;
   /// Whether zero/negative/positive counts, l1_norm and sparsity were computed.
   bool sign_counts = true;
+  /// Values the summary was estimated from (StatsSampling); 0 when every value was read.
+  int64_t sampled_count = 0;
+  /// Estimated standard errors of `mean` and `std` when sampled (jackknife over the sampled
+  /// blocks); 0 when every value was read.
+  double mean_error = 0.0;
+  double std_error = 0.0;
   std::optional<Distribution> distribution;
 
   [[nodiscard]] bool has_non_finite() const noexcept { return nan_count + inf_count > 0; }
@@ -199,6 +232,19 @@ inline void add_distribution(TensorStats& s, const at::Tensor& t, int64_t histog
 inline TensorStats compute_stats(const at::Tensor& t, const StatsOptions& options = {}) {
   // The distribution's consumers (reports, the visualizer) read the counts too.
   const bool signs = options.sign_counts() || options.distribution();
+  const StatsSampling& sampling = options.sampling();
+  if (sampling.stride() < 1)
+    throw Error("torchdbg: StatsSampling::stride must be at least 1, got " + std::to_string(sampling.stride()));
+  if (sampling.above() < 0)
+    throw Error("torchdbg: StatsSampling::above must be at least 0, got " + std::to_string(sampling.above()));
+  if (sampling.stride() > 1 && !options.distribution()) {
+    detail::SampleInfo info;
+    TensorStats s = stats_from_moments(detail::compute_moments(t, signs, sampling.stride(), sampling.above(), info), t);
+    s.sampled_count = info.values;
+    s.mean_error = info.mean_error;
+    s.std_error = info.std_error;
+    return s;
+  }
   TensorStats s = stats_from_moments(detail::compute_moments(t, signs), t);
   if (options.distribution()) add_distribution(s, t, options.histogram_bins(), options.max_quantile_values());
   return s;
@@ -274,6 +320,11 @@ inline void to_json(nlohmann::json& j, const TensorStats& s) {
                      {"sparsity", s.sparsity}};
   if (!s.sign_counts) {  // not computed: null, like NaN
     for (const char* k : {"zero_count", "negative_count", "positive_count"}) j[k] = nullptr;
+  }
+  if (s.sampled_count > 0) {
+    j["sampled_count"] = s.sampled_count;
+    j["mean_error"] = s.mean_error;
+    j["std_error"] = s.std_error;
   }
   if (s.distribution) j["distribution"] = *s.distribution;
 }

@@ -104,6 +104,8 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   std::atomic<uint64_t> failed_passes{0};
   /// Copies that brought queued statistics to the host (one per device per flush).
   std::atomic<uint64_t> host_transfers{0};
+  /// The manager's HookManagerOptions::sampling, for the gradient statistics computed here.
+  StatsSampling sampling;
 
   std::function<void(std::string_view, const at::Tensor&, bool, const Metadata&, const TensorStats*,
                      const Prefetched*)>

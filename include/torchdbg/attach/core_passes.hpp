@@ -136,7 +136,7 @@ inline void AttachCore::take_gradient(std::size_t m, std::size_t param, const at
   if (options.gradient_norms()) {
     // One pass: the same statistics serve the norm and every hook of this delivery.
     try {
-      stats = compute_stats(g, StatsOptions().sign_counts(gradient_signs.load()));
+      stats = compute_stats(g, StatsOptions().sign_counts(gradient_signs.load()).sampling(sampling));
       if (pass) passes_.add(*pass, m, stats->l2_norm * stats->l2_norm);
     } catch (...) {
     }

@@ -196,6 +196,7 @@ BasicAttachSession<Mutex>::BasicAttachSession(torch::nn::Module& model,
   }
   core_->finish();
   BasicHookManager<Mutex>* mgr = hooks_;
+  core_->sampling = mgr->options().sampling();
   core_->deliver = [mgr](std::string_view layer, const at::Tensor& t, bool fwd, const Metadata& md,
                          const TensorStats* stats, const Prefetched* extra) {
     mgr->run_checked(layer, t, fwd, md, stats, extra, /*out=*/nullptr);

@@ -29,6 +29,7 @@
 #include <c10/util/SmallVector.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -450,6 +451,34 @@ __attribute__((always_inline)) inline int64_t float_count_above_impl(const float
   return total;
 }
 
+/// Whether `n` contiguous floats are all finite, in one multiply-add per vector: v * 0 + acc
+/// keeps acc at 0 for a finite v and makes it NaN for NaN and +/-Inf (the blocks a sample
+/// does not read; see sample_float).
+template <typename VF>
+__attribute__((always_inline)) inline bool float_all_finite_impl(const float* p, int64_t n) {
+  constexpr int64_t kLanes = sizeof(VF) / sizeof(float);
+  const VF zero = {};
+  VF a = zero, b = zero, c = zero, d = zero;
+  int64_t i = 0;
+  for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
+    VF v0, v1, v2, v3;
+    std::memcpy(&v0, p + i, sizeof v0);
+    std::memcpy(&v1, p + i + kLanes, sizeof v1);
+    std::memcpy(&v2, p + i + 2 * kLanes, sizeof v2);
+    std::memcpy(&v3, p + i + 3 * kLanes, sizeof v3);
+    a += v0 * zero;
+    b += v1 * zero;
+    c += v2 * zero;
+    d += v3 * zero;
+  }
+  const VF s = (a + b) + (c + d);
+  for (int64_t l = 0; l < kLanes; ++l)
+    if (s[l] != 0.0f) return false;
+  for (; i < n; ++i)
+    if (!(std::fabs(p[i]) <= FLT_MAX)) return false;
+  return true;
+}
+
 /// One vector width's kernels.
 struct BlockKernels {
   const char* name;
@@ -459,6 +488,7 @@ struct BlockKernels {
   void (*exact)(const float*, int64_t, float, FloatBlock&);
   void (*rows_above)(const float*, int64_t, int64_t, float, int32_t*);
   int64_t (*count_above)(const float*, int64_t, float);
+  bool (*all_finite)(const float*, int64_t);
 };
 
 /// The kernels of one vector width compiled for one target: `<kernel>_<suffix>` functions.
@@ -485,6 +515,9 @@ struct BlockKernels {
   }                                                                                            \
   target_attr inline int64_t count_above_##suffix(const float* p, int64_t n, float threshold) { \
     return float_count_above_impl<VF, VI>(p, n, threshold);                                    \
+  }                                                                                            \
+  target_attr inline bool all_finite_##suffix(const float* p, int64_t n) {                     \
+    return float_all_finite_impl<VF>(p, n);                                                    \
   }
 
 #if defined(TORCHDBG_X86_DISPATCH)
@@ -501,11 +534,11 @@ inline std::vector<BlockKernels> block_kernel_variants() {
 #if defined(TORCHDBG_X86_DISPATCH)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f"))
-    out.push_back({"avx512f", &block_finite_avx512, &block_moments_avx512, &block_non_negative_avx512, &block_exact_avx512, &rows_above_avx512, &count_above_avx512});
+    out.push_back({"avx512f", &block_finite_avx512, &block_moments_avx512, &block_non_negative_avx512, &block_exact_avx512, &rows_above_avx512, &count_above_avx512, &all_finite_avx512});
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    out.push_back({"avx2+fma", &block_finite_avx2, &block_moments_avx2, &block_non_negative_avx2, &block_exact_avx2, &rows_above_avx2, &count_above_avx2});
+    out.push_back({"avx2+fma", &block_finite_avx2, &block_moments_avx2, &block_non_negative_avx2, &block_exact_avx2, &rows_above_avx2, &count_above_avx2, &all_finite_avx2});
 #endif
-  out.push_back({"baseline", &block_finite_baseline, &block_moments_baseline, &block_non_negative_baseline, &block_exact_baseline, &rows_above_baseline, &count_above_baseline});
+  out.push_back({"baseline", &block_finite_baseline, &block_moments_baseline, &block_non_negative_baseline, &block_exact_baseline, &rows_above_baseline, &count_above_baseline, &all_finite_baseline});
   return out;
 }
 
@@ -624,6 +657,139 @@ Moments accumulate_any(const T* p, int64_t n, bool signs = true) {
   } else {
     return accumulate(p, n);
   }
+}
+
+/// What a sampled reading (sample_float) estimated instead of reading every value.
+struct SampleInfo {
+  int64_t values = 0;       // values the estimates came from; 0: every value was read
+  double mean_error = 0.0;  // jackknife standard errors over the sampled blocks
+  double std_error = 0.0;
+};
+
+/// Whether `n` contiguous floats are all finite (no value read for moments).
+inline bool all_finite(const float* p, int64_t n) {
+#if defined(TORCHDBG_HAVE_VECTOR_EXT)
+  return block_kernels().all_finite(p, n);
+#else
+  for (int64_t i = 0; i < n; ++i)
+    if (!(std::fabs(p[i]) <= FLT_MAX)) return false;
+  return true;
+#endif
+}
+
+/// Process-wide count of sampled readings: each one picks its blocks afresh, so the steps of
+/// a run read different parts of a tensor.
+inline std::atomic<uint64_t>& sample_counter() {
+  static std::atomic<uint64_t> c{0};
+  return c;
+}
+
+/// splitmix64's finaliser: a well-mixed 64-bit hash.
+inline uint64_t mix64(uint64_t x) noexcept {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+/// Moments of `n` contiguous floats estimated from a stratified sample of their blocks: the
+/// blocks of kFloatBlock values go in groups of `stride`, one block of each group (drawn by a
+/// hash of `seed` and the group) is read for moments, extrema and sign counts and weighted by
+/// the group's size, and every other block is only checked for NaN/Inf. Counts of values,
+/// NaN and Inf are therefore exact; mean, variance, sums and sign counts are unbiased
+/// estimates, min/max those of the sampled blocks. `info` gets the sampled values and the
+/// jackknife standard errors of mean and std (leave one sampled block out). Returns false,
+/// with `out` and `info` untouched, when any value is not finite or fewer than two blocks
+/// would be read: the caller then reads every value.
+inline bool sample_float(const float* p, int64_t n, bool signs, int64_t stride, uint64_t seed,
+                         Moments& out, SampleInfo& info) {
+  if (stride < 2) return false;
+  const int64_t blocks = (n + kFloatBlock - 1) / kFloatBlock;
+  if (blocks < 2 * stride) return false;
+  struct Picked {
+    Moments m;
+    double weight;  // values in the block's group / values in the block
+  };
+  std::vector<Picked> picked;
+  picked.reserve(static_cast<std::size_t>((blocks + stride - 1) / stride));
+  bool non_negative = false;
+  for (int64_t g0 = 0; g0 < blocks; g0 += stride) {
+    const int64_t g1 = std::min(blocks, g0 + stride);
+    const auto draw = mix64(seed ^ mix64(static_cast<uint64_t>(g0)));
+    const int64_t chosen = g0 + static_cast<int64_t>(draw % static_cast<uint64_t>(g1 - g0));
+    const int64_t lo = g0 * kFloatBlock, hi = std::min(n, g1 * kFloatBlock);
+    const int64_t cb = chosen * kFloatBlock, ce = std::min(n, cb + kFloatBlock);
+    if (!all_finite(p + lo, cb - lo) || !all_finite(p + ce, hi - ce)) return false;
+    Moments m = float_block_moments(p + cb, ce - cb, signs, non_negative);
+    if (m.finite != m.count) return false;
+    picked.push_back({m, static_cast<double>(hi - lo) / static_cast<double>(ce - cb)});
+  }
+  // Weighted merge: each group stands for its values through its block.
+  double total = 0.0, sum = 0.0, within = 0.0, zeros = 0.0, negatives = 0.0, abs_sum = 0.0;
+  Moments est;
+  for (const auto& b : picked) {
+    const double wn = b.weight * static_cast<double>(b.m.finite);
+    total += wn;
+    sum += wn * b.m.mean;
+    within += b.weight * b.m.m2;
+    zeros += b.weight * static_cast<double>(b.m.zeros);
+    negatives += b.weight * static_cast<double>(b.m.negatives);
+    abs_sum += b.weight * b.m.abs_sum;
+    est.min = std::min(est.min, b.m.min);
+    est.max = std::max(est.max, b.m.max);
+    est.abs_max = std::max(est.abs_max, b.m.abs_max);
+    est.signs = est.signs && b.m.signs;
+  }
+  const double mean = sum / total;
+  double between = 0.0;  // sum of weight * values * (block mean - mean)^2
+  for (const auto& b : picked) {
+    const double d = b.m.mean - mean;
+    between += b.weight * static_cast<double>(b.m.finite) * d * d;
+  }
+  const double variance = std::max(0.0, (within + between) / total);
+  // Jackknife: the estimates without block j, from the totals in O(1) each.
+  const auto k = static_cast<double>(picked.size());
+  std::vector<double> jm, js;
+  jm.reserve(picked.size());
+  js.reserve(picked.size());
+  for (const auto& b : picked) {
+    const double wn = b.weight * static_cast<double>(b.m.finite);
+    const double rest = total - wn;
+    const double d = b.m.mean - mean;
+    const double mj = (sum - wn * b.m.mean) / rest;
+    const double shift = mj - mean;
+    // sum over the other blocks of weight * values * (block mean - mj)^2
+    const double between_j = (between - wn * d * d) + 2.0 * shift * wn * d + shift * shift * rest;
+    const double var_j = ((within - b.weight * b.m.m2) + between_j) / rest;
+    jm.push_back(mj);
+    js.push_back(std::sqrt(std::max(0.0, var_j)));
+  }
+  const auto spread = [k](const std::vector<double>& v) {
+    double mean_v = 0.0;
+    for (double x : v) mean_v += x;
+    mean_v /= k;
+    double ss = 0.0;
+    for (double x : v) ss += (x - mean_v) * (x - mean_v);
+    return std::sqrt((k - 1.0) / k * ss);
+  };
+  est.count = est.finite = n;
+  est.mean = mean;
+  est.m2 = variance * static_cast<double>(n);
+  if (est.signs) {
+    est.zeros = std::clamp<int64_t>(std::llround(zeros), 0, n);
+    est.negatives = std::clamp<int64_t>(std::llround(negatives), 0, n - est.zeros);
+    est.positives = n - est.zeros - est.negatives;
+    est.abs_sum = abs_sum;
+  } else {
+    est.abs_sum = 0.0;
+  }
+  int64_t read = 0;
+  for (const auto& b : picked) read += b.m.count;
+  out = est;
+  info.values = read;
+  info.mean_error = spread(jm);
+  info.std_error = spread(js);
+  return true;
 }
 
 /// Elements per parallel chunk; below this a tensor is read by one thread.
@@ -1086,6 +1252,23 @@ inline Moments compute_moments(const at::Tensor& t, bool signs = true) {
     }));
   });
   return repeated(m, r.repeats);
+}
+
+/// compute_moments, estimated from a sample (sample_float) for a contiguous float32 CPU
+/// tensor of more than `above` values when `stride` > 1; `info.values` is 0 when every value
+/// was read (another tensor, a NaN/Inf, too few blocks).
+inline Moments compute_moments(const at::Tensor& t, bool signs, int64_t stride, int64_t above,
+                               SampleInfo& info) {
+  info = SampleInfo{};
+  if (stride > 1 && t.defined() && t.numel() > above && t.scalar_type() == at::kFloat &&
+      t.device().is_cpu() && t.layout() == at::kStrided && t.is_contiguous() && !t._is_zerotensor() &&
+      !t.is_neg() && t.data_ptr() != nullptr) {
+    const uint64_t seed = mix64(sample_counter().fetch_add(1, std::memory_order_relaxed));
+    Moments m;
+    if (sample_float(static_cast<const float*>(t.data_ptr()), t.numel(), signs, stride, seed, m, info))
+      return m;
+  }
+  return compute_moments(t, signs);
 }
 
 /// The smallest float at or above `v`: for a float x, `x < float_at_or_above(v)` is exactly

@@ -44,8 +44,14 @@ class HookExecutor {
   using Entry = HookEntry<Mutex>;
 
   HookExecutor(HookRegistry<Mutex>& registry, AlertLog<Mutex>& log, const State& state,
-               BasicTensorInspector<Mutex>& inspector, BasicActivationVisualizer<Mutex>& visualizer)
-      : registry_(registry), log_(log), state_(state), inspector_(inspector), visualizer_(visualizer) {}
+               BasicTensorInspector<Mutex>& inspector, BasicActivationVisualizer<Mutex>& visualizer,
+               StatsSampling sampling = {})
+      : registry_(registry),
+        log_(log),
+        state_(state),
+        inspector_(inspector),
+        visualizer_(visualizer),
+        sampling_(sampling) {}
 
   /// Checks `tensor` (defined, a supported dtype), then runs the hooks. `out` null: the
   /// results are not wanted (attach's deliveries), so skipped hooks build no message;
@@ -79,6 +85,7 @@ class HookExecutor {
   const State& state_;
   BasicTensorInspector<Mutex>& inspector_;
   BasicActivationVisualizer<Mutex>& visualizer_;
+  const StatsSampling sampling_;  // HookManagerOptions::sampling
 };
 
 #if TORCHDBG_DEFINITIONS
@@ -109,6 +116,7 @@ void HookExecutor<Mutex, State>::run_all(std::string_view layer, const at::Tenso
   if (hooks->empty()) return;
   HookContext ctx(layer, is_forward, state_.state(), metadata, tensor, input_error ? nullptr : precomputed,
                   prefetched);
+  ctx.sampling_ = sampling_;
   // A hook reading moment_stats() first computes the sign counts too when a later one will
   // read stats(): one pass, not two.
   if ((precomputed == nullptr || !precomputed->sign_counts) && !input_error)
