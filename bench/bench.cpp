@@ -10,7 +10,8 @@
 //   [--sample K] [--no-health] [--device cpu|cuda] [--default-malloc] [--count-ops]
 //
 // `sampled` is full with HookManagerOptions().sampling(StatsSampling().stride(K)) (K = 8 by
-// default): the statistics of tensors above 32768 values estimated from one block in K.
+// default): tensors of 16 * K blocks of 2048 values and more get a light pass (sums) and one
+// block in K through the full kernel (see StatsSampling).
 //
 // --count-ops also prints, per model, the LibTorch operators one baseline step and one full
 // step dispatch (with the most frequent extra ones and the .item() reads): on a GPU each
@@ -409,6 +410,8 @@ Paired paired_overhead(const std::vector<double>& base, const std::vector<double
 
 /// The copy bandwidth bench_machine measured (GB/s), for the read-floor arithmetic.
 double g_copy_gbs = 0.0;
+/// `--sample`: the stride of the `sampled` mode and of the sampled kernel figures.
+int64_t g_sample = 8;
 
 /// Bytes of the tensors the full monitor reads in one step: every forward and backward
 /// delivery's tensor, counted by a hook on a manager of its own (one untimed step).
@@ -769,6 +772,17 @@ nlohmann::json bench_kernel() {
       median_seconds(101, [&] { (void)torchdbg::detail::compute_moments(hot, /*signs=*/false); });
   fmt::print("stats kernel float32 1MiB in cache: {:.2f} GB/s, moments only {:.2f} GB/s\n",
              hot_bytes / full_s / 1e9, hot_bytes / moments_s / 1e9);
+  // The in-cache tensor with StatsSampling (stride --sample): a light pass and one block in K
+  // (64 MiB is read whole: it comes from memory, where the full kernel is at bandwidth).
+  torchdbg::detail::SampleInfo info;
+  const auto sampled = [&](const at::Tensor& x, bool signs) {
+    (void)torchdbg::detail::compute_moments(x, signs, g_sample, 0, info);
+  };
+  const auto hot_sampled_s = median_seconds(101, [&] { sampled(hot, true); });
+  const auto hot_sampled_moments_s = median_seconds(101, [&] { sampled(hot, false); });
+  fmt::print("stats kernel sampled (stride {}) 1MiB in cache: {:.2f} GB/s, moments only {:.2f} GB/s{}\n", g_sample,
+             hot_bytes / hot_sampled_s / 1e9, hot_bytes / hot_sampled_moments_s / 1e9,
+             info.values == 0 ? " (read whole: fewer than 16 groups at this stride)" : "");
   // A histogram step on a huge activation: statistics with the distribution of 1e8 floats.
   auto big = torch::randn({100000000});
   const auto dist_s = median_seconds(3, [&] {
@@ -782,6 +796,9 @@ nlohmann::json bench_kernel() {
           {"percent_of_copy", 100.0 * stat_gbs / copy_gbs},
           {"cached_gbs", hot_bytes / full_s / 1e9},
           {"cached_moments_gbs", hot_bytes / moments_s / 1e9},
+          {"sampled", {{"stride", g_sample},
+                       {"cached_gbs", hot_bytes / hot_sampled_s / 1e9},
+                       {"cached_moments_gbs", hot_bytes / hot_sampled_moments_s / 1e9}}},
           {"vector_width", torchdbg::detail::block_kernels().name}};  // which fast path ran
 }
 
@@ -816,6 +833,7 @@ void set_blas_threads(int n) {
 int main(int argc, char** argv) {
   try {
     const Args a = parse(argc, argv);
+    g_sample = a.sample;
     if (torch::Device(a.device).is_cuda() && !torch::cuda::is_available())
       throw std::runtime_error("--device " + a.device + ": no CUDA device is available to this LibTorch");
     if (a.fixed_malloc) {

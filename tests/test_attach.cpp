@@ -2331,7 +2331,7 @@ TEST_CASE("the operators inside a decided composite operator are not boxed for t
 TEST_CASE("a sampling manager's gradient norms are estimates within their sampling error; NaN gradients stay exact",
           "[attach]") {
   torchdbg_test::SeededRng rng(82);
-  auto net = torch::nn::Sequential(torch::nn::Linear(400, 300), torch::nn::Tanh(), torch::nn::Linear(300, 5));
+  auto net = torch::nn::Sequential(torch::nn::Linear(512, 300), torch::nn::Tanh(), torch::nn::Linear(300, 5));
   torchdbg::HookManager hooks(torchdbg::HookManagerOptions().sampling(torchdbg::StatsSampling().stride(4)));
   hooks.create_gradient_tracking_hook({});
   std::map<std::string, torchdbg::TensorStats> grads;
@@ -2345,9 +2345,9 @@ TEST_CASE("a sampling manager's gradient norms are estimates within their sampli
     hooks.set_step(step);
     net->zero_grad();
     grads.clear();
-    const auto x = torch::randn({64, 400});
+    const auto x = torch::randn({64, 512});
     net->forward(x).pow(2).mean().backward();
-    const auto w = net[0]->as<torch::nn::Linear>()->weight.grad();  // 120000 values: sampled
+    const auto w = net[0]->as<torch::nn::Linear>()->weight.grad();  // 153600 values: sampled
     INFO("step " << step);
     REQUIRE(grads.count("0.weight") == 1);
     const auto& s = grads.at("0.weight");
@@ -2364,7 +2364,7 @@ TEST_CASE("a sampling manager's gradient norms are estimates within their sampli
   // A NaN in the input makes every gradient NaN: counted exactly, not estimated.
   hooks.set_step(3);
   net->zero_grad();
-  auto x = torch::randn({64, 400});
+  auto x = torch::randn({64, 512});
   x[5][7] = std::numeric_limits<float>::quiet_NaN();
   net->forward(x).pow(2).mean().backward();
   const auto& s = grads.at("0.weight");

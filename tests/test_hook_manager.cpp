@@ -731,7 +731,7 @@ TEST_CASE("a manager that samples gives its hooks estimated statistics of large 
   hooks.register_hook(torchdbg::HookConfig().name("all").trigger(torchdbg::HookTrigger::every_n_steps(1)).actions(
       {torchdbg::HookAction::custom_callback("read"), torchdbg::HookAction::custom_callback("moments"),
        torchdbg::HookAction::custom_callback("dist")}));
-  const auto large = torch::randn({400, 250}) * 3.0 + 1.0, small = torch::randn({100, 250});
+  const auto large = torch::randn({1024, 300}) * 3.0 + 1.0, small = torch::randn({100, 250});
   hooks.execute_hooks("large", large, true);
   hooks.execute_hooks("small", small, true);
   REQUIRE(seen.size() == 2);

@@ -21,27 +21,38 @@
 
 namespace torchdbg {
 
-/// Estimating the statistics of large tensors from a sample of their values, for a cost
-/// below one full read (off by default: every value is read).
+/// Statistics of large tensors from one light pass and a sample of blocks, for a cost below
+/// a full reading (off by default: every value is read by the full kernel).
 ///
-/// A contiguous float32 CPU tensor of more than `above` values is split into blocks of 2048
-/// values taken in groups of `stride`; one block of each group, drawn afresh on every reading,
-/// is read for moments, extrema and sign counts, and stands for its group. Every other block
-/// is only checked for NaN/Inf (one multiply-add per 16 values), and a tensor holding any
-/// NaN/Inf is read whole. So numel, finite, NaN and Inf counts are exact; mean, std, norms,
-/// sign counts and sparsity are unbiased estimates with TensorStats::mean_error and
-/// std_error their estimated standard errors; min, max and the L-infinity norm are those of
-/// the sampled blocks (within the true range). Other tensors, and statistics with the
-/// distribution, are read whole (TensorStats::sampled_count is 0).
+/// A contiguous float32 CPU tensor of more than `above` values whose blocks of 2048 values
+/// make at least 16 groups of `stride` blocks, and of at most 2^22 values (16 MiB: a larger one
+/// comes from memory, where the full kernel already runs at memory bandwidth), is read so: one block of each group, drawn
+/// afresh on every reading, goes through the full kernel and stands for its group; every other
+/// block only gets its sum and sum of squares (two vector operations per 16 values, where the
+/// full kernel takes five to nine); a last, partial block is read whole; a tensor holding any
+/// NaN/Inf (or a value above 1.8e19, whose square overflows float) is read whole. So:
+/// - numel, finite, NaN and Inf counts are exact; mean and the L2 norm are exact up to float
+///   rounding (TensorStats::mean_error is that bound);
+/// - std is exact up to rounding too, except for data whose mean is far from zero relative to
+///   its spread (then the squared mean cancels the precision and std is the sample's estimate):
+///   TensorStats::std_error is the rounding bound or the estimate's jackknife standard error;
+/// - zero/negative/positive counts, sparsity and the L1 norm are the sample's unbiased
+///   estimates (no stated error); min, max and the L-infinity norm are those of the blocks read
+///   (a lone extreme value shows there only when its block is drawn, though it always shows in
+///   std and the L2 norm).
+/// TensorStats::sampled_count is the values read by the full kernel, 0 when the tensor was read
+/// whole (other dtypes, devices, layouts, smaller tensors, and statistics with the
+/// distribution).
 ///
 /// ```cpp
 /// torchdbg::HookManager hooks(torchdbg::HookManagerOptions().sampling(
-///     torchdbg::StatsSampling().stride(8)));  // one block in 8 of tensors above 32768 values
+///     torchdbg::StatsSampling().stride(8)));  // tensors of 262144 values and more
 /// ```
 struct StatsSampling {
-  /// One block in this many is read; 1 reads every value.
+  /// One block in this many goes through the full kernel; 1 reads every value with it.
   TORCH_ARG(int64_t, stride) = 1;
-  /// Tensors of at most this many values are read whole.
+  /// Tensors of at most this many values are read whole (and any of fewer than
+  /// 16 * stride * 2048).
   TORCH_ARG(int64_t, above) = int64_t{1} << 15;
 };
 
@@ -119,10 +130,11 @@ struct TensorStats {
   double sparsity = detail::kNaN;
   /// Whether zero/negative/positive counts, l1_norm and sparsity were computed.
   bool sign_counts = true;
-  /// Values the summary was estimated from (StatsSampling); 0 when every value was read.
+  /// Values the full kernel read when the tensor was sampled (StatsSampling); 0 when it read
+  /// every value.
   int64_t sampled_count = 0;
-  /// Estimated standard errors of `mean` and `std` when sampled (jackknife over the sampled
-  /// blocks); 0 when every value was read.
+  /// When sampled: the rounding bound of `mean`, and of `std` or its jackknife standard error
+  /// (see StatsSampling); 0 when every value was read.
   double mean_error = 0.0;
   double std_error = 0.0;
   std::optional<Distribution> distribution;

@@ -451,32 +451,46 @@ __attribute__((always_inline)) inline int64_t float_count_above_impl(const float
   return total;
 }
 
-/// Whether `n` contiguous floats are all finite, in one multiply-add per vector: v * 0 + acc
-/// keeps acc at 0 for a finite v and makes it NaN for NaN and +/-Inf (the blocks a sample
-/// does not read; see sample_float).
+/// Sum and sum of squares of `n` contiguous floats (`out[0]`, `out[1]`): one add and one
+/// multiply-add per vector, in float lanes over each block of kFloatBlock values, the lanes
+/// added up in double block by block. For the blocks a sample does not read (sample_float). A
+/// NaN or Inf makes `out[1]` non-finite (as does a square above FLT_MAX: |v| > 1.8e19).
 template <typename VF>
-__attribute__((always_inline)) inline bool float_all_finite_impl(const float* p, int64_t n) {
+__attribute__((always_inline)) inline void float_sums_impl(const float* p, int64_t n, double* out) {
   constexpr int64_t kLanes = sizeof(VF) / sizeof(float);
   const VF zero = {};
-  VF a = zero, b = zero, c = zero, d = zero;
+  double d1[kLanes] = {}, d2[kLanes] = {};
   int64_t i = 0;
-  for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
-    VF v0, v1, v2, v3;
-    std::memcpy(&v0, p + i, sizeof v0);
-    std::memcpy(&v1, p + i + kLanes, sizeof v1);
-    std::memcpy(&v2, p + i + 2 * kLanes, sizeof v2);
-    std::memcpy(&v3, p + i + 3 * kLanes, sizeof v3);
-    a += v0 * zero;
-    b += v1 * zero;
-    c += v2 * zero;
-    d += v3 * zero;
+  while (i + 2 * kLanes <= n) {
+    VF s1a = zero, s1b = zero, s2a = zero, s2b = zero;
+    const int64_t end = std::min(n, i + kFloatBlock) - 2 * kLanes;
+    for (; i <= end; i += 2 * kLanes) {
+      VF v, w;
+      std::memcpy(&v, p + i, sizeof v);
+      std::memcpy(&w, p + i + kLanes, sizeof w);
+      s1a += v;
+      s1b += w;
+      s2a += v * v;
+      s2b += w * w;
+    }
+    const VF s1 = s1a + s1b, s2 = s2a + s2b;
+    for (int64_t l = 0; l < kLanes; ++l) {
+      d1[l] += static_cast<double>(s1[l]);
+      d2[l] += static_cast<double>(s2[l]);
+    }
   }
-  const VF s = (a + b) + (c + d);
-  for (int64_t l = 0; l < kLanes; ++l)
-    if (s[l] != 0.0f) return false;
-  for (; i < n; ++i)
-    if (!(std::fabs(p[i]) <= FLT_MAX)) return false;
-  return true;
+  double a = 0.0, b = 0.0;
+  for (int64_t l = 0; l < kLanes; ++l) {
+    a += d1[l];
+    b += d2[l];
+  }
+  for (; i < n; ++i) {
+    const float v = p[i];
+    a += static_cast<double>(v);
+    b += static_cast<double>(v * v);
+  }
+  out[0] = a;
+  out[1] = b;
 }
 
 /// One vector width's kernels.
@@ -488,7 +502,7 @@ struct BlockKernels {
   void (*exact)(const float*, int64_t, float, FloatBlock&);
   void (*rows_above)(const float*, int64_t, int64_t, float, int32_t*);
   int64_t (*count_above)(const float*, int64_t, float);
-  bool (*all_finite)(const float*, int64_t);
+  void (*sums)(const float*, int64_t, double*);
 };
 
 /// The kernels of one vector width compiled for one target: `<kernel>_<suffix>` functions.
@@ -516,8 +530,8 @@ struct BlockKernels {
   target_attr inline int64_t count_above_##suffix(const float* p, int64_t n, float threshold) { \
     return float_count_above_impl<VF, VI>(p, n, threshold);                                    \
   }                                                                                            \
-  target_attr inline bool all_finite_##suffix(const float* p, int64_t n) {                     \
-    return float_all_finite_impl<VF>(p, n);                                                    \
+  target_attr inline void sums_##suffix(const float* p, int64_t n, double* out) {               \
+    float_sums_impl<VF>(p, n, out);                                                            \
   }
 
 #if defined(TORCHDBG_X86_DISPATCH)
@@ -534,11 +548,11 @@ inline std::vector<BlockKernels> block_kernel_variants() {
 #if defined(TORCHDBG_X86_DISPATCH)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f"))
-    out.push_back({"avx512f", &block_finite_avx512, &block_moments_avx512, &block_non_negative_avx512, &block_exact_avx512, &rows_above_avx512, &count_above_avx512, &all_finite_avx512});
+    out.push_back({"avx512f", &block_finite_avx512, &block_moments_avx512, &block_non_negative_avx512, &block_exact_avx512, &rows_above_avx512, &count_above_avx512, &sums_avx512});
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    out.push_back({"avx2+fma", &block_finite_avx2, &block_moments_avx2, &block_non_negative_avx2, &block_exact_avx2, &rows_above_avx2, &count_above_avx2, &all_finite_avx2});
+    out.push_back({"avx2+fma", &block_finite_avx2, &block_moments_avx2, &block_non_negative_avx2, &block_exact_avx2, &rows_above_avx2, &count_above_avx2, &sums_avx2});
 #endif
-  out.push_back({"baseline", &block_finite_baseline, &block_moments_baseline, &block_non_negative_baseline, &block_exact_baseline, &rows_above_baseline, &count_above_baseline, &all_finite_baseline});
+  out.push_back({"baseline", &block_finite_baseline, &block_moments_baseline, &block_non_negative_baseline, &block_exact_baseline, &rows_above_baseline, &count_above_baseline, &sums_baseline});
   return out;
 }
 
@@ -666,14 +680,16 @@ struct SampleInfo {
   double std_error = 0.0;
 };
 
-/// Whether `n` contiguous floats are all finite (no value read for moments).
-inline bool all_finite(const float* p, int64_t n) {
+/// Sum and sum of squares of `n` contiguous floats (float_sums_impl): `out[0]`, `out[1]`.
+inline void float_sums(const float* p, int64_t n, double* out) {
 #if defined(TORCHDBG_HAVE_VECTOR_EXT)
-  return block_kernels().all_finite(p, n);
+  block_kernels().sums(p, n, out);
 #else
-  for (int64_t i = 0; i < n; ++i)
-    if (!(std::fabs(p[i]) <= FLT_MAX)) return false;
-  return true;
+  out[0] = out[1] = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    out[0] += static_cast<double>(p[i]);
+    out[1] += static_cast<double>(p[i] * p[i]);
+  }
 #endif
 }
 
@@ -692,45 +708,81 @@ inline uint64_t mix64(uint64_t x) noexcept {
   return x ^ (x >> 31);
 }
 
-/// Moments of `n` contiguous floats estimated from a stratified sample of their blocks: the
-/// blocks of kFloatBlock values go in groups of `stride`, one block of each group (drawn by a
-/// hash of `seed` and the group) is read for moments, extrema and sign counts and weighted by
-/// the group's size, and every other block is only checked for NaN/Inf. Counts of values,
-/// NaN and Inf are therefore exact; mean, variance, sums and sign counts are unbiased
-/// estimates, min/max those of the sampled blocks. `info` gets the sampled values and the
-/// jackknife standard errors of mean and std (leave one sampled block out). Returns false,
-/// with `out` and `info` untouched, when any value is not finite or fewer than two blocks
-/// would be read: the caller then reads every value.
+/// Groups a sampled reading needs at least (sample_float): with fewer, the spread between the
+/// sampled blocks says too little about the error.
+constexpr int64_t kMinSampleGroups = 16;
+
+/// Values a sampled reading takes at most (16 MiB of float32): a larger tensor comes from
+/// memory, not cache, and the full kernel already reads it at memory bandwidth (the light pass
+/// and the sampled blocks were slower there: 17 against 22 GB/s at 64 MiB, on par at 16 MiB,
+/// 2.2 times faster up to 4 MiB, on a 2-core AMD EPYC VM).
+constexpr int64_t kMaxSampleValues = int64_t{1} << 22;
+
+/// Relative rounding error bound of float_sums over one block of kFloatBlock values: at most
+/// 256 float additions per lane (the 4-lane baseline; 64 under AVX-512), then double.
+constexpr double kBlockSumsRounding = 1.6e-5;
+
+/// Moments of `n` contiguous floats from one full read at two vector operations per value
+/// and a stratified sample of blocks. The full blocks of kFloatBlock values go in groups of
+/// `stride`: one block of each group, drawn by a hash of `seed` and the group, is read by the
+/// moments kernel and stands for its group (weighted by the group's block count); every other
+/// block only gets its sum and sum of squares (float_sums, which also finds NaN/Inf); a last,
+/// partial block is read whole. So:
+/// - counts of values, NaN and Inf are exact, and so are the mean and the sum of squares (the
+///   L2 norm) up to float rounding (`info.mean_error` is that bound);
+/// - the variance is the exact second moment minus the squared mean when that is the more
+///   precise, else the sample's estimate (data far from zero relative to its spread), with
+///   `info.std_error` the jackknife standard error (leaving one group out) or the rounding
+///   bound, whichever was used;
+/// - zero/negative/positive counts and the absolute sum are the sample's unbiased estimates;
+///   min/max those of the blocks read.
+/// Returns false, with `out` and `info` untouched, when any value is not finite (or its square
+/// overflows float), there would be fewer than kMinSampleGroups groups, or `n` is above
+/// kMaxSampleValues: the caller then reads every value.
 inline bool sample_float(const float* p, int64_t n, bool signs, int64_t stride, uint64_t seed,
                          Moments& out, SampleInfo& info) {
-  if (stride < 2) return false;
-  const int64_t blocks = (n + kFloatBlock - 1) / kFloatBlock;
-  if (blocks < 2 * stride) return false;
+  if (stride < 2 || n > kMaxSampleValues) return false;
+  const int64_t full = n / kFloatBlock, tail = n - full * kFloatBlock;
+  if (full / stride < kMinSampleGroups) return false;
   struct Picked {
     Moments m;
-    double weight;  // values in the block's group / values in the block
+    double weight;  // blocks of its group (1 for the partial last block, always read)
   };
   std::vector<Picked> picked;
-  picked.reserve(static_cast<std::size_t>((blocks + stride - 1) / stride));
+  picked.reserve(static_cast<std::size_t>(full / stride + 2));
+  double sum = 0.0, squares = 0.0;  // of every value
+  const auto skim = [&](int64_t b0, int64_t b1) {  // blocks [b0, b1): sums only
+    if (b1 <= b0) return;
+    double s[2];
+    float_sums(p + b0 * kFloatBlock, (b1 - b0) * kFloatBlock, s);
+    sum += s[0];
+    squares += s[1];
+  };
   bool non_negative = false;
-  for (int64_t g0 = 0; g0 < blocks; g0 += stride) {
-    const int64_t g1 = std::min(blocks, g0 + stride);
+  for (int64_t g0 = 0; g0 < full; g0 += stride) {
+    const int64_t g1 = std::min(full, g0 + stride);
     const auto draw = mix64(seed ^ mix64(static_cast<uint64_t>(g0)));
     const int64_t chosen = g0 + static_cast<int64_t>(draw % static_cast<uint64_t>(g1 - g0));
-    const int64_t lo = g0 * kFloatBlock, hi = std::min(n, g1 * kFloatBlock);
-    const int64_t cb = chosen * kFloatBlock, ce = std::min(n, cb + kFloatBlock);
-    if (!all_finite(p + lo, cb - lo) || !all_finite(p + ce, hi - ce)) return false;
-    Moments m = float_block_moments(p + cb, ce - cb, signs, non_negative);
+    skim(g0, chosen);
+    skim(chosen + 1, g1);
+    Moments m = float_block_moments(p + chosen * kFloatBlock, kFloatBlock, signs, non_negative);
     if (m.finite != m.count) return false;
-    picked.push_back({m, static_cast<double>(hi - lo) / static_cast<double>(ce - cb)});
+    picked.push_back({m, static_cast<double>(g1 - g0)});
   }
-  // Weighted merge: each group stands for its values through its block.
-  double total = 0.0, sum = 0.0, within = 0.0, zeros = 0.0, negatives = 0.0, abs_sum = 0.0;
+  const std::size_t groups = picked.size();
+  if (tail > 0) {
+    Moments m = float_block_moments(p + full * kFloatBlock, tail, signs, non_negative);
+    if (m.finite != m.count) return false;
+    picked.push_back({m, 1.0});
+  }
+  if (!(std::fabs(squares) <= DBL_MAX) || !(std::fabs(sum) <= DBL_MAX)) return false;  // NaN/Inf skimmed
+  // The sample: each group stands for its values through its block.
+  double total = 0.0, wsum = 0.0, within = 0.0, zeros = 0.0, negatives = 0.0, abs_sum = 0.0;
   Moments est;
   for (const auto& b : picked) {
     const double wn = b.weight * static_cast<double>(b.m.finite);
     total += wn;
-    sum += wn * b.m.mean;
+    wsum += wn * b.m.mean;
     within += b.weight * b.m.m2;
     zeros += b.weight * static_cast<double>(b.m.zeros);
     negatives += b.weight * static_cast<double>(b.m.negatives);
@@ -739,42 +791,48 @@ inline bool sample_float(const float* p, int64_t n, bool signs, int64_t stride, 
     est.max = std::max(est.max, b.m.max);
     est.abs_max = std::max(est.abs_max, b.m.abs_max);
     est.signs = est.signs && b.m.signs;
+    // the blocks read count in the exact sums too
+    sum += static_cast<double>(b.m.finite) * b.m.mean;
+    squares += b.m.m2 + static_cast<double>(b.m.finite) * b.m.mean * b.m.mean;
   }
-  const double mean = sum / total;
-  double between = 0.0;  // sum of weight * values * (block mean - mean)^2
+  const double dn = static_cast<double>(n);
+  const double mean = sum / dn, second = squares / dn;
+  const double sample_mean = wsum / total;
+  double between = 0.0;  // sum of weight * values * (block mean - sample mean)^2
   for (const auto& b : picked) {
-    const double d = b.m.mean - mean;
+    const double d = b.m.mean - sample_mean;
     between += b.weight * static_cast<double>(b.m.finite) * d * d;
   }
-  const double variance = std::max(0.0, (within + between) / total);
-  // Jackknife: the estimates without block j, from the totals in O(1) each.
-  const auto k = static_cast<double>(picked.size());
-  std::vector<double> jm, js;
-  jm.reserve(picked.size());
-  js.reserve(picked.size());
-  for (const auto& b : picked) {
+  const double sample_var = std::max(0.0, (within + between) / total);
+  // Jackknife of the sample's std over the groups (the partial last block is in every
+  // estimate), from the totals in O(1) each.
+  const auto k = static_cast<double>(groups);
+  double js_sum = 0.0, js_ss = 0.0;
+  std::vector<double> js;
+  js.reserve(groups);
+  for (std::size_t j = 0; j < groups; ++j) {
+    const Picked& b = picked[j];
     const double wn = b.weight * static_cast<double>(b.m.finite);
     const double rest = total - wn;
-    const double d = b.m.mean - mean;
-    const double mj = (sum - wn * b.m.mean) / rest;
-    const double shift = mj - mean;
-    // sum over the other blocks of weight * values * (block mean - mj)^2
+    const double d = b.m.mean - sample_mean;
+    const double shift = (wsum - wn * b.m.mean) / rest - sample_mean;
+    // sum over the other blocks of weight * values * (block mean - their mean)^2
     const double between_j = (between - wn * d * d) + 2.0 * shift * wn * d + shift * shift * rest;
-    const double var_j = ((within - b.weight * b.m.m2) + between_j) / rest;
-    jm.push_back(mj);
-    js.push_back(std::sqrt(std::max(0.0, var_j)));
+    js.push_back(std::sqrt(std::max(0.0, ((within - b.weight * b.m.m2) + between_j) / rest)));
+    js_sum += js.back();
   }
-  const auto spread = [k](const std::vector<double>& v) {
-    double mean_v = 0.0;
-    for (double x : v) mean_v += x;
-    mean_v /= k;
-    double ss = 0.0;
-    for (double x : v) ss += (x - mean_v) * (x - mean_v);
-    return std::sqrt((k - 1.0) / k * ss);
-  };
+  for (double x : js) js_ss += (x - js_sum / k) * (x - js_sum / k);
+  const double sample_std_error = std::sqrt((k - 1.0) / k * js_ss);
+  // The exact moments' variance loses to rounding what the squared mean cancels: its error is
+  // at most that of the second moment plus twice |mean| times the mean's, 3 u E[x^2].
+  const double exact_var = std::max(0.0, second - mean * mean);
+  const double rounding = 3.0 * kBlockSumsRounding * second;  // on the variance
+  const double exact_std = std::sqrt(exact_var);
+  const double exact_std_error = exact_std > 0.0 ? rounding / exact_std : std::sqrt(rounding);
+  const bool use_exact = exact_std_error <= sample_std_error;
   est.count = est.finite = n;
   est.mean = mean;
-  est.m2 = variance * static_cast<double>(n);
+  est.m2 = (use_exact ? exact_var : sample_var) * dn;
   if (est.signs) {
     est.zeros = std::clamp<int64_t>(std::llround(zeros), 0, n);
     est.negatives = std::clamp<int64_t>(std::llround(negatives), 0, n - est.zeros);
@@ -787,8 +845,8 @@ inline bool sample_float(const float* p, int64_t n, bool signs, int64_t stride, 
   for (const auto& b : picked) read += b.m.count;
   out = est;
   info.values = read;
-  info.mean_error = spread(jm);
-  info.std_error = spread(js);
+  info.mean_error = kBlockSumsRounding * std::sqrt(second);
+  info.std_error = use_exact ? exact_std_error : sample_std_error;
   return true;
 }
 
