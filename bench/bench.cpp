@@ -10,8 +10,8 @@
 //   [--sample K] [--no-health] [--device cpu|cuda] [--default-malloc] [--count-ops]
 //
 // `sampled` is full with HookManagerOptions().sampling(StatsSampling().stride(K)) (K = 8 by
-// default): tensors of 16 * K blocks of 2048 values and more get a light pass (sums) and one
-// block in K through the full kernel (see StatsSampling).
+// default): tensors of 16 * K blocks of 2048 values and more (up to 16 MiB) get a light pass
+// (sums) and one block in K through the full kernel (see StatsSampling).
 //
 // --count-ops also prints, per model, the LibTorch operators one baseline step and one full
 // step dispatch (with the most frequent extra ones and the .item() reads): on a GPU each

@@ -22,27 +22,23 @@
 namespace torchdbg {
 
 /// Statistics of large tensors from one light pass and a sample of blocks, for a cost below
-/// a full reading (off by default: every value is read by the full kernel).
+/// a full reading (off by default: every value goes through the full kernel).
 ///
-/// A contiguous float32 CPU tensor of more than `above` values whose blocks of 2048 values
-/// make at least 16 groups of `stride` blocks, and of at most 2^22 values (16 MiB: a larger one
-/// comes from memory, where the full kernel already runs at memory bandwidth), is read so: one block of each group, drawn
-/// afresh on every reading, goes through the full kernel and stands for its group; every other
-/// block only gets its sum and sum of squares (two vector operations per 16 values, where the
-/// full kernel takes five to nine); a last, partial block is read whole; a tensor holding any
-/// NaN/Inf (or a value above 1.8e19, whose square overflows float) is read whole. So:
-/// - numel, finite, NaN and Inf counts are exact; mean and the L2 norm are exact up to float
-///   rounding (TensorStats::mean_error is that bound);
-/// - std is exact up to rounding too, except for data whose mean is far from zero relative to
-///   its spread (then the squared mean cancels the precision and std is the sample's estimate):
-///   TensorStats::std_error is the rounding bound or the estimate's jackknife standard error;
-/// - zero/negative/positive counts, sparsity and the L1 norm are the sample's unbiased
-///   estimates (no stated error); min, max and the L-infinity norm are those of the blocks read
-///   (a lone extreme value shows there only when its block is drawn, though it always shows in
-///   std and the L2 norm).
-/// TensorStats::sampled_count is the values read by the full kernel, 0 when the tensor was read
-/// whole (other dtypes, devices, layouts, smaller tensors, and statistics with the
-/// distribution).
+/// A contiguous float32 CPU tensor of more than `above` values, whose blocks of 2048 values
+/// make at least 16 groups of `stride` blocks, and of at most 2^22 values (16 MiB: a larger
+/// one comes from memory, where the full kernel already runs at memory bandwidth), is read so:
+/// one block of each group, drawn afresh on every reading, goes through the full kernel; every
+/// other block gets only its sum and sum of squares about its first value (three vector
+/// operations per 16 values, where the full kernel takes five to nine); a last, partial block
+/// is read in full. So numel, NaN/Inf and finite counts, mean, std and the L2 norm are those of
+/// a full reading (the same block arithmetic), while zero/negative/positive counts, sparsity
+/// and the L1 norm are unbiased estimates from the blocks read (each weighted by its group),
+/// and min, max and the L-infinity norm are those of the blocks read: a lone extreme value
+/// shows there only when its block is drawn (it always shows in std and the L2 norm).
+/// A tensor holding NaN/Inf, or whose squared deviations overflow float (spreads near 1e19),
+/// is read in full, and so is one the full kernel would split between several intra-op
+/// threads (2^19 values and more with at::get_num_threads() > 1). TensorStats::sampled_count
+/// is the number of values the full kernel read, 0 when it read them all.
 ///
 /// ```cpp
 /// torchdbg::HookManager hooks(torchdbg::HookManagerOptions().sampling(
@@ -130,13 +126,9 @@ struct TensorStats {
   double sparsity = detail::kNaN;
   /// Whether zero/negative/positive counts, l1_norm and sparsity were computed.
   bool sign_counts = true;
-  /// Values the full kernel read when the tensor was sampled (StatsSampling); 0 when it read
-  /// every value.
+  /// Values the full kernel read when the tensor was sampled (StatsSampling: the sign counts,
+  /// L1 norm, sparsity and extrema are then estimates); 0 when it read every value.
   int64_t sampled_count = 0;
-  /// When sampled: the rounding bound of `mean`, and of `std` or its jackknife standard error
-  /// (see StatsSampling); 0 when every value was read.
-  double mean_error = 0.0;
-  double std_error = 0.0;
   std::optional<Distribution> distribution;
 
   [[nodiscard]] bool has_non_finite() const noexcept { return nan_count + inf_count > 0; }
@@ -253,8 +245,6 @@ inline TensorStats compute_stats(const at::Tensor& t, const StatsOptions& option
     detail::SampleInfo info;
     TensorStats s = stats_from_moments(detail::compute_moments(t, signs, sampling.stride(), sampling.above(), info), t);
     s.sampled_count = info.values;
-    s.mean_error = info.mean_error;
-    s.std_error = info.std_error;
     return s;
   }
   TensorStats s = stats_from_moments(detail::compute_moments(t, signs), t);
@@ -333,11 +323,7 @@ inline void to_json(nlohmann::json& j, const TensorStats& s) {
   if (!s.sign_counts) {  // not computed: null, like NaN
     for (const char* k : {"zero_count", "negative_count", "positive_count"}) j[k] = nullptr;
   }
-  if (s.sampled_count > 0) {
-    j["sampled_count"] = s.sampled_count;
-    j["mean_error"] = s.mean_error;
-    j["std_error"] = s.std_error;
-  }
+  if (s.sampled_count > 0) j["sampled_count"] = s.sampled_count;
   if (s.distribution) j["distribution"] = *s.distribution;
 }
 

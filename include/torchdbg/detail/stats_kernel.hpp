@@ -451,43 +451,39 @@ __attribute__((always_inline)) inline int64_t float_count_above_impl(const float
   return total;
 }
 
-/// Sum and sum of squares of `n` contiguous floats (`out[0]`, `out[1]`): one add and one
-/// multiply-add per vector, in float lanes over each block of kFloatBlock values, the lanes
-/// added up in double block by block. For the blocks a sample does not read (sample_float). A
-/// NaN or Inf makes `out[1]` non-finite (as does a square above FLT_MAX: |v| > 1.8e19).
+/// Sum and sum of squares of the deviations from `shift` of `n` contiguous floats (`out[0]`,
+/// `out[1]`) in float lanes, added up in double: one subtract, one add and one multiply-add
+/// per vector (the full kernel's sums without extrema or counts), for the blocks a sample does
+/// not read (sample_float). A NaN or Inf makes `out[1]` non-finite (as does a squared
+/// deviation above FLT_MAX).
 template <typename VF>
-__attribute__((always_inline)) inline void float_sums_impl(const float* p, int64_t n, double* out) {
+__attribute__((always_inline)) inline void float_sums_impl(const float* p, int64_t n, float shift,
+                                                           double* out) {
   constexpr int64_t kLanes = sizeof(VF) / sizeof(float);
   const VF zero = {};
-  double d1[kLanes] = {}, d2[kLanes] = {};
+  const VF sh = zero + shift;
+  VF s1a = zero, s1b = zero, s2a = zero, s2b = zero;
   int64_t i = 0;
-  while (i + 2 * kLanes <= n) {
-    VF s1a = zero, s1b = zero, s2a = zero, s2b = zero;
-    const int64_t end = std::min(n, i + kFloatBlock) - 2 * kLanes;
-    for (; i <= end; i += 2 * kLanes) {
-      VF v, w;
-      std::memcpy(&v, p + i, sizeof v);
-      std::memcpy(&w, p + i + kLanes, sizeof w);
-      s1a += v;
-      s1b += w;
-      s2a += v * v;
-      s2b += w * w;
-    }
-    const VF s1 = s1a + s1b, s2 = s2a + s2b;
-    for (int64_t l = 0; l < kLanes; ++l) {
-      d1[l] += static_cast<double>(s1[l]);
-      d2[l] += static_cast<double>(s2[l]);
-    }
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    VF v, w;
+    std::memcpy(&v, p + i, sizeof v);
+    std::memcpy(&w, p + i + kLanes, sizeof w);
+    const VF d = v - sh, e = w - sh;
+    s1a += d;
+    s1b += e;
+    s2a += d * d;
+    s2b += e * e;
   }
+  const VF s1 = s1a + s1b, s2 = s2a + s2b;
   double a = 0.0, b = 0.0;
   for (int64_t l = 0; l < kLanes; ++l) {
-    a += d1[l];
-    b += d2[l];
+    a += static_cast<double>(s1[l]);
+    b += static_cast<double>(s2[l]);
   }
   for (; i < n; ++i) {
-    const float v = p[i];
-    a += static_cast<double>(v);
-    b += static_cast<double>(v * v);
+    const float d = p[i] - shift;
+    a += static_cast<double>(d);
+    b += static_cast<double>(d * d);
   }
   out[0] = a;
   out[1] = b;
@@ -502,7 +498,7 @@ struct BlockKernels {
   void (*exact)(const float*, int64_t, float, FloatBlock&);
   void (*rows_above)(const float*, int64_t, int64_t, float, int32_t*);
   int64_t (*count_above)(const float*, int64_t, float);
-  void (*sums)(const float*, int64_t, double*);
+  void (*sums)(const float*, int64_t, float, double*);
 };
 
 /// The kernels of one vector width compiled for one target: `<kernel>_<suffix>` functions.
@@ -530,8 +526,8 @@ struct BlockKernels {
   target_attr inline int64_t count_above_##suffix(const float* p, int64_t n, float threshold) { \
     return float_count_above_impl<VF, VI>(p, n, threshold);                                    \
   }                                                                                            \
-  target_attr inline void sums_##suffix(const float* p, int64_t n, double* out) {               \
-    float_sums_impl<VF>(p, n, out);                                                            \
+  target_attr inline void sums_##suffix(const float* p, int64_t n, float shift, double* out) {  \
+    float_sums_impl<VF>(p, n, shift, out);                                                     \
   }
 
 #if defined(TORCHDBG_X86_DISPATCH)
@@ -675,22 +671,50 @@ Moments accumulate_any(const T* p, int64_t n, bool signs = true) {
 
 /// What a sampled reading (sample_float) estimated instead of reading every value.
 struct SampleInfo {
-  int64_t values = 0;       // values the estimates came from; 0: every value was read
-  double mean_error = 0.0;  // jackknife standard errors over the sampled blocks
-  double std_error = 0.0;
+  int64_t values = 0;  // values the full kernel read; 0: it read every value
 };
 
-/// Sum and sum of squares of `n` contiguous floats (float_sums_impl): `out[0]`, `out[1]`.
-inline void float_sums(const float* p, int64_t n, double* out) {
+/// Sum and sum of squares of the deviations from `shift` of `n` contiguous floats
+/// (float_sums_impl): `out[0]`, `out[1]`.
+inline void float_sums(const float* p, int64_t n, float shift, double* out) {
 #if defined(TORCHDBG_HAVE_VECTOR_EXT)
-  block_kernels().sums(p, n, out);
+  block_kernels().sums(p, n, shift, out);
 #else
   out[0] = out[1] = 0.0;
   for (int64_t i = 0; i < n; ++i) {
-    out[0] += static_cast<double>(p[i]);
-    out[1] += static_cast<double>(p[i] * p[i]);
+    const float d = p[i] - shift;
+    out[0] += static_cast<double>(d);
+    out[1] += static_cast<double>(d * d);
   }
 #endif
+}
+
+/// Count, mean and m2 of one block of `len` finite floats from its sums about its first value
+/// (float_sums): the full kernel's arithmetic without extrema or sign counts. A block whose
+/// deviations are too small for float squares (RMS below 1e-14, or squares that are all 0 for
+/// values that differ) is summed in double instead. False when a value is not finite (or a
+/// squared deviation overflows float): nothing is set then.
+inline bool light_block_moments(const float* q, int64_t len, Moments& m) {
+  const float c = q[0];
+  if (!(std::fabs(c) <= FLT_MAX)) return false;
+  double sums[2];
+  float_sums(q, len, c, sums);
+  if (!(sums[1] <= DBL_MAX) || !(std::fabs(sums[0]) <= DBL_MAX)) return false;
+  const double dn = static_cast<double>(len);
+  bool redo = sums[1] > 0.0 && sums[1] < 1e-28 * dn;
+  for (int64_t i = 0; sums[1] == 0.0 && !redo && i < len; ++i) redo = q[i] != c;  // underflowed
+  if (redo) {
+    FloatBlock a;
+    add_scalar(q, len, c, a);
+    sums[0] = a.s1;
+    sums[1] = a.s2;
+  }
+  m = Moments{};
+  m.count = m.finite = len;
+  m.mean = static_cast<double>(c) + sums[0] / dn;
+  m.m2 = std::max(0.0, sums[1] - sums[0] * sums[0] / dn);
+  m.signs = false;
+  return true;
 }
 
 /// Process-wide count of sampled readings: each one picks its blocks afresh, so the steps of
@@ -708,145 +732,87 @@ inline uint64_t mix64(uint64_t x) noexcept {
   return x ^ (x >> 31);
 }
 
-/// Groups a sampled reading needs at least (sample_float): with fewer, the spread between the
-/// sampled blocks says too little about the error.
-constexpr int64_t kMinSampleGroups = 16;
-
 /// Values a sampled reading takes at most (16 MiB of float32): a larger tensor comes from
 /// memory, not cache, and the full kernel already reads it at memory bandwidth (the light pass
 /// and the sampled blocks were slower there: 17 against 22 GB/s at 64 MiB, on par at 16 MiB,
-/// 2.2 times faster up to 4 MiB, on a 2-core AMD EPYC VM).
+/// about twice as fast up to 4 MiB, on a 2-core AMD EPYC VM).
 constexpr int64_t kMaxSampleValues = int64_t{1} << 22;
 
-/// Relative rounding error bound of float_sums over one block of kFloatBlock values: at most
-/// 256 float additions per lane (the 4-lane baseline; 64 under AVX-512), then double.
-constexpr double kBlockSumsRounding = 1.6e-5;
+/// Groups a sampled reading needs at least (sample_float): fewer blocks read would make the
+/// sign counts' estimates coarse.
+constexpr int64_t kMinSampleGroups = 16;
 
-/// Moments of `n` contiguous floats from one full read at two vector operations per value
-/// and a stratified sample of blocks. The full blocks of kFloatBlock values go in groups of
+/// Moments of `n` contiguous floats from a light pass over every block and a stratified sample
+/// of blocks through the full kernel. The full blocks of kFloatBlock values go in groups of
 /// `stride`: one block of each group, drawn by a hash of `seed` and the group, is read by the
-/// moments kernel and stands for its group (weighted by the group's block count); every other
-/// block only gets its sum and sum of squares (float_sums, which also finds NaN/Inf); a last,
-/// partial block is read whole. So:
-/// - counts of values, NaN and Inf are exact, and so are the mean and the sum of squares (the
-///   L2 norm) up to float rounding (`info.mean_error` is that bound);
-/// - the variance is the exact second moment minus the squared mean when that is the more
-///   precise, else the sample's estimate (data far from zero relative to its spread), with
-///   `info.std_error` the jackknife standard error (leaving one group out) or the rounding
-///   bound, whichever was used;
-/// - zero/negative/positive counts and the absolute sum are the sample's unbiased estimates;
-///   min/max those of the blocks read.
-/// Returns false, with `out` and `info` untouched, when any value is not finite (or its square
-/// overflows float), there would be fewer than kMinSampleGroups groups, or `n` is above
-/// kMaxSampleValues: the caller then reads every value.
+/// full kernel; every other block gets its count, mean and m2 from light_block_moments; a
+/// last, partial block is read in full. So counts of values, NaN and Inf, mean, m2 and the sum
+/// of squares are those of a full reading (the same block arithmetic, merged in double);
+/// zero/negative/positive counts and the absolute sum are the sampled blocks' weighted by
+/// their groups' block counts (unbiased estimates); min/max those of the blocks read. `info`
+/// gets the values the full kernel read. Returns false, with `out` and `info` untouched, when
+/// any value is not finite (or a block's squared deviations overflow float), there would be
+/// fewer than kMinSampleGroups groups, or `n` is above kMaxSampleValues: the caller then reads
+/// every value.
 inline bool sample_float(const float* p, int64_t n, bool signs, int64_t stride, uint64_t seed,
                          Moments& out, SampleInfo& info) {
   if (stride < 2 || n > kMaxSampleValues) return false;
   const int64_t full = n / kFloatBlock, tail = n - full * kFloatBlock;
   if (full / stride < kMinSampleGroups) return false;
-  struct Picked {
-    Moments m;
-    double weight;  // blocks of its group (1 for the partial last block, always read)
-  };
-  std::vector<Picked> picked;
-  picked.reserve(static_cast<std::size_t>(full / stride + 2));
-  double sum = 0.0, squares = 0.0;  // of every value
-  const auto skim = [&](int64_t b0, int64_t b1) {  // blocks [b0, b1): sums only
-    if (b1 <= b0) return;
-    double s[2];
-    float_sums(p + b0 * kFloatBlock, (b1 - b0) * kFloatBlock, s);
-    sum += s[0];
-    squares += s[1];
-  };
+  Moments exact;  // every block: counts, mean, m2
+  double zeros = 0.0, negatives = 0.0, abs_sum = 0.0;
+  double mn = kInf, mx = -kInf, amax = 0.0;
+  bool all_signs = true;
+  int64_t read = 0;
   bool non_negative = false;
+  const auto take = [&](const Moments& m, double weight) {  // a block read in full
+    exact.merge(m);
+    zeros += weight * static_cast<double>(m.zeros);
+    negatives += weight * static_cast<double>(m.negatives);
+    abs_sum += weight * m.abs_sum;
+    mn = std::min(mn, m.min);
+    mx = std::max(mx, m.max);
+    amax = std::max(amax, m.abs_max);
+    all_signs = all_signs && m.signs;
+    read += m.count;
+  };
   for (int64_t g0 = 0; g0 < full; g0 += stride) {
     const int64_t g1 = std::min(full, g0 + stride);
     const auto draw = mix64(seed ^ mix64(static_cast<uint64_t>(g0)));
     const int64_t chosen = g0 + static_cast<int64_t>(draw % static_cast<uint64_t>(g1 - g0));
-    skim(g0, chosen);
-    skim(chosen + 1, g1);
-    Moments m = float_block_moments(p + chosen * kFloatBlock, kFloatBlock, signs, non_negative);
-    if (m.finite != m.count) return false;
-    picked.push_back({m, static_cast<double>(g1 - g0)});
+    for (int64_t b = g0; b < g1; ++b) {
+      Moments m;
+      if (b == chosen) {
+        m = float_block_moments(p + b * kFloatBlock, kFloatBlock, signs, non_negative);
+        if (m.finite != m.count) return false;
+        take(m, static_cast<double>(g1 - g0));
+      } else {
+        if (!light_block_moments(p + b * kFloatBlock, kFloatBlock, m)) return false;
+        exact.merge(m);
+      }
+    }
   }
-  const std::size_t groups = picked.size();
   if (tail > 0) {
-    Moments m = float_block_moments(p + full * kFloatBlock, tail, signs, non_negative);
+    const Moments m = float_block_moments(p + full * kFloatBlock, tail, signs, non_negative);
     if (m.finite != m.count) return false;
-    picked.push_back({m, 1.0});
+    take(m, 1.0);
   }
-  if (!(std::fabs(squares) <= DBL_MAX) || !(std::fabs(sum) <= DBL_MAX)) return false;  // NaN/Inf skimmed
-  // The sample: each group stands for its values through its block.
-  double total = 0.0, wsum = 0.0, within = 0.0, zeros = 0.0, negatives = 0.0, abs_sum = 0.0;
-  Moments est;
-  for (const auto& b : picked) {
-    const double wn = b.weight * static_cast<double>(b.m.finite);
-    total += wn;
-    wsum += wn * b.m.mean;
-    within += b.weight * b.m.m2;
-    zeros += b.weight * static_cast<double>(b.m.zeros);
-    negatives += b.weight * static_cast<double>(b.m.negatives);
-    abs_sum += b.weight * b.m.abs_sum;
-    est.min = std::min(est.min, b.m.min);
-    est.max = std::max(est.max, b.m.max);
-    est.abs_max = std::max(est.abs_max, b.m.abs_max);
-    est.signs = est.signs && b.m.signs;
-    // the blocks read count in the exact sums too
-    sum += static_cast<double>(b.m.finite) * b.m.mean;
-    squares += b.m.m2 + static_cast<double>(b.m.finite) * b.m.mean * b.m.mean;
-  }
-  const double dn = static_cast<double>(n);
-  const double mean = sum / dn, second = squares / dn;
-  const double sample_mean = wsum / total;
-  double between = 0.0;  // sum of weight * values * (block mean - sample mean)^2
-  for (const auto& b : picked) {
-    const double d = b.m.mean - sample_mean;
-    between += b.weight * static_cast<double>(b.m.finite) * d * d;
-  }
-  const double sample_var = std::max(0.0, (within + between) / total);
-  // Jackknife of the sample's std over the groups (the partial last block is in every
-  // estimate), from the totals in O(1) each.
-  const auto k = static_cast<double>(groups);
-  double js_sum = 0.0, js_ss = 0.0;
-  std::vector<double> js;
-  js.reserve(groups);
-  for (std::size_t j = 0; j < groups; ++j) {
-    const Picked& b = picked[j];
-    const double wn = b.weight * static_cast<double>(b.m.finite);
-    const double rest = total - wn;
-    const double d = b.m.mean - sample_mean;
-    const double shift = (wsum - wn * b.m.mean) / rest - sample_mean;
-    // sum over the other blocks of weight * values * (block mean - their mean)^2
-    const double between_j = (between - wn * d * d) + 2.0 * shift * wn * d + shift * shift * rest;
-    js.push_back(std::sqrt(std::max(0.0, ((within - b.weight * b.m.m2) + between_j) / rest)));
-    js_sum += js.back();
-  }
-  for (double x : js) js_ss += (x - js_sum / k) * (x - js_sum / k);
-  const double sample_std_error = std::sqrt((k - 1.0) / k * js_ss);
-  // The exact moments' variance loses to rounding what the squared mean cancels: its error is
-  // at most that of the second moment plus twice |mean| times the mean's, 3 u E[x^2].
-  const double exact_var = std::max(0.0, second - mean * mean);
-  const double rounding = 3.0 * kBlockSumsRounding * second;  // on the variance
-  const double exact_std = std::sqrt(exact_var);
-  const double exact_std_error = exact_std > 0.0 ? rounding / exact_std : std::sqrt(rounding);
-  const bool use_exact = exact_std_error <= sample_std_error;
-  est.count = est.finite = n;
-  est.mean = mean;
-  est.m2 = (use_exact ? exact_var : sample_var) * dn;
-  if (est.signs) {
+  Moments est = exact;
+  est.min = mn;
+  est.max = mx;
+  est.abs_max = amax;
+  est.signs = all_signs;
+  if (all_signs) {
     est.zeros = std::clamp<int64_t>(std::llround(zeros), 0, n);
     est.negatives = std::clamp<int64_t>(std::llround(negatives), 0, n - est.zeros);
     est.positives = n - est.zeros - est.negatives;
     est.abs_sum = abs_sum;
   } else {
+    est.zeros = est.negatives = est.positives = 0;
     est.abs_sum = 0.0;
   }
-  int64_t read = 0;
-  for (const auto& b : picked) read += b.m.count;
   out = est;
   info.values = read;
-  info.mean_error = kBlockSumsRounding * std::sqrt(second);
-  info.std_error = use_exact ? exact_std_error : sample_std_error;
   return true;
 }
 
@@ -1318,7 +1284,10 @@ inline Moments compute_moments(const at::Tensor& t, bool signs = true) {
 inline Moments compute_moments(const at::Tensor& t, bool signs, int64_t stride, int64_t above,
                                SampleInfo& info) {
   info = SampleInfo{};
-  if (stride > 1 && t.defined() && t.numel() > above && t.scalar_type() == at::kFloat &&
+  // With several threads the full kernel splits a large tensor between them: no sample then.
+  const bool split = t.defined() && t.numel() >= 2 * kParallelGrain && at::get_num_threads() > 1 &&
+                     !at::in_parallel_region();
+  if (stride > 1 && !split && t.defined() && t.numel() > above && t.scalar_type() == at::kFloat &&
       t.device().is_cpu() && t.layout() == at::kStrided && t.is_contiguous() && !t._is_zerotensor() &&
       !t.is_neg() && t.data_ptr() != nullptr) {
     const uint64_t seed = mix64(sample_counter().fetch_add(1, std::memory_order_relaxed));
