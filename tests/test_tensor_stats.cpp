@@ -1532,7 +1532,7 @@ TEST_CASE("property: a sampled reading's counts, mean, std and L2 norm are a ful
   CHECK(std::fabs(zeros - static_cast<double>(exact.zero_count)) < 0.01 * static_cast<double>(exact.zero_count));
 }
 
-TEST_CASE("a sampled reading of constant, sparse, tiny or offset data gives a full reading's mean, std and L2 norm",
+TEST_CASE("a full or sampled reading of constant, sparse, tiny, offset or outlier-led data gives the reference's mean, std and L2 norm",
           "[stats]") {
   namespace d = torchdbg::detail;
   torchdbg_test::SeededRng rng(78);
@@ -1555,10 +1555,19 @@ TEST_CASE("a sampled reading of constant, sparse, tiny or offset data gives a fu
   spikes.narrow(0, 777, 5).fill_(1100.0f);
   cases.emplace_back("N(1000, 1) with five 1100", spikes);
   cases.emplace_back("randn * 1e17", torch::randn({n}) * 1e17);
+  // Every block's first value an outlier: sums about it would cancel.
+  auto first = torch::randn({n / 2048, 2048});
+  first.select(1, 0).fill_(1e7f);
+  cases.emplace_back("blocks led by 1e7, randn after", first.reshape(-1));
+  auto huge_first = torch::full({n / 2048, 2048}, -1.3e11f);
+  huge_first.select(1, 0).fill_(2.3e17f);
+  cases.emplace_back("blocks led by 2.3e17, -1.3e11 after", huge_first.reshape(-1));
   for (const auto& [name, t] : cases) {
     INFO(name);
     const d::Moments whole = d::compute_moments(t, true);
     const DoubleRef r = double_ref(t);
+    // the full reading itself
+    CHECK(std::fabs(std::sqrt(whole.variance()) - r.std) <= 1e-5 * r.std + 1e-7 * std::fabs(r.mean) + 1e-45);
     for (uint64_t seed = 0; seed < 8; ++seed) {
       d::Moments m;
       d::SampleInfo info;
@@ -1621,7 +1630,7 @@ TEST_CASE("a sampled reading of data holding NaN/Inf, or of too few blocks, or t
   }
 }
 
-TEST_CASE("every vector width's sums about a shift are a double loop's, and NaN/Inf anywhere show", "[stats]") {
+TEST_CASE("every vector width's sums about a shift are a double loop's, and NaN/Inf anywhere are refused", "[stats]") {
   namespace d = torchdbg::detail;
   torchdbg_test::SeededRng rng(80);
   for (const auto& k : d::block_kernel_variants()) {
@@ -1638,21 +1647,30 @@ TEST_CASE("every vector width's sums about a shift are a double loop's, and NaN/
           s2 += dv * dv;
           abs1 += std::fabs(dv);
         }
-        double out[2] = {-1.0, -1.0};
-        k.sums(t.data_ptr<float>(), n, shift, out);
+        d::FloatBlock a;
         INFO("n " << n << " offset " << offset);
+        REQUIRE(k.finite_sums(t.data_ptr<float>(), n, shift, a));
+        CHECK(a.finite == n);
         // at most 256 float additions per lane (the 4-lane baseline) before double
-        CHECK(std::fabs(out[0] - s1) <= 256 * 6e-8 * abs1);
-        CHECK(std::fabs(out[1] - s2) <= 256 * 6e-8 * s2);
+        CHECK(std::fabs(a.s1 - s1) <= 256 * 6e-8 * abs1);
+        CHECK(std::fabs(a.s2 - s2) <= 256 * 6e-8 * s2);
         for (int64_t pos : {int64_t{0}, n / 2, n - 1}) {
           if (n == 0) continue;
           for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
-                            -std::numeric_limits<float>::infinity(), 3e19f}) {
+                            -std::numeric_limits<float>::infinity()}) {
             auto u = t.clone();
             u[pos] = bad;
             INFO("pos " << pos << " value " << bad);
-            k.sums(u.data_ptr<float>(), n, shift, out);
-            CHECK_FALSE(std::isfinite(out[1]));
+            d::FloatBlock b;
+            CHECK_FALSE(k.finite_sums(u.data_ptr<float>(), n, shift, b));
+          }
+          // A square beyond FLT_MAX: refused in the float lanes, summed in double in the tail.
+          auto u = t.clone();
+          u[pos] = 3e19f;
+          d::FloatBlock b;
+          if (k.finite_sums(u.data_ptr<float>(), n, shift, b)) {
+            const double dv = 3e19 - static_cast<double>(shift);
+            CHECK(b.s2 >= dv * dv * (1.0 - 1e-6));
           }
         }
       }

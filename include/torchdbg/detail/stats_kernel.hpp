@@ -11,7 +11,8 @@
 //
 // float32 (and half/bfloat16, widened block by block) is read in blocks of 2048 elements with
 // GCC/Clang vector extensions: sums within a block in float around the block's first finite
-// value, blocks merged in double (Chan et al.). A block without NaN/Inf (the common case)
+// value (read again around the block's mean when that value lies far from it), blocks merged in
+// double (Chan et al.). A block without NaN/Inf (the common case)
 // takes an unmasked fast path, 16 lanes under AVX-512, 8 under AVX2+FMA and 4 otherwise,
 // chosen at run time on x86-64; a block with NaN/Inf is read again by the masked exact path.
 // A moments-only request (`signs` false) skips the zero/sign counts and the absolute sum in
@@ -252,7 +253,9 @@ typedef int32_t TorchdbgV16i __attribute__((vector_size(64)));
 ///   softmax and sigmoid outputs: about a third fewer vector operations than kBlockSigns).
 ///   negatives is 0 and abs_sum the sum; the block is refused (false) when it holds a
 ///   negative value after all, and the caller reads it again with kBlockSigns.
-enum BlockMode : int { kBlockMoments = 0, kBlockSigns = 1, kBlockNonNegative = 2 };
+/// - kBlockSums: the sums only, without extrema (min/max stay +/-infinity but for the
+///   scalar tail's values): the light pass of a sampled reading (sample_float).
+enum BlockMode : int { kBlockMoments = 0, kBlockSigns = 1, kBlockNonNegative = 2, kBlockSums = 3 };
 
 /// The common case, a block with no NaN/Inf and no float overflow, in about half the vector
 /// operations of the exact path below: nothing is masked and NaN/Inf counts are known to be zero;
@@ -287,7 +290,9 @@ __attribute__((always_inline)) inline bool float_block_finite_impl(const float* 
     // after the loop.
     s2a += d * d;
     s2b += e * e;
-    if constexpr (kMode == kBlockMoments) {
+    if constexpr (kMode == kBlockSums) {
+      // sums only: no extrema, no counts
+    } else if constexpr (kMode == kBlockMoments) {
       // moments only: extrema, no sign or zero counts (about half the operations)
       const VF lo = v < w ? v : w, hi = v > w ? v : w;
       mna = lo < mna ? lo : mna;
@@ -335,7 +340,7 @@ __attribute__((always_inline)) inline bool float_block_finite_impl(const float* 
     neg_sum += ns[k];
   }
   o.finite = i;
-  o.abs_sum = kMode == kBlockMoments ? 0.0 : o.s1 + static_cast<double>(i) * shift - 2.0 * neg_sum;
+  o.abs_sum = kMode == kBlockMoments || kMode == kBlockSums ? 0.0 : o.s1 + static_cast<double>(i) * shift - 2.0 * neg_sum;
   for (; i < n; ++i) {
     if (!(std::fabs(p[i]) <= FLT_MAX)) return false;
     add_finite(p[i], shift, o);  // exact for the tail, negative values included
@@ -451,44 +456,6 @@ __attribute__((always_inline)) inline int64_t float_count_above_impl(const float
   return total;
 }
 
-/// Sum and sum of squares of the deviations from `shift` of `n` contiguous floats (`out[0]`,
-/// `out[1]`) in float lanes, added up in double: one subtract, one add and one multiply-add
-/// per vector (the full kernel's sums without extrema or counts), for the blocks a sample does
-/// not read (sample_float). A NaN or Inf makes `out[1]` non-finite (as does a squared
-/// deviation above FLT_MAX).
-template <typename VF>
-__attribute__((always_inline)) inline void float_sums_impl(const float* p, int64_t n, float shift,
-                                                           double* out) {
-  constexpr int64_t kLanes = sizeof(VF) / sizeof(float);
-  const VF zero = {};
-  const VF sh = zero + shift;
-  VF s1a = zero, s1b = zero, s2a = zero, s2b = zero;
-  int64_t i = 0;
-  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
-    VF v, w;
-    std::memcpy(&v, p + i, sizeof v);
-    std::memcpy(&w, p + i + kLanes, sizeof w);
-    const VF d = v - sh, e = w - sh;
-    s1a += d;
-    s1b += e;
-    s2a += d * d;
-    s2b += e * e;
-  }
-  const VF s1 = s1a + s1b, s2 = s2a + s2b;
-  double a = 0.0, b = 0.0;
-  for (int64_t l = 0; l < kLanes; ++l) {
-    a += static_cast<double>(s1[l]);
-    b += static_cast<double>(s2[l]);
-  }
-  for (; i < n; ++i) {
-    const float d = p[i] - shift;
-    a += static_cast<double>(d);
-    b += static_cast<double>(d * d);
-  }
-  out[0] = a;
-  out[1] = b;
-}
-
 /// One vector width's kernels.
 struct BlockKernels {
   const char* name;
@@ -498,7 +465,7 @@ struct BlockKernels {
   void (*exact)(const float*, int64_t, float, FloatBlock&);
   void (*rows_above)(const float*, int64_t, int64_t, float, int32_t*);
   int64_t (*count_above)(const float*, int64_t, float);
-  void (*sums)(const float*, int64_t, float, double*);
+  bool (*finite_sums)(const float*, int64_t, float, FloatBlock&);  // kBlockSums
 };
 
 /// The kernels of one vector width compiled for one target: `<kernel>_<suffix>` functions.
@@ -526,8 +493,9 @@ struct BlockKernels {
   target_attr inline int64_t count_above_##suffix(const float* p, int64_t n, float threshold) { \
     return float_count_above_impl<VF, VI>(p, n, threshold);                                    \
   }                                                                                            \
-  target_attr inline void sums_##suffix(const float* p, int64_t n, float shift, double* out) {  \
-    float_sums_impl<VF>(p, n, shift, out);                                                     \
+  target_attr inline bool block_sums_##suffix(const float* p, int64_t n, float shift,          \
+                                              FloatBlock& o) {                                 \
+    return float_block_finite_impl<VF, VI, kBlockSums>(p, n, shift, o);                        \
   }
 
 #if defined(TORCHDBG_X86_DISPATCH)
@@ -544,11 +512,11 @@ inline std::vector<BlockKernels> block_kernel_variants() {
 #if defined(TORCHDBG_X86_DISPATCH)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f"))
-    out.push_back({"avx512f", &block_finite_avx512, &block_moments_avx512, &block_non_negative_avx512, &block_exact_avx512, &rows_above_avx512, &count_above_avx512, &sums_avx512});
+    out.push_back({"avx512f", &block_finite_avx512, &block_moments_avx512, &block_non_negative_avx512, &block_exact_avx512, &rows_above_avx512, &count_above_avx512, &block_sums_avx512});
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    out.push_back({"avx2+fma", &block_finite_avx2, &block_moments_avx2, &block_non_negative_avx2, &block_exact_avx2, &rows_above_avx2, &count_above_avx2, &sums_avx2});
+    out.push_back({"avx2+fma", &block_finite_avx2, &block_moments_avx2, &block_non_negative_avx2, &block_exact_avx2, &rows_above_avx2, &count_above_avx2, &block_sums_avx2});
 #endif
-  out.push_back({"baseline", &block_finite_baseline, &block_moments_baseline, &block_non_negative_baseline, &block_exact_baseline, &rows_above_baseline, &count_above_baseline, &sums_baseline});
+  out.push_back({"baseline", &block_finite_baseline, &block_moments_baseline, &block_non_negative_baseline, &block_exact_baseline, &rows_above_baseline, &count_above_baseline, &block_sums_baseline});
   return out;
 }
 
@@ -566,6 +534,13 @@ inline bool float_sums_exact(float mn, float mx) noexcept {
   const double spread = static_cast<double>(mx) - static_cast<double>(mn);
   const double amax = std::max(std::fabs(static_cast<double>(mn)), std::fabs(static_cast<double>(mx)));
   return spread <= 1e17 && amax <= 1e34 && (spread == 0.0 || spread >= 1e-14);
+}
+
+/// Whether sums about a shift (`s1` of the deviations, `s2` of their squares, over `n` values)
+/// lose precision to cancellation in m2 = s2 - s1^2 / n: the mean is more than about three
+/// standard deviations from the shift (m2 below a tenth of s2).
+inline bool far_from_shift(double s1, double s2, double n) noexcept {
+  return s2 > 0.0 && s2 - s1 * s1 / n < 0.1 * s2;
 }
 
 /// Moments of one block of at most kFloatBlock contiguous floats. `non_negative`: whether the
@@ -588,12 +563,22 @@ inline Moments float_block_moments(const float* q, int64_t len, bool signs, bool
 #if defined(TORCHDBG_HAVE_VECTOR_EXT)
   FloatBlock a;
   bool fast = false;
-  if (!signs) {
-    fast = k.finite_moments(q, len, shift, a);
-  } else {
-    fast = (non_negative && k.finite_non_negative(q, len, shift, a)) || k.finite(q, len, shift, a);
+  const auto read = [&] {
+    if (!signs) {
+      fast = k.finite_moments(q, len, shift, a);
+    } else {
+      fast = (non_negative && k.finite_non_negative(q, len, shift, a)) || k.finite(q, len, shift, a);
+    }
+    if (!fast) k.exact(q, len, shift, a);  // NaN/Inf: everything, counts included
+  };
+  read();
+  if (a.finite > 1 && far_from_shift(a.s1, a.s2, static_cast<double>(a.finite))) {
+    // The first value lies far from the block's mean (an outlier first): the float sums
+    // about it cancel. Read again about the mean they give.
+    shift = static_cast<float>(static_cast<double>(shift) + a.s1 / static_cast<double>(a.finite));
+    a = FloatBlock{};
+    read();
   }
-  if (!fast) k.exact(q, len, shift, a);  // NaN/Inf: everything, counts included
   if (a.finite > 0 && !float_sums_exact(a.min, a.max)) {
     // Float lanes would overflow (values near 1e18 and beyond, or of mixed sign near
     // FLT_MAX) or lose the squares of tiny deviations: this block is summed in double.
@@ -674,34 +659,44 @@ struct SampleInfo {
   int64_t values = 0;  // values the full kernel read; 0: it read every value
 };
 
-/// Sum and sum of squares of the deviations from `shift` of `n` contiguous floats
-/// (float_sums_impl): `out[0]`, `out[1]`.
-inline void float_sums(const float* p, int64_t n, float shift, double* out) {
+/// Sum and sum of squares of the deviations from `shift` of `n` contiguous floats (`out[0]`,
+/// `out[1]`): the full kernel's float sums without extrema or counts (kBlockSums: one
+/// subtract, one add and one multiply-add per vector). False when a value is not finite or a
+/// squared deviation overflows float.
+inline bool float_sums(const float* p, int64_t n, float shift, double* out) {
+  FloatBlock a;
 #if defined(TORCHDBG_HAVE_VECTOR_EXT)
-  block_kernels().sums(p, n, shift, out);
+  if (!block_kernels().finite_sums(p, n, shift, a)) return false;
 #else
-  out[0] = out[1] = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    const float d = p[i] - shift;
-    out[0] += static_cast<double>(d);
-    out[1] += static_cast<double>(d * d);
-  }
+  add_scalar(p, n, shift, a);
+  if (a.finite != n) return false;
 #endif
+  out[0] = a.s1;
+  out[1] = a.s2;
+  return true;
 }
 
 /// Count, mean and m2 of one block of `len` finite floats from its sums about its first value
-/// (float_sums): the full kernel's arithmetic without extrema or sign counts. A block whose
-/// deviations are too small for float squares (RMS below 1e-14, or squares that are all 0 for
-/// values that differ) is summed in double instead. False when a value is not finite (or a
+/// (float_sums): the full kernel's arithmetic without extrema or sign counts (read again about
+/// its mean when its first value is far from it). A block whose deviations are too small for
+/// float squares (RMS below 1e-14, or squares that are all 0 for values that differ), or that
+/// may reach 1e17, is summed in double instead. False when a value is not finite (or a
 /// squared deviation overflows float): nothing is set then.
 inline bool light_block_moments(const float* q, int64_t len, Moments& m) {
-  const float c = q[0];
+  float c = q[0];
   if (!(std::fabs(c) <= FLT_MAX)) return false;
   double sums[2];
-  float_sums(q, len, c, sums);
-  if (!(sums[1] <= DBL_MAX) || !(std::fabs(sums[0]) <= DBL_MAX)) return false;
+  if (!float_sums(q, len, c, sums)) return false;
   const double dn = static_cast<double>(len);
-  bool redo = sums[1] > 0.0 && sums[1] < 1e-28 * dn;
+  if (far_from_shift(sums[0], sums[1], dn)) {  // an outlier first: again about the mean
+    c = static_cast<float>(static_cast<double>(c) + sums[0] / dn);
+    if (!float_sums(q, len, c, sums)) return false;
+  }
+  // As the full kernel: deviations that may reach 1e17 (squares summing beyond 1e34) and
+  // deviations too small for float squares (RMS below 1e-14, or all squares 0 for values that
+  // differ) are summed in double.
+  bool redo = sums[1] > 1e34 || (sums[1] > 0.0 && sums[1] < 1e-28 * dn) ||
+              far_from_shift(sums[0], sums[1], dn);
   for (int64_t i = 0; sums[1] == 0.0 && !redo && i < len; ++i) redo = q[i] != c;  // underflowed
   if (redo) {
     FloatBlock a;
