@@ -728,9 +728,9 @@ inline uint64_t mix64(uint64_t x) noexcept {
 }
 
 /// Values a sampled reading takes at most (16 MiB of float32): a larger tensor comes from
-/// memory, not cache, and the full kernel already reads it at memory bandwidth (the light pass
-/// and the sampled blocks were slower there: 17 against 22 GB/s at 64 MiB, on par at 16 MiB,
-/// about twice as fast up to 4 MiB, on a 2-core AMD EPYC VM).
+/// memory, not cache, and the full kernel already reads it at memory bandwidth (on a 2-core
+/// AMD EPYC VM a sampled reading was slower there, 17 against 22 GB/s at 64 MiB, and about 1.5
+/// times as fast as the full kernel up to 4 MiB in cache).
 constexpr int64_t kMaxSampleValues = int64_t{1} << 22;
 
 /// Groups a sampled reading needs at least (sample_float): fewer blocks read would make the
