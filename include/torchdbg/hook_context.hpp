@@ -92,8 +92,9 @@ class HookContext {
     return it == prefetched_->end() ? nullptr : &it->second;
   }
 
-  /// One-pass statistics of the tensor, computed on first use (estimated from a sample of
-  /// a large tensor when the manager samples: HookManagerOptions::sampling).
+  /// One-pass statistics of the tensor, computed on first use (for a large tensor, sign
+  /// counts and extrema from a sample of its blocks when the manager samples:
+  /// HookManagerOptions::sampling).
   [[nodiscard]] const TensorStats& stats() const {
     if (stats_ && stats_->sign_counts) return *stats_;
     if (precomputed_ != nullptr && precomputed_->sign_counts) return *precomputed_;

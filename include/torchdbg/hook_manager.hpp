@@ -49,7 +49,7 @@ struct HookManagerOptions {
   TORCH_ARG(std::size_t, alert_capacity) = 1000;
   /// Layer names whose pattern match each hook remembers (cleared when full).
   TORCH_ARG(std::size_t, layer_match_cache) = 4096;
-  /// Statistics of large tensors estimated from a sample (StatsSampling; off by default):
+  /// Statistics of large tensors read partly from a sample (StatsSampling; off by default):
   /// what hooks read (HookContext::stats, moment_stats) and attach's gradient norms.
   TORCH_ARG(StatsSampling, sampling);
 };
