@@ -716,7 +716,7 @@ TEST_CASE("the manager prints its step, hooks in order with their runs, alerts a
 }
 
 TEST_CASE("a manager that samples gives its hooks estimated statistics of large tensors, exact ones of the rest",
-          "[hooks]") {
+          "[manager]") {
   torchdbg_test::SeededRng rng(81);
   torchdbg::HookManager hooks(
       torchdbg::HookManagerOptions().sampling(torchdbg::StatsSampling().stride(8).above(50000)));
