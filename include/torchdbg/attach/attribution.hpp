@@ -203,7 +203,8 @@ class Attribution : protected ObserverState {
           d.input = std::move(in.input);
         }
         d.used = t.reads[ci].used;
-        if (owner->modules[d.module].batch_norm && op_name == "aten::batch_norm") d.norm = capture_norm(*owner, d.module, inputs);
+        if (owner->modules[d.module].batch_norm && (op_name == "aten::batch_norm" || op_name == "aten::_batch_norm_impl_index"))
+          d.norm = capture_norm(*owner, d.module, inputs);
       }
       add(std::move(d));
     }
@@ -226,7 +227,7 @@ class Attribution : protected ObserverState {
       if (slot == t.outputs.size()) {
         // A view of an activation's delivered output (`relu(conv(x)).flatten(1)`) is still
         // that delivery, for the module call that reads it.
-        if (fresh_op || !is_alias_op(op_name)) continue;
+        if (fresh_op || !is_alias_op(op_name, t)) continue;
         std::size_t fed = t.fed.size();
         for (std::size_t i = 0; i < t.data.size() && fed == t.fed.size(); ++i) fed = fed_slot(t, core->id, t.data[i]);
         if (fed == t.fed.size()) continue;
@@ -251,7 +252,7 @@ class Attribution : protected ObserverState {
       d.core = core;
       d.module = seen.module;
       d.call = seen.call;
-      if (!fresh_op && is_alias_op(op_name)) {  // a view of it: an activation may follow
+      if (!fresh_op && is_alias_op(op_name, t)) {  // a view of it: an activation may follow
         d.kind = Decision::Alias;
         d.from = seen.info;
         d.delivery = seen.delivery;

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "torchdbg/attach/module_spec.hpp"
 #include "torchdbg/attach/operators.hpp"
 #include "torchdbg/hook_context.hpp"
 
@@ -107,15 +108,43 @@ struct ModuleTable {
     return {};
   }
 
-  /// Adds `m` when it owns parameters or buffers; false otherwise.
-  bool add_module(const std::string& name, torch::nn::Module& m, bool hidden) {
-    const auto params = m.named_parameters(/*recurse=*/false);
-    const auto buffers = m.named_buffers(/*recurse=*/false);
-    if (params.is_empty() && buffers.is_empty()) return false;
+  /// `m` (named `name`) as attach() sees it: a member a built-in layer's forward reads
+  /// (`decoder->weight = emb->weight` ties the member; the registered entry keeps the old
+  /// tensor, which no operator uses) stands for the registered parameter of that name.
+  static ModuleSpec spec_of(const std::string& name, torch::nn::Module& m) {
+    ModuleSpec spec;
+    spec.name = name;
+    spec.type_name = m.name();
+    spec.attention = spec.type_name == "torch::nn::MultiheadAttention" ||
+                     spec.type_name == "torch::nn::MultiheadAttentionImpl";
+    const auto members = member_tensors(m);
+    for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+      at::Tensor t = p.value();
+      for (const auto& [member, tensor] : members)
+        if (member == p.key() && tensor.defined()) t = tensor;
+      spec.params.emplace_back(p.key(), t);
+    }
+    for (const auto& b : m.named_buffers(/*recurse=*/false)) spec.buffers.emplace_back(b.key(), b.value());
+    return spec;
+  }
+
+  /// The model and its submodules, root first ("root", then dotted names). named_modules
+  /// (include_self) would need the model held by a shared_ptr; one on the stack
+  /// (`Net model;`) is described the same way.
+  static std::vector<ModuleSpec> specs_of(torch::nn::Module& model) {
+    std::vector<ModuleSpec> out{spec_of("root", model)};
+    for (const auto& item : model.named_modules("", /*include_self=*/false))
+      out.push_back(spec_of(item.key(), *item.value()));
+    return out;
+  }
+
+  /// Adds the module `spec` describes when it owns parameters or buffers; false otherwise.
+  bool add_module(const ModuleSpec& spec, bool hidden) {
+    if (spec.params.empty() && spec.buffers.empty()) return false;
     const std::size_t idx = modules.size();
     Module info;
-    info.name = name;
-    info.type_name = m.name();
+    info.name = spec.name;
+    info.type_name = spec.type_name;
     info.forward_md = Metadata{{"module_type", info.type_name}};
     info.kind = kind_of_module(info.type_name);
     info.forward_as = idx;
@@ -125,21 +154,16 @@ struct ModuleTable {
       if (std::find(list.begin(), list.end(), idx) == list.end()) list.push_back(idx);
       keep.push_back(weak_of(t));
     };
-    const auto members = member_tensors(m);
-    for (const auto& p : params) {
-      // `decoder->weight = emb->weight` ties the member the forward reads; the registered
-      // entry keeps the old tensor, which no operator uses. The member is the module's.
-      at::Tensor t = p.value();
-      for (const auto& [member, tensor] : members)
-        if (member == p.key() && tensor.defined()) t = tensor;
-      info.params.push_back({p.key(), weak_of(t), Metadata{{"parameter", p.key()}}});
+    for (const auto& [name, t] : spec.params) {
+      if (!t.defined()) continue;
+      info.params.push_back({name, weak_of(t), Metadata{{"parameter", name}}});
       own(t);
     }
     info.batch_norm = info.type_name.find("BatchNorm") != std::string::npos;
-    for (const auto& b : buffers) {
-      if (!b.value().defined()) continue;
-      own(b.value());
-      if (b.key() == "num_batches_tracked") info.batches_tracked = weak_of(b.value());
+    for (const auto& [name, t] : spec.buffers) {
+      if (!t.defined()) continue;
+      own(t);
+      if (name == "num_batches_tracked") info.batches_tracked = weak_of(t);
     }
     modules.push_back(std::move(info));
     return true;

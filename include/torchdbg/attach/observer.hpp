@@ -152,6 +152,12 @@ class ForwardObserver : private Attribution {
   static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     Tls& t = tls();
     if (DeliveringScope::active()) return nullptr;
+    if (fn.scope() == at::RecordScope::TORCHSCRIPT_FUNCTION) {  // a TorchScript model's forward
+      ++t.script_depth;
+      auto ctx = std::make_unique<OpCtx>();
+      ctx->kind = OpCtx::Script;
+      return ctx;
+    }
     // The autograd engine wraps each node it runs in "autograd::engine::evaluate_function: <node>"
     // (for the profiler), before the node's tensor pre-hooks: a pass whose first hook throws
     // (one on the loss) is seen starting too.
@@ -223,6 +229,10 @@ class ForwardObserver : private Attribution {
       --t.backward_depth;
       return;
     }
+    if (ctx->kind == OpCtx::Script) {
+      --t.script_depth;
+      return;
+    }
     --t.skip_depth;
     if (ctx->quiet_inside) {
       at::enableRecordFunction(true);
@@ -237,7 +247,8 @@ class ForwardObserver : private Attribution {
         at::RecordFunctionCallback(&ForwardObserver::on_start, &ForwardObserver::on_end)
             .needsInputs(true)
             .needsOutputs(true)
-            .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+            .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION,
+                     at::RecordScope::TORCHSCRIPT_FUNCTION}));
   }
 
   mutable std::mutex mutex_;

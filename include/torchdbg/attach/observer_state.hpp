@@ -9,9 +9,11 @@
 
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -122,6 +124,8 @@ class ObserverState {
   struct Tls {
     int backward_depth = 0;
     int skip_depth = 0;
+    /// TorchScript functions running on this thread (RecordScope::TORCHSCRIPT_FUNCTION).
+    int script_depth = 0;
     InnerOps inner_ops;
     /// The output of each session's module call not delivered yet (its operators may go on:
     /// `x @ w + b`); several sessions attached to one model each have theirs.
@@ -184,7 +188,7 @@ class ObserverState {
   /// The operators an Update or Decided one runs inside (`mul_` calling `mul` with a wrapped
   /// scalar, cross_entropy's log_softmax) are its own and not looked at.
   struct OpCtx : at::ObserverContext {
-    enum Kind { Backward, Update, Decided } kind = Backward;
+    enum Kind { Backward, Update, Decided, Script } kind = Backward;
     bool quiet_inside = false;  // RecordFunction is off on this thread until it ends
     Decision first;              // the first session's
     std::vector<Decision> more;  // further sessions' (several attached to one model)
@@ -222,6 +226,12 @@ class ObserverState {
     for (const auto& k : kOps)
       if (op == k) return true;
     return false;
+  }
+  /// is_alias_op, and inside TorchScript `aten::detach` too: the graph executor hands a
+  /// differentiable subgraph detached aliases of its inputs (one module's output goes to the
+  /// activation after it through one).
+  static bool is_alias_op(std::string_view op, const Tls& t) {
+    return is_alias_op(op) || (t.script_depth > 0 && op == "aten::detach");
   }
 
   /// Session `core`'s pending output on this thread, or null.
@@ -342,10 +352,32 @@ class ObserverState {
     const_cast<at::RecordFunction&>(fn).*record_function_inputs_valid() = true;  // see above
 #endif
     try {
-      return fn.inputs();
+      return own_values(fn, fn.inputs(), /*returns=*/false);
     } catch (...) {
       return {};
     }
+  }
+
+  /// The operator's own values among `all`. The TorchScript interpreter runs an operator on
+  /// its whole stack, and RecordFunction shows that stack (Dispatcher::callBoxed): values a
+  /// loop carries sit below the operator's arguments, and below its results. Inside
+  /// TorchScript the operator's own are the last of them, as many as its schema names.
+  static at::ArrayRef<const c10::IValue> own_values(const at::RecordFunction& fn,
+                                                     at::ArrayRef<const c10::IValue> all, bool returns) {
+    if (tls().script_depth == 0) return all;
+    // Arity by operator (the schema's name string, one per overload): read once per thread.
+    thread_local std::unordered_map<const void*, std::pair<std::size_t, std::size_t>> arity;
+    auto it = arity.find(fn.name());
+    if (it == arity.end()) {
+      const auto schema = fn.operator_schema();
+      const std::size_t unknown = std::numeric_limits<std::size_t>::max();
+      it = arity
+               .emplace(fn.name(), schema ? std::make_pair(schema->arguments().size(), schema->returns().size())
+                                          : std::make_pair(unknown, unknown))
+               .first;
+    }
+    const std::size_t n = returns ? it->second.second : it->second.first;
+    return n < all.size() ? all.slice(all.size() - n) : all;
   }
 
   template <typename F>
@@ -366,7 +398,8 @@ class ObserverState {
   }
 
   static at::Tensor first_output(const at::RecordFunction& fn) {
-    const auto& outs = fn.outputs();
+    const std::vector<c10::IValue>& all = fn.outputs();
+    const auto outs = own_values(fn, at::ArrayRef<const c10::IValue>(all.data(), all.size()), /*returns=*/true);
     if (outs.empty()) return {};
     at::Tensor first;
     for_each_tensor(outs.front(), [&](const at::Tensor& t) {

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "torchdbg/attach/module_spec.hpp"
 #include "torchdbg/attach/options.hpp"
 #include "torchdbg/detail/compiled.hpp"
 #include "torchdbg/error.hpp"
@@ -49,6 +50,10 @@ template <typename Mutex>
 class BasicAttachSession {
  public:
   BasicAttachSession(torch::nn::Module& model, BasicHookManager<Mutex>& hooks,
+                     AttachOptions options);
+  /// Attaches to the modules `modules` describes, root first: what attach() builds from a
+  /// `torch::nn::Module`, or from a `torch::jit::Module` (torchdbg/jit.hpp).
+  BasicAttachSession(const std::vector<detail::ModuleSpec>& modules, BasicHookManager<Mutex>& hooks,
                      AttachOptions options);
 
   BasicAttachSession(const BasicAttachSession&) = delete;
@@ -139,6 +144,11 @@ class BasicAttachSession {
 template <typename Mutex>
 BasicAttachSession<Mutex>::BasicAttachSession(torch::nn::Module& model,
                                               BasicHookManager<Mutex>& hooks, AttachOptions options)
+    : BasicAttachSession(detail::ModuleTable::specs_of(model), hooks, std::move(options)) {}
+
+template <typename Mutex>
+BasicAttachSession<Mutex>::BasicAttachSession(const std::vector<detail::ModuleSpec>& modules,
+                                              BasicHookManager<Mutex>& hooks, AttachOptions options)
     : hooks_(&hooks), core_(std::make_shared<detail::AttachCore>()) {
   detail::require_at_least<int64_t>(options.max_deferred(), 1, "AttachOptions::max_deferred");
   std::vector<detail::Pattern> patterns;
@@ -162,35 +172,27 @@ BasicAttachSession<Mutex>::BasicAttachSession(torch::nn::Module& model,
   core_->options = std::move(options);
   // MultiheadAttention applies its out_proj child's weights in its own forward: those
   // operators produce the attention module's output, also when out_proj is not selected.
-  std::vector<std::pair<std::size_t, std::shared_ptr<torch::nn::Module>>> attention;
-  // The model and its submodules, root first. named_modules(include_self) would need the
-  // model held by a shared_ptr; one on the stack (`Net model;`) is attached the same way.
-  std::vector<std::pair<std::string, torch::nn::Module*>> all{{"root", &model}};
-  for (const auto& item : model.named_modules("", /*include_self=*/false))
-    all.emplace_back(item.key(), item.value().get());
-  for (const auto& [name, module] : all) {
-    torch::nn::Module& m = *module;
+  std::vector<std::size_t> attention;  // indices in `modules` of the attached attention modules
+  for (const detail::ModuleSpec& spec : modules) {
     if (!patterns.empty()) {
       bool hit = false;
-      for (const auto& re : patterns) hit = hit || re.match_prefix(name);
+      for (const auto& re : patterns) hit = hit || re.match_prefix(spec.name);
       if (!hit) continue;
     }
-    if (!core_->add_module(name, m, /*hidden=*/false)) continue;
-    if (m.name() == "torch::nn::MultiheadAttention" ||
-        m.name() == "torch::nn::MultiheadAttentionImpl") {
-      for (const auto& child : m.named_children())
-        if (child.key() == "out_proj")
-          attention.emplace_back(core_->modules.size() - 1, child.value());
-    }
+    if (!core_->add_module(spec, /*hidden=*/false)) continue;
+    if (spec.attention) attention.push_back(core_->modules.size() - 1);
   }
-  for (const auto& [mha, out_proj] : attention) {
+  for (const std::size_t mha : attention) {
     const std::string child =
         core_->modules[mha].name == "root" ? "out_proj" : core_->modules[mha].name + ".out_proj";
     std::size_t idx = core_->modules.size();
     for (std::size_t i = 0; i < core_->modules.size(); ++i)
       if (core_->modules[i].name == child) idx = i;
-    if (idx == core_->modules.size() && !core_->add_module(child, *out_proj, /*hidden=*/true))
-      continue;
+    if (idx == core_->modules.size()) {
+      const auto spec = std::find_if(modules.begin(), modules.end(),
+                                     [&](const detail::ModuleSpec& m) { return m.name == child; });
+      if (spec == modules.end() || !core_->add_module(*spec, /*hidden=*/true)) continue;
+    }
     core_->modules[idx].forward_as = mha;
     core_->modules[mha].internal = true;
   }

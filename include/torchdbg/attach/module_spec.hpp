@@ -1,0 +1,27 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+// What attach() needs to know of one module, whatever kind of model it comes from.
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace torchdbg::detail {
+
+/// One module of a model as a session attaches it: its dotted name ("root" for the model),
+/// its class, its own (not recursive) parameters and buffers. attach() builds the list from
+/// a `torch::nn::Module` or (torchdbg/jit.hpp) a `torch::jit::Module`, root first.
+struct ModuleSpec {
+  std::string name;
+  std::string type_name;  ///< "torch::nn::LinearImpl", or a TorchScript class "torch.nn.modules.linear.Linear"
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  std::vector<std::pair<std::string, at::Tensor>> buffers;
+  /// A MultiheadAttention: its child `out_proj`'s weights are applied by its own forward.
+  bool attention = false;
+};
+
+}  // namespace torchdbg::detail

@@ -1,0 +1,321 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+//
+// attach() on TorchScript models made at test time by Python's torch (tests/jit/make_models.py),
+// against what Python's own forward hooks and autograd record on the same eager models.
+
+#include <torch/csrc/jit/passes/tensorexpr_fuser.h>
+#include <torch/script.h>
+#include <torch/serialize.h>
+#include <torchdbg/diagnosis.hpp>
+#include <torchdbg/health.hpp>
+#include <torchdbg/jit.hpp>
+
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "helpers.hpp"
+
+using torchdbg::HookAction;
+using torchdbg::HookConfig;
+using torchdbg::HookManager;
+using torchdbg::HookTrigger;
+
+namespace {
+
+/// The directory holding the models and references, made once per test run; empty (with a
+/// warning) when no Python with torch is available.
+const std::string& model_dir() {
+  static const std::string dir = [] {
+    const std::string python = TORCHDBG_TEST_PYTHON;
+    if (python.empty() || std::system((python + " -c 'import torch' 2>/dev/null").c_str()) != 0) return std::string();
+    const std::string out = torchdbg_test::tmp_dir("jit_models");
+    const std::string script = std::string(TORCHDBG_TEST_SOURCE_DIR) + "/jit/make_models.py";
+    if (std::system((python + " " + script + " " + out).c_str()) != 0) return std::string("failed");
+    return out;
+  }();
+  return dir;
+}
+
+bool have_models() {
+  // The TensorExpr fuser (on for CPU tensors in Debian's LibTorch 2.6, which has LLVM) would
+  // compile kernels for minutes here and fuse activations away (docs/attach.md); these tests
+  // compare every delivery, so they run unfused.
+  torch::jit::setTensorExprFuserEnabled(false);
+  if (model_dir().empty()) {
+    WARN("no Python with torch (set TORCHDBG_TEST_PYTHON): skipped");
+    return false;
+  }
+  REQUIRE(model_dir() != "failed");
+  return true;
+}
+
+/// What Python recorded: the input, each hooked module's outputs by call, each gradient.
+struct Reference {
+  torch::Tensor x;
+  std::map<std::string, std::vector<torch::Tensor>> outputs;
+  std::map<std::string, torch::Tensor> grads;
+};
+
+Reference load_reference(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const c10::IValue v = torch::pickle_load(bytes);
+  Reference r;
+  // A flat dict: "x", "out:<module>:<call>", "grad:<module>.<parameter>".
+  std::map<std::string, std::map<std::size_t, torch::Tensor>> calls;
+  for (const auto& e : v.toGenericDict()) {
+    const std::string key = e.key().toStringRef();
+    const torch::Tensor t = e.value().toTensor();
+    if (key == "x") {
+      r.x = t;
+    } else if (key.rfind("grad:", 0) == 0) {
+      r.grads[key.substr(5)] = t;
+    } else if (key.rfind("out:", 0) == 0) {
+      const auto colon = key.rfind(':');
+      calls[key.substr(4, colon - 4)][std::stoul(key.substr(colon + 1))] = t;
+    }
+  }
+  for (const auto& [name, by_call] : calls)
+    for (const auto& [k, t] : by_call) r.outputs[name].push_back(t);
+  return r;
+}
+
+/// Every delivery: forward outputs by name and call, gradients by "<module>.<parameter>".
+struct Recorder {
+  std::map<std::string, std::vector<torch::Tensor>> fwd;
+  std::map<std::string, torch::Tensor> bwd;
+  std::map<std::string, std::string> types;  // module_type of each module's output
+  std::vector<std::string> problems;
+  void install(HookManager& hooks) {
+    hooks.register_callback("record", [this](const torchdbg::HookContext& c) {
+      std::string key(c.layer_name());
+      if (c.is_forward()) {
+        auto& calls = fwd[key];
+        const auto call = c.metadata_value("call");
+        if (!call || std::stoul(std::string(*call)) != calls.size())
+          problems.push_back(key + ": call " + std::string(call ? *call : "none") + " after " +
+                             std::to_string(calls.size()));
+        calls.push_back(c.tensor().detach().clone());
+        if (const auto type = c.metadata_value("module_type")) types[key] = std::string(*type);
+      } else {
+        const auto p = c.metadata_value("parameter");
+        key += "." + std::string(p ? *p : "?");
+        if (bwd.count(key)) problems.push_back(key + ": gradient delivered twice");
+        bwd[key] = c.tensor().detach().clone();
+      }
+    });
+    hooks.register_hook(HookConfig().name("record").trigger(HookTrigger::every_n_steps(1)).actions(
+        {HookAction::custom_callback("record")}));
+  }
+  void clear() {
+    fwd.clear();
+    bwd.clear();
+    types.clear();
+  }
+};
+
+/// The deliveries one forward of each model makes, and the reference each equals: a Python
+/// hook's output (by module name), or a function of one ("tanh:layers.0").
+const std::map<std::string, std::map<std::string, std::string>>& expected_forward() {
+  static const std::map<std::string, std::map<std::string, std::string>> e = {
+      {"net",
+       {{"b0.fc", "b0.fc"},
+        {"b0.fc/relu", "b0.act"},
+        {"layers.0", "layers.0"},
+        {"layers.0/tanh", "tanh:layers.0"},
+        {"layers.1", "layers.1"},
+        {"layers.1/tanh", "tanh:layers.1"},
+        {"bn", "bn"},
+        {"head", "head"}}},
+      {"attention", {{"inp", "inp"}, {"mha", "mha"}, {"out", "out"}}},
+      {"conv", {{"conv", "conv"}, {"bn", "bn"}, {"bn/relu", "relu:bn"}, {"fc", "fc"}}},
+      {"mlp", {{"fc1", "fc1"}, {"fc1/relu", "act"}, {"fc2", "fc2"}, {"fc2/tanh", "tanh:fc2"}, {"fc3", "fc3"}}},
+      {"loop", {{"fc", "fc"}, {"fc/relu", "relu:fc"}, {"head", "head"}}},
+  };
+  return e;
+}
+
+std::vector<torch::Tensor> reference_calls(const Reference& ref, const std::string& what) {
+  const auto colon = what.find(':');
+  if (colon == std::string::npos) return ref.outputs.at(what);
+  std::vector<torch::Tensor> out;
+  for (const auto& t : ref.outputs.at(what.substr(colon + 1)))
+    out.push_back(what.substr(0, colon) == "tanh" ? torch::tanh(t) : torch::relu(t));
+  return out;
+}
+
+bool close(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.sizes() == b.sizes() && torch::allclose(a.to(torch::kDouble), b.to(torch::kDouble), 1e-4, 1e-5);
+}
+
+/// Python's MultiheadAttention applies out_proj to the attention output flattened to
+/// (L * N, E) and returns that product viewed as (L, N, E): the delivery is the product, as
+/// its last operator on the module's weights made it (docs/attach.md, "Models from Python").
+torch::Tensor as_delivered(const std::string& delivery, const torch::Tensor& want) {
+  if (delivery == "mha") return want.reshape({-1, want.size(-1)});
+  return want;
+}
+
+/// Every forward delivery of one step against the reference: the names, each call's values.
+void check_forward(const Recorder& rec, const Reference& ref, const std::string& model_name) {
+  std::set<std::string> names, want;
+  for (const auto& [name, calls] : rec.fwd) names.insert(name);
+  for (const auto& [name, what] : expected_forward().at(model_name)) want.insert(name);
+  CHECK(names == want);
+  for (const auto& [name, what] : expected_forward().at(model_name)) {
+    if (!rec.fwd.count(name)) continue;
+    INFO("delivery " << name);
+    const auto wanted = reference_calls(ref, what);
+    REQUIRE(rec.fwd.at(name).size() == wanted.size());
+    for (std::size_t k = 0; k < wanted.size(); ++k) {
+      INFO("call " << k << ": " << rec.fwd.at(name)[k].sizes() << " against " << wanted[k].sizes());
+      CHECK(close(rec.fwd.at(name)[k], as_delivered(name, wanted[k])));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("attach on scripted and traced models delivers what Python's hooks and autograd record",
+          "[jit]") {
+  if (!have_models()) return;
+  for (const std::string model_name : {"net", "attention", "conv", "mlp", "loop"}) {
+    const Reference ref = load_reference(model_dir() + "/" + model_name + "_ref.pt");
+    for (const std::string variant : {"scripted", "traced"}) {
+      INFO(model_name << " " << variant);
+      torch::jit::Module model = torch::jit::load(model_dir() + "/" + model_name + "_" + variant + ".pt");
+      model.train();
+      HookManager hooks;
+      Recorder rec;
+      rec.install(hooks);
+      auto session = torchdbg::attach(model, hooks);
+      // The profiling executor runs a model differently on its first calls and afterwards:
+      // every step must deliver the same.
+      for (int64_t step = 0; step < 4; ++step) {
+        INFO("step " << step);
+        hooks.set_step(step);
+        rec.clear();
+        const torch::Tensor out = model.forward({ref.x}).toTensor();
+        out.square().mean().backward();
+        for (const auto& p : model.parameters()) p.mutable_grad() = torch::Tensor();
+        session.flush();
+        std::string problems;
+        for (const auto& p : rec.problems) problems += p + "; ";
+        INFO(problems);
+        CHECK(rec.problems.empty());
+        check_forward(rec, ref, model_name);
+        std::set<std::string> grad_names, want_grads;
+        for (const auto& [name, g] : rec.bwd) grad_names.insert(name);
+        for (const auto& [name, g] : ref.grads) want_grads.insert(name);
+        CHECK(grad_names == want_grads);
+        for (const auto& [name, type] : rec.types) {
+          INFO("module_type of " << name << ": " << type);
+          CHECK(type.rfind("torch.nn.modules.", 0) == 0);  // the Python class, unmangled
+          CHECK(type.find("mangle") == std::string::npos);
+        }
+        if (model_name == "net") CHECK(rec.types.at("b0.fc") == "torch.nn.modules.linear.Linear");
+        for (const auto& [name, g] : ref.grads) {
+          INFO("gradient " << name);
+          if (rec.bwd.count(name)) CHECK(close(rec.bwd.at(name), g));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("attach on a frozen TorchScript model throws torchdbg::Error naming the cause", "[jit]") {
+  if (!have_models()) return;
+  torch::jit::Module frozen = torch::jit::load(model_dir() + "/net_frozen.pt");
+  HookManager hooks;
+  try {
+    auto session = torchdbg::attach(frozen, hooks);
+    FAIL("attach accepted a frozen model");
+  } catch (const torchdbg::Error& e) {
+    CHECK(std::string(e.what()).find("freeze") != std::string::npos);
+  }
+  // Nothing stayed attached: a normal model attaches to the same manager afterwards.
+  torch::jit::Module model = torch::jit::load(model_dir() + "/net_scripted.pt");
+  CHECK_NOTHROW(torchdbg::attach(model, hooks));
+}
+
+TEST_CASE("inference on a TorchScript model: eval, NoGradGuard, no_grad_forward", "[jit]") {
+  if (!have_models()) return;
+  for (const std::string model_name : {"mlp", "attention"}) {  // no BatchNorm: eval computes what train did
+    const Reference ref = load_reference(model_dir() + "/" + model_name + "_ref.pt");
+    for (const std::string variant : {"scripted", "traced"}) {
+      INFO(model_name << " " << variant);
+      torch::jit::Module model = torch::jit::load(model_dir() + "/" + model_name + "_" + variant + ".pt");
+      model.eval();
+      HookManager hooks;
+      Recorder rec;
+      rec.install(hooks);
+      auto session = torchdbg::attach(model, hooks, torchdbg::AttachOptions().no_grad_forward(true).backward(false));
+      for (int64_t step = 0; step < 3; ++step) {
+        hooks.set_step(step);
+        rec.clear();
+        torch::NoGradGuard no_grad;
+        (void)model.forward({ref.x});
+        session.flush();
+        check_forward(rec, ref, model_name);
+        CHECK(rec.bwd.empty());
+      }
+    }
+  }
+}
+
+TEST_CASE("fine-tuning a TorchScript model in C++: healthy runs raise nothing, a blown-up layer is named",
+          "[jit]") {
+  if (!have_models()) return;
+  for (const std::string variant : {"scripted", "traced"}) {
+    for (const std::string blown : {"", "fc1", "fc2"}) {
+      INFO(variant << " blown up: '" << blown << "'");
+      torch::manual_seed(5);
+      torch::jit::Module model = torch::jit::load(model_dir() + "/mlp_" + variant + ".pt");
+      model.train();
+      std::vector<at::Tensor> params;
+      for (const auto& p : model.parameters()) params.push_back(p);
+      torch::optim::SGD opt(params, torch::optim::SGDOptions(1e-2));
+      HookManager hooks;
+      torchdbg::HealthMonitor health(torchdbg::HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+      auto fed = health.install(hooks);
+      auto session = torchdbg::attach(model, hooks);
+      CHECK(session.module_names() == std::vector<std::string>{"fc1", "fc2", "fc3"});
+      int64_t step = 0;
+      for (; step < 40 && !hooks.is_paused(); ++step) {
+        hooks.set_step(step);
+        if (!blown.empty() && step == 25) {
+          torch::NoGradGuard g;
+          model.attr(blown).toModule().attr("weight").toTensor().mul_(1e3);
+        }
+        opt.zero_grad();
+        const auto x = torch::randn({16, 8});
+        const auto out = model.forward({x}).toTensor();
+        auto loss = torch::mse_loss(out, torch::tanh(x.narrow(1, 0, 4)));
+        hooks.set_loss(loss.item<double>());
+        loss.backward();
+        if (hooks.is_paused()) break;
+        opt.step();
+      }
+      if (blown.empty()) {
+        for (const auto& inc : health.incidents())
+          UNSCOPED_INFO("incident " << torchdbg::to_string(inc.kind) << " at '" << inc.layer << "' step " << inc.step);
+        CHECK(health.incidents().empty());
+        CHECK_FALSE(hooks.is_paused());
+        CHECK(session.forward_deliveries() > 0);
+      } else {
+        REQUIRE(hooks.is_paused());
+        CHECK(step == 25);
+        CHECK(hooks.pause_info()->layer.rfind(blown, 0) == 0);
+        const auto d = torchdbg::diagnose(health);
+        REQUIRE_FALSE(d.hypotheses.empty());
+        CHECK(d.hypotheses[0].layer.rfind(blown, 0) == 0);
+      }
+    }
+  }
+}
