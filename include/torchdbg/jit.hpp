@@ -8,6 +8,7 @@
 
 #include <torch/csrc/jit/api/module.h>
 
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -37,7 +38,8 @@ inline std::string jit_type_name(const torch::jit::Module& m) {
 /// optimize_for_inference) leaves of the weights it folds into the code.
 inline bool holds_tensor_constants(const torch::jit::Module& m) {
   for (const auto& method : m.get_methods()) {
-    for (const torch::jit::Node* n : method.graph()->nodes()) {
+    const std::shared_ptr<torch::jit::Graph> graph = method.graph();
+    for (const torch::jit::Node* n : graph->nodes()) {
       if (n->kind() == c10::prim::Constant && n->output()->type()->kind() == c10::TypeKind::TensorType)
         return true;
     }
