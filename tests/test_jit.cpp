@@ -123,7 +123,8 @@ struct Recorder {
 /// The deliveries one forward of each model makes, and the reference each equals: a Python
 /// hook's output (by module name), or a function of one ("tanh:layers.0").
 const std::map<std::string, std::map<std::string, std::string>>& expected_forward() {
-  static const std::map<std::string, std::map<std::string, std::string>> e = {
+  static const auto e = [] {
+    std::map<std::string, std::map<std::string, std::string>> m = {
       {"net",
        {{"b0.fc", "b0.fc"},
         {"b0.fc/relu", "b0.act"},
@@ -134,10 +135,20 @@ const std::map<std::string, std::map<std::string, std::string>>& expected_forwar
         {"bn", "bn"},
         {"head", "head"}}},
       {"attention", {{"inp", "inp"}, {"mha", "mha"}, {"out", "out"}}},
+      {"attention_bf", {{"inp", "inp"}, {"mha", "mha"}, {"out", "out"}}},
+      // TransformerEncoderLayer's fused inference path: its parts are not delivered
+      {"encoder", {{"inp", "inp"}, {"out", "out"}}},
       {"conv", {{"conv", "conv"}, {"bn", "bn"}, {"bn/relu", "relu:bn"}, {"fc", "fc"}}},
       {"mlp", {{"fc1", "fc1"}, {"fc1/relu", "act"}, {"fc2", "fc2"}, {"fc2/tanh", "tanh:fc2"}, {"fc3", "fc3"}}},
       {"loop", {{"fc", "fc"}, {"fc/relu", "relu:fc"}, {"head", "head"}}},
-  };
+    };
+    for (int k = 0; k < 12; ++k) {  // deep: layers.0 ... layers.11 and the relu after each
+      const std::string layer = "layers." + std::to_string(k);
+      m["deep"][layer] = layer;
+      m["deep"][layer + "/relu"] = "relu:" + layer;
+    }
+    return m;
+  }();
   return e;
 }
 
@@ -157,8 +168,9 @@ bool close(const torch::Tensor& a, const torch::Tensor& b) {
 /// Python's MultiheadAttention applies out_proj to the attention output flattened to
 /// (L * N, E) and returns that product viewed as (L, N, E): the delivery is the product, as
 /// its last operator on the module's weights made it (docs/attach.md, "Models from Python").
-torch::Tensor as_delivered(const std::string& delivery, const torch::Tensor& want) {
-  if (delivery == "mha") return want.reshape({-1, want.size(-1)});
+/// Its fused inference path (`attention_bf` in eval without gradients) returns it as is.
+torch::Tensor as_delivered(const std::string& model_name, const std::string& delivery, const torch::Tensor& want) {
+  if (model_name == "attention" && delivery == "mha") return want.reshape({-1, want.size(-1)});
   return want;
 }
 
@@ -175,7 +187,7 @@ void check_forward(const Recorder& rec, const Reference& ref, const std::string&
     REQUIRE(rec.fwd.at(name).size() == wanted.size());
     for (std::size_t k = 0; k < wanted.size(); ++k) {
       INFO("call " << k << ": " << rec.fwd.at(name)[k].sizes() << " against " << wanted[k].sizes());
-      CHECK(close(rec.fwd.at(name)[k], as_delivered(name, wanted[k])));
+      CHECK(close(rec.fwd.at(name)[k], as_delivered(model_name, name, wanted[k])));
     }
   }
 }
@@ -185,7 +197,7 @@ void check_forward(const Recorder& rec, const Reference& ref, const std::string&
 TEST_CASE("attach on scripted and traced models delivers what Python's hooks and autograd record",
           "[jit]") {
   if (!have_models()) return;
-  for (const std::string model_name : {"net", "attention", "conv", "mlp", "loop"}) {
+  for (const std::string model_name : {"net", "attention", "conv", "mlp", "loop", "deep"}) {
     const Reference ref = load_reference(model_dir() + "/" + model_name + "_ref.pt");
     for (const std::string variant : {"scripted", "traced"}) {
       INFO(model_name << " " << variant);
@@ -246,9 +258,13 @@ TEST_CASE("attach on a frozen TorchScript model throws torchdbg::Error naming th
 
 TEST_CASE("inference on a TorchScript model: eval, NoGradGuard, no_grad_forward", "[jit]") {
   if (!have_models()) return;
-  for (const std::string model_name : {"mlp", "attention"}) {  // no BatchNorm: eval computes what train did
+  // No BatchNorm: eval computes what train did. attention_bf takes MultiheadAttention's fused
+  // inference path (one `_native_multi_head_attention` operator over in_proj and out_proj).
+  // encoder: TransformerEncoderLayer's fused path (one operator over all its submodules).
+  for (const std::string model_name : {"mlp", "attention", "attention_bf", "encoder"}) {
     const Reference ref = load_reference(model_dir() + "/" + model_name + "_ref.pt");
     for (const std::string variant : {"scripted", "traced"}) {
+      if (model_name != "mlp" && model_name != "attention" && variant == "traced") continue;  // traced in training: no fused path
       INFO(model_name << " " << variant);
       torch::jit::Module model = torch::jit::load(model_dir() + "/" + model_name + "_" + variant + ".pt");
       model.eval();

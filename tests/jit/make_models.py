@@ -53,6 +53,27 @@ class Attention(nn.Module):
         return self.out(a)
 
 
+class AttentionBatchFirst(Attention):
+    """batch_first: in eval without gradients MultiheadAttention runs one fused operator."""
+
+    def __init__(self, d=8):
+        super().__init__(d)
+        self.mha = nn.MultiheadAttention(d, 2, batch_first=True)
+
+
+class Encoder(nn.Module):
+    """A TransformerEncoderLayer: in eval without gradients it runs as one fused operator."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.layer = nn.TransformerEncoderLayer(d, 2, 16, dropout=0.0, batch_first=True)
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.out(self.layer(self.inp(x)))
+
+
 class ConvNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -93,6 +114,19 @@ class Loop(nn.Module):
         return self.head(x)
 
 
+class Deep(nn.Module):
+    """Twelve Linears: more module tensors than the observer remembers derived tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(12)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
 def record(model, x):
     outs, handles = {}, []
     for name, mod in model.named_modules():
@@ -118,9 +152,12 @@ def main(out_dir):
     cases = {
         "net": (Net(), torch.randn(6, 8)),
         "attention": (Attention(), torch.randn(5, 2, 8)),
+        "attention_bf": (AttentionBatchFirst(), torch.randn(2, 5, 8)),
+        "encoder": (Encoder(), torch.randn(2, 5, 8)),
         "conv": (ConvNet(), torch.randn(3, 2, 5, 5)),
         "mlp": (Mlp(), torch.randn(16, 8)),
         "loop": (Loop(), torch.randn(4, 8)),
+        "deep": (Deep(), torch.randn(4, 8)),
     }
     for name, (model, x) in cases.items():
         model.train()

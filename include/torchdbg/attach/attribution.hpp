@@ -45,6 +45,13 @@ class Attribution : protected ObserverState {
     auto ends_with = [&](std::string_view suf) {
       return op_name.size() >= suf.size() && op_name.substr(op_name.size() - suf.size()) == suf;
     };
+    // TransformerEncoderLayer's fused inference path: one operator over all its submodules'
+    // weights, whose parts no name fits. Nothing inside it is delivered.
+    if (op_name == "aten::_transformer_encoder_layer_fwd") {
+      auto ctx = std::make_unique<OpCtx>();
+      ctx->kind = OpCtx::Update;
+      return ctx;
+    }
     const bool fresh_op = ends_with("_like") || op_name.substr(0, 10) == "aten::new_";
     const bool template_op = ends_with("_as");
     // The modules whose tensors this operator reads (several when weights are tied, or when
@@ -97,12 +104,14 @@ class Attribution : protected ObserverState {
         bool module_tensor = false;
         for (std::size_t ci = 0; ci < cores.size(); ++ci) {
           const AttachCore& c = *cores[ci];
-          auto it = c.owner.find(impl);
+          const c10::TensorImpl* own = impl;
+          auto it = c.owner.find(own);
+          if (it == c.owner.end() && t.script_depth > 0 && (own = c.alias_of(x)) != nullptr) it = c.owner.find(own);
           if (it == c.owner.end()) continue;
           module_tensor = true;
           if (!grad_mode && !c.options.no_grad_forward()) continue;
           add_candidates(ci, it->second, /*direct=*/true);
-          read(ci, impl);
+          read(ci, own);
           updates_owned = updates_owned || (in_place && is_self);
         }
         if (module_tensor) return;
@@ -170,7 +179,8 @@ class Attribution : protected ObserverState {
       if (!has_data) {
         d.kind = Decision::Weights;  // e.g. weight.t(): remember its output as the module's
         d.source = t.reads[ci].source;
-      } else if (owner->modules[d.module].internal && best->module == d.module) {
+      } else if (owner->modules[d.module].internal && best->module == d.module &&
+                 op_name != "aten::_native_multi_head_attention") {  // the fused inference path: the output
         d.kind = Decision::Internal;  // what it consumes is delivered now
         flush_others = true;
         // The call's input is read here (MultiheadAttention's q/k/v projection), before the

@@ -87,6 +87,34 @@ struct ModuleTable {
   /// addresses, so a freed tensor's address is never reused for another.
   std::unordered_map<const c10::TensorImpl*, std::vector<std::size_t>> owner;
   std::vector<WeakImpl> keep;
+  /// Own tensors of attached modules by data address: what `alias_of` looks up.
+  std::unordered_map<const void*, std::vector<WeakImpl>> by_data;
+
+  /// `t`'s data address, or null (no storage, none allocated).
+  static const void* data_of(const at::Tensor& t) {
+    if (!t.defined() || !t.has_storage()) return nullptr;
+    try {
+      return t.unsafeGetTensorImpl()->data();
+    } catch (...) {
+      return nullptr;
+    }
+  }
+
+  /// The attached tensor `x` is a detached alias of (its data, sizes, strides and dtype), or
+  /// null. TorchScript's graph executor hands each differentiable subgraph detached aliases
+  /// of the module tensors it reads: however many there are, each is its module's.
+  [[nodiscard]] const c10::TensorImpl* alias_of(const at::Tensor& x) const {
+    if (by_data.empty() || !x.defined() || !x.has_storage()) return nullptr;
+    const auto it = by_data.find(data_of(x));
+    if (it == by_data.end()) return nullptr;
+    for (const WeakImpl& w : it->second) {
+      const at::Tensor t(w.lock());
+      if (t.defined() && t.sizes() == x.sizes() && t.strides() == x.strides() && t.dtype() == x.dtype() &&
+          t.storage_offset() == x.storage_offset())
+        return t.unsafeGetTensorImpl();  // held by `keep`'s owner, the model
+    }
+    return nullptr;
+  }
 
   /// The tensor members a built-in layer's forward reads (`LinearImpl::weight`, ...): a user
   /// may assign them to tie weights.
@@ -153,6 +181,7 @@ struct ModuleTable {
       auto& list = owner[t.unsafeGetTensorImpl()];
       if (std::find(list.begin(), list.end(), idx) == list.end()) list.push_back(idx);
       keep.push_back(weak_of(t));
+      if (const void* data = data_of(t)) by_data[data].push_back(weak_of(t));
     };
     for (const auto& [name, t] : spec.params) {
       if (!t.defined()) continue;

@@ -156,6 +156,7 @@ class ForwardObserver : private Attribution {
       ++t.script_depth;
       auto ctx = std::make_unique<OpCtx>();
       ctx->kind = OpCtx::Script;
+      ctx->script_depth = &t.script_depth;
       return ctx;
     }
     // The autograd engine wraps each node it runs in "autograd::engine::evaluate_function: <node>"
@@ -230,7 +231,7 @@ class ForwardObserver : private Attribution {
       return;
     }
     if (ctx->kind == OpCtx::Script) {
-      --t.script_depth;
+      --*ctx->script_depth;
       return;
     }
     --t.skip_depth;

@@ -8,6 +8,7 @@
 #include <ATen/record_function.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -124,8 +125,10 @@ class ObserverState {
   struct Tls {
     int backward_depth = 0;
     int skip_depth = 0;
-    /// TorchScript functions running on this thread (RecordScope::TORCHSCRIPT_FUNCTION).
-    int script_depth = 0;
+    /// TorchScript functions begun on this thread and not ended (RecordScope::
+    /// TORCHSCRIPT_FUNCTION). Atomic: a function that waits on a `torch.jit.fork` future ends
+    /// on the thread that resumes it, which counts it down here.
+    std::atomic<int> script_depth{0};
     InnerOps inner_ops;
     /// The output of each session's module call not delivered yet (its operators may go on:
     /// `x @ w + b`); several sessions attached to one model each have theirs.
@@ -190,6 +193,7 @@ class ObserverState {
   struct OpCtx : at::ObserverContext {
     enum Kind { Backward, Update, Decided, Script } kind = Backward;
     bool quiet_inside = false;  // RecordFunction is off on this thread until it ends
+    std::atomic<int>* script_depth = nullptr;  // Script: the count of the thread it began on
     Decision first;              // the first session's
     std::vector<Decision> more;  // further sessions' (several attached to one model)
     std::size_t count = 0;
