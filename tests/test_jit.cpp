@@ -176,11 +176,12 @@ torch::Tensor as_delivered(const std::string& model_name, const std::string& del
 
 /// Every forward delivery of one step against the reference: the names, each call's values.
 void check_forward(const Recorder& rec, const Reference& ref, const std::string& model_name) {
+  const std::map<std::string, std::string>& expected = expected_forward().at(model_name);
   std::set<std::string> names, want;
   for (const auto& [name, calls] : rec.fwd) names.insert(name);
-  for (const auto& [name, what] : expected_forward().at(model_name)) want.insert(name);
+  for (const auto& [name, what] : expected) want.insert(name);
   CHECK(names == want);
-  for (const auto& [name, what] : expected_forward().at(model_name)) {
+  for (const auto& [name, what] : expected) {
     if (!rec.fwd.count(name)) continue;
     INFO("delivery " << name);
     const auto wanted = reference_calls(ref, what);
