@@ -6,7 +6,7 @@
 // from one run). Prints one line per model and mode and writes the same figures as JSON.
 //
 //   torchdbg_bench [--threads N] [--rounds R] [--steps S] [--rss-steps N] [--json FILE] [--models
-//   mlp,cnn,transformer,gru,tiny,one] [--modes detached,full,sampled,every10,idle,reporter,live]
+//   mlp,scripted,cnn,transformer,gru,tiny,one] [--modes detached,full,sampled,every10,idle,reporter,live]
 //   [--sample K] [--no-health] [--device cpu|cuda] [--default-malloc] [--count-ops]
 //
 // `sampled` is full with HookManagerOptions().sampling(StatsSampling().stride(K)) (K = 8 by
@@ -29,6 +29,7 @@
 // fetches /state and /sections every second, as the page does, during the monitored steps.
 // live against reporter is what the page costs the run (built with cpp-httplib only).
 //
+// `scripted` is the MLP as a TorchScript module (torchdbg/jit.hpp's attach), beside `mlp`.
 // `tiny` is the MLP at 16 features: it prints what one delivery costs outside the kernel.
 // `one` is a single Linear with the README's quick start: what torchdbg costs per step.
 //
@@ -42,6 +43,8 @@
 #endif
 #include <ATen/record_function.h>
 #include <fmt/format.h>
+#include <torch/csrc/jit/passes/tensorexpr_fuser.h>
+#include <torch/script.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -58,6 +61,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <torchdbg/jit.hpp>
 #include <torchdbg/torchdbg.hpp>
 #include <type_traits>
 #include <vector>
@@ -170,6 +174,51 @@ struct UnrolledGru : torch::nn::Module {
   torch::nn::Linear head;
 };
 
+/// The bench MLP as a TorchScript module: what `torch.jit.script` of the same Python MLP
+/// gives (eight Linear submodules, `torch.relu` between them), defined here with
+/// `torch::jit::Module::define` from an eager Mlp's weights, trained through the graph
+/// executor as a model loaded with `torch::jit::load` is. Beside `mlp` in one run it shows
+/// what attaching to a TorchScript model costs against the same model in C++.
+struct ScriptedMlp {
+  ScriptedMlp() : module("Mlp") {
+    // An activation fused into a kernel has no delivery, and where LibTorch has LLVM
+    // (Debian's 2.6) compiling a CPU kernel takes minutes: the fuser off, as docs/attach.md says.
+    torch::jit::setTensorExprFuserEnabled(false);
+    const Mlp eager;
+    std::string code = "def forward(self, x):\n";
+    auto add = [&](const std::string& name, const torch::nn::Linear& l, bool relu) {
+      torch::jit::Module m("Linear");
+      m.register_parameter("weight", l->weight.detach().clone().requires_grad_(), false);
+      m.register_parameter("bias", l->bias.detach().clone().requires_grad_(), false);
+      m.define("def forward(self, x):\n  return torch.linear(x, self.weight, self.bias)\n");
+      module.register_module(name, m);
+      code += relu ? "  x = torch.relu(self." + name + ".forward(x))\n" : "  return self." + name + ".forward(x)\n";
+    };
+    for (std::size_t i = 0; i < eager.layers.size(); ++i) add("fc" + std::to_string(i), eager.layers[i], true);
+    add("out", eager.out, false);
+    module.define(code);
+    module.train();
+  }
+  std::vector<torch::Tensor> parameters() {
+    std::vector<torch::Tensor> out;
+    for (const auto& p : module.parameters()) out.push_back(p);
+    return out;
+  }
+  void to(torch::Device device) { module.to(device); }
+  torch::Tensor forward(const torch::Tensor& x) { return module.forward({x}).toTensor(); }
+  torch::jit::Module module;
+};
+
+/// A session on the bench's model, eager or TorchScript.
+template <typename Model>
+torchdbg::AttachSession attach_model(Model& model, torchdbg::HookManager& hooks) {
+  if constexpr (std::is_same_v<Model, ScriptedMlp>) {
+    return torchdbg::attach(model.module, hooks);
+  } else {
+    return torchdbg::attach(model, hooks);
+  }
+}
+
 struct Cnn : torch::nn::Module {
   Cnn() {
     const int64_t ch[] = {3, 32, 64, 128, 128};
@@ -200,7 +249,7 @@ struct Args {
   int rss_steps = 10000;
   std::string json = "torchdbg_bench.json";
   // tiny: the per-delivery cost; one: the fixed cost
-  std::string models = "mlp,cnn,transformer,gru,tiny,one";
+  std::string models = "mlp,scripted,cnn,transformer,gru,tiny,one";
   std::string modes = "detached,full,sampled,every10,idle";
   int64_t sample = 8;  // --sample: the stride of `sampled` (StatsSampling::stride)
   bool health = true;  // --no-health: statistics hooks only, to see the health monitor's share
@@ -432,7 +481,7 @@ double delivered_bytes_per_step(Trainer<Model>& tr) {
                             .trigger(torchdbg::HookTrigger::every_backward())
                             .direction(torchdbg::CallDirection::Backward)
                             .actions({torchdbg::HookAction::custom_callback("bytes")}));
-  auto session = torchdbg::attach(*tr.model, counter);
+  auto session = attach_model(*tr.model, counter);
   counter.set_step(0);
   tr.step();
   return bytes;
@@ -527,7 +576,7 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
       {
         PageReader::Open open(page);  // the page reads during the monitored half only
         std::optional<torchdbg::AttachSession> session;
-        if (mode != "detached") session.emplace(torchdbg::attach(*tr.model, monitor.hooks));
+        if (mode != "detached") session.emplace(attach_model(*tr.model, monitor.hooks));
         for (int s = 0; s < a.steps; ++s) {
           monitor.hooks.set_step(r * a.steps + s);
           mon.push_back(tr.step());
@@ -586,7 +635,7 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
     Monitor monitor(false, a.health);
     std::map<std::string, int64_t> mon_ops;
     {
-      auto session = torchdbg::attach(*tr.model, monitor.hooks);
+      auto session = attach_model(*tr.model, monitor.hooks);
       for (int s = 0; s < 3; ++s) {
         monitor.hooks.set_step(s);
         tr.step();
@@ -854,6 +903,7 @@ int main(int argc, char** argv) {
     report["machine"] = bench_machine(a);
     const auto wants = [&](const char* m) { return model_listed(a.models, m); };
     if (wants("mlp")) report["mlp"] = bench_model<Mlp>("mlp", {784}, 128, a);
+    if (wants("scripted")) report["scripted"] = bench_model<ScriptedMlp>("scripted", {784}, 128, a);
     if (wants("cnn")) report["cnn"] = bench_model<Cnn>("cnn", {3, 32, 32}, 32, a);
     if (wants("transformer")) report["transformer"] = bench_model<TransformerLm>("transformer", {}, 8, a);
     if (wants("gru")) report["gru"] = bench_model<UnrolledGru>("gru", {}, 32, a);

@@ -55,11 +55,18 @@ bool have_models() {
   return true;
 }
 
+/// A model make_models.py wrote: "<name>_<variant>.pt" (scripted, traced, frozen).
+torch::jit::Module load_model(const std::string& name, const std::string& variant) {
+  return torch::jit::load(model_dir() + "/" + name + "_" + variant + ".pt");
+}
+
 /// What Python recorded: the input, each hooked module's outputs by call, each gradient.
 struct Reference {
   torch::Tensor x;
   std::map<std::string, std::vector<torch::Tensor>> outputs;
   std::map<std::string, torch::Tensor> grads;
+  /// A random model's deliveries: name -> what Python recorded ("<module>", "<function>:<module>").
+  std::map<std::string, std::string> expect;
 };
 
 Reference load_reference(const std::string& path) {
@@ -67,7 +74,8 @@ Reference load_reference(const std::string& path) {
   const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const c10::IValue v = torch::pickle_load(bytes);
   Reference r;
-  // A flat dict: "x", "out:<module>:<call>", "grad:<module>.<parameter>".
+  // A flat dict: "x", "out:<module>:<call>", "grad:<module>.<parameter>", and for a random
+  // model "expect:<delivery>=<what>".
   std::map<std::string, std::map<std::size_t, torch::Tensor>> calls;
   for (const auto& e : v.toGenericDict()) {
     const std::string key = e.key().toStringRef();
@@ -76,6 +84,9 @@ Reference load_reference(const std::string& path) {
       r.x = t;
     } else if (key.rfind("grad:", 0) == 0) {
       r.grads[key.substr(5)] = t;
+    } else if (key.rfind("expect:", 0) == 0) {
+      const auto eq = key.find('=');
+      r.expect[key.substr(7, eq - 7)] = key.substr(eq + 1);
     } else if (key.rfind("out:", 0) == 0) {
       const auto colon = key.rfind(':');
       calls[key.substr(4, colon - 4)][std::stoul(key.substr(colon + 1))] = t;
@@ -127,7 +138,7 @@ const std::map<std::string, std::map<std::string, std::string>>& expected_forwar
     std::map<std::string, std::map<std::string, std::string>> m = {
       {"net",
        {{"b0.fc", "b0.fc"},
-        {"b0.fc/relu", "b0.act"},
+        {"b0.act", "b0.act"},
         {"layers.0", "layers.0"},
         {"layers.0/tanh", "tanh:layers.0"},
         {"layers.1", "layers.1"},
@@ -136,11 +147,29 @@ const std::map<std::string, std::map<std::string, std::string>>& expected_forwar
         {"head", "head"}}},
       {"attention", {{"inp", "inp"}, {"mha", "mha"}, {"out", "out"}}},
       {"attention_bf", {{"inp", "inp"}, {"mha", "mha"}, {"out", "out"}}},
+      {"attention_ub", {{"inp", "inp"}, {"mha", "mha"}, {"out", "out"}}},
+      {"attention_sq", {{"inp", "inp"}, {"mha", "mha"}, {"out", "out"}}},
+      {"attention_t", {{"inp", "inp"}, {"mha", "mha"}, {"out", "out"}}},
       // TransformerEncoderLayer's fused inference path: its parts are not delivered
       {"encoder", {{"inp", "inp"}, {"out", "out"}}},
       {"conv", {{"conv", "conv"}, {"bn", "bn"}, {"bn/relu", "relu:bn"}, {"fc", "fc"}}},
-      {"mlp", {{"fc1", "fc1"}, {"fc1/relu", "act"}, {"fc2", "fc2"}, {"fc2/tanh", "tanh:fc2"}, {"fc3", "fc3"}}},
+      {"mlp", {{"fc1", "fc1"}, {"act", "act"}, {"fc2", "fc2"}, {"fc2/tanh", "tanh:fc2"}, {"fc3", "fc3"}}},
       {"loop", {{"fc", "fc"}, {"fc/relu", "relu:fc"}, {"head", "head"}}},
+      // activation modules under their own names where their calls pair with one module's;
+      // one shared by two Linears stays "<linear>/sigmoid", one after one of two calls "c/relu"
+      {"named",
+       {{"seq.0", "seq.0"},
+        {"seq.1", "seq.1"},
+        {"seq.2", "seq.2"},
+        {"fc", "fc"},
+        {"act", "act"},
+        {"a", "a"},
+        {"a/sigmoid", "sigmoid:a"},
+        {"b", "b"},
+        {"b/sigmoid", "sigmoid:b"},
+        {"c", "c"},
+        {"c/relu", "relu:c"},
+        {"head", "head"}}},
     };
     for (int k = 0; k < 12; ++k) {  // deep: layers.0 ... layers.11 and the relu after each
       const std::string layer = "layers." + std::to_string(k);
@@ -156,8 +185,9 @@ std::vector<torch::Tensor> reference_calls(const Reference& ref, const std::stri
   const auto colon = what.find(':');
   if (colon == std::string::npos) return ref.outputs.at(what);
   std::vector<torch::Tensor> out;
+  const std::string f = what.substr(0, colon);
   for (const auto& t : ref.outputs.at(what.substr(colon + 1)))
-    out.push_back(what.substr(0, colon) == "tanh" ? torch::tanh(t) : torch::relu(t));
+    out.push_back(f == "tanh" ? torch::tanh(t) : f == "sigmoid" ? torch::sigmoid(t) : f == "gelu" ? torch::gelu(t) : torch::relu(t));
   return out;
 }
 
@@ -165,18 +195,10 @@ bool close(const torch::Tensor& a, const torch::Tensor& b) {
   return a.sizes() == b.sizes() && torch::allclose(a.to(torch::kDouble), b.to(torch::kDouble), 1e-4, 1e-5);
 }
 
-/// Python's MultiheadAttention applies out_proj to the attention output flattened to
-/// (L * N, E) and returns that product viewed as (L, N, E): the delivery is the product, as
-/// its last operator on the module's weights made it (docs/attach.md, "Models from Python").
-/// Its fused inference path (`attention_bf` in eval without gradients) returns it as is.
-torch::Tensor as_delivered(const std::string& model_name, const std::string& delivery, const torch::Tensor& want) {
-  if (model_name == "attention" && delivery == "mha") return want.reshape({-1, want.size(-1)});
-  return want;
-}
-
 /// Every forward delivery of one step against the reference: the names, each call's values.
 void check_forward(const Recorder& rec, const Reference& ref, const std::string& model_name) {
-  const std::map<std::string, std::string>& expected = expected_forward().at(model_name);
+  const std::map<std::string, std::string>& expected =
+      ref.expect.empty() ? expected_forward().at(model_name) : ref.expect;
   std::set<std::string> names, want;
   for (const auto& [name, calls] : rec.fwd) names.insert(name);
   for (const auto& [name, what] : expected) want.insert(name);
@@ -188,7 +210,52 @@ void check_forward(const Recorder& rec, const Reference& ref, const std::string&
     REQUIRE(rec.fwd.at(name).size() == wanted.size());
     for (std::size_t k = 0; k < wanted.size(); ++k) {
       INFO("call " << k << ": " << rec.fwd.at(name)[k].sizes() << " against " << wanted[k].sizes());
-      CHECK(close(rec.fwd.at(name)[k], as_delivered(model_name, name, wanted[k])));
+      CHECK(close(rec.fwd.at(name)[k], wanted[k]));
+    }
+  }
+}
+
+/// One model's every delivery, scripted and traced, on the graph executor's first runs and on
+/// its optimized ones, against what Python's hooks and autograd recorded.
+void check_model(const std::string& model_name) {
+  const Reference ref = load_reference(model_dir() + "/" + model_name + "_ref.pt");
+  for (const std::string variant : {"scripted", "traced"}) {
+    INFO(model_name << " " << variant);
+    torch::jit::Module model = load_model(model_name, variant);
+    model.train();
+    HookManager hooks;
+    Recorder rec;
+    rec.install(hooks);
+    auto session = torchdbg::attach(model, hooks);
+    // The profiling executor runs a model differently on its first calls and afterwards:
+    // every step must deliver the same.
+    for (int64_t step = 0; step < 4; ++step) {
+      INFO("step " << step);
+      hooks.set_step(step);
+      rec.clear();
+      const torch::Tensor out = model.forward({ref.x}).toTensor();
+      out.square().mean().backward();
+      for (const auto& p : model.parameters()) p.mutable_grad() = torch::Tensor();
+      session.flush();
+      std::string problems;
+      for (const auto& p : rec.problems) problems += p + "; ";
+      INFO(problems);
+      CHECK(rec.problems.empty());
+      check_forward(rec, ref, model_name);
+      std::set<std::string> grad_names, want_grads;
+      for (const auto& [name, g] : rec.bwd) grad_names.insert(name);
+      for (const auto& [name, g] : ref.grads) want_grads.insert(name);
+      CHECK(grad_names == want_grads);
+      for (const auto& [name, type] : rec.types) {
+        INFO("module_type of " << name << ": " << type);
+        CHECK(type.rfind("torch.nn.modules.", 0) == 0);  // the Python class, unmangled
+        CHECK(type.find("mangle") == std::string::npos);
+      }
+      if (model_name == "net") CHECK(rec.types.at("b0.fc") == "torch.nn.modules.linear.Linear");
+      for (const auto& [name, g] : ref.grads) {
+        INFO("gradient " << name);
+        if (rec.bwd.count(name)) CHECK(close(rec.bwd.at(name), g));
+      }
     }
   }
 }
@@ -198,53 +265,25 @@ void check_forward(const Recorder& rec, const Reference& ref, const std::string&
 TEST_CASE("attach on scripted and traced models delivers what Python's hooks and autograd record",
           "[jit]") {
   if (!have_models()) return;
-  for (const std::string model_name : {"net", "attention", "conv", "mlp", "loop", "deep"}) {
-    const Reference ref = load_reference(model_dir() + "/" + model_name + "_ref.pt");
-    for (const std::string variant : {"scripted", "traced"}) {
-      INFO(model_name << " " << variant);
-      torch::jit::Module model = torch::jit::load(model_dir() + "/" + model_name + "_" + variant + ".pt");
-      model.train();
-      HookManager hooks;
-      Recorder rec;
-      rec.install(hooks);
-      auto session = torchdbg::attach(model, hooks);
-      // The profiling executor runs a model differently on its first calls and afterwards:
-      // every step must deliver the same.
-      for (int64_t step = 0; step < 4; ++step) {
-        INFO("step " << step);
-        hooks.set_step(step);
-        rec.clear();
-        const torch::Tensor out = model.forward({ref.x}).toTensor();
-        out.square().mean().backward();
-        for (const auto& p : model.parameters()) p.mutable_grad() = torch::Tensor();
-        session.flush();
-        std::string problems;
-        for (const auto& p : rec.problems) problems += p + "; ";
-        INFO(problems);
-        CHECK(rec.problems.empty());
-        check_forward(rec, ref, model_name);
-        std::set<std::string> grad_names, want_grads;
-        for (const auto& [name, g] : rec.bwd) grad_names.insert(name);
-        for (const auto& [name, g] : ref.grads) want_grads.insert(name);
-        CHECK(grad_names == want_grads);
-        for (const auto& [name, type] : rec.types) {
-          INFO("module_type of " << name << ": " << type);
-          CHECK(type.rfind("torch.nn.modules.", 0) == 0);  // the Python class, unmangled
-          CHECK(type.find("mangle") == std::string::npos);
-        }
-        if (model_name == "net") CHECK(rec.types.at("b0.fc") == "torch.nn.modules.linear.Linear");
-        for (const auto& [name, g] : ref.grads) {
-          INFO("gradient " << name);
-          if (rec.bwd.count(name)) CHECK(close(rec.bwd.at(name), g));
-        }
-      }
-    }
-  }
+  for (const std::string model_name : {"net", "attention", "attention_bf", "attention_ub", "attention_sq",
+                                       "attention_t", "conv", "mlp", "loop", "deep", "named"})
+    check_model(model_name);
+}
+
+TEST_CASE("attach on random TorchScript models delivers what Python's hooks record", "[jit]") {
+  // make_models.py writes random models (Linears, activation modules and functions, residual
+  // blocks, shared modules, LayerNorm, views, ModuleList loops, Sequentials) and the
+  // deliveries each must make; TORCHDBG_TEST_SEED picks others.
+  if (!have_models()) return;
+  int models = 0;
+  for (int k = 0; std::ifstream(model_dir() + "/random_" + std::to_string(k) + "_ref.pt").good(); ++k, ++models)
+    check_model("random_" + std::to_string(k));
+  CHECK(models >= 16);
 }
 
 TEST_CASE("attach on a frozen TorchScript model throws torchdbg::Error naming the cause", "[jit]") {
   if (!have_models()) return;
-  torch::jit::Module frozen = torch::jit::load(model_dir() + "/net_frozen.pt");
+  torch::jit::Module frozen = load_model("net", "frozen");
   HookManager hooks;
   try {
     auto session = torchdbg::attach(frozen, hooks);
@@ -253,7 +292,7 @@ TEST_CASE("attach on a frozen TorchScript model throws torchdbg::Error naming th
     CHECK(std::string(e.what()).find("freeze") != std::string::npos);
   }
   // Nothing stayed attached: a normal model attaches to the same manager afterwards.
-  torch::jit::Module model = torch::jit::load(model_dir() + "/net_scripted.pt");
+  torch::jit::Module model = load_model("net", "scripted");
   CHECK_NOTHROW(torchdbg::attach(model, hooks));
 }
 
@@ -267,7 +306,7 @@ TEST_CASE("inference on a TorchScript model: eval, NoGradGuard, no_grad_forward"
     for (const std::string variant : {"scripted", "traced"}) {
       if (model_name != "mlp" && model_name != "attention" && variant == "traced") continue;  // traced in training: no fused path
       INFO(model_name << " " << variant);
-      torch::jit::Module model = torch::jit::load(model_dir() + "/" + model_name + "_" + variant + ".pt");
+      torch::jit::Module model = load_model(model_name, variant);
       model.eval();
       HookManager hooks;
       Recorder rec;
@@ -293,7 +332,7 @@ TEST_CASE("fine-tuning a TorchScript model in C++: healthy runs raise nothing, a
     for (const std::string blown : {"", "fc1", "fc2"}) {
       INFO(variant << " blown up: '" << blown << "'");
       torch::manual_seed(5);
-      torch::jit::Module model = torch::jit::load(model_dir() + "/mlp_" + variant + ".pt");
+      torch::jit::Module model = load_model("mlp", variant);
       model.train();
       std::vector<at::Tensor> params;
       for (const auto& p : model.parameters()) params.push_back(p);

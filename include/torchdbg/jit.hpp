@@ -8,12 +8,15 @@
 
 #include <torch/csrc/jit/api/module.h>
 
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "torchdbg/attach/operators.hpp"
 #include "torchdbg/attach/session.hpp"
 #include "torchdbg/error.hpp"
 
@@ -47,6 +50,144 @@ inline bool holds_tensor_constants(const torch::jit::Module& m) {
   return false;
 }
 
+/// Whether a Python MultiheadAttention returns its output transposed to batch-first: its
+/// `batch_first` attribute where scripting kept it; a traced one keeps no attributes, and its
+/// forward then returns an `aten::transpose` of the output.
+inline bool attention_batch_first(const torch::jit::Module& m) {
+  if (m.hasattr("batch_first")) {
+    const c10::IValue bf = m.attr("batch_first");
+    return bf.isBool() && bf.toBool();
+  }
+  const auto forward = m.find_method("forward");
+  if (!forward) return false;
+  const std::shared_ptr<torch::jit::Graph> graph = forward->graph();
+  if (graph->outputs().empty()) return false;
+  const torch::jit::Value* out = graph->outputs()[0];
+  if (out->node()->kind() == c10::prim::TupleConstruct && !out->node()->inputs().empty())
+    out = out->node()->inputs()[0];
+  return out->node()->kind() == c10::aten::transpose;
+}
+
+/// The operator a built-in parameter-free activation module of torch.nn runs on its input
+/// (a FollowUpOps name), or empty: "torch.nn.modules.activation.ReLU" -> "relu".
+inline std::string_view activation_module_op(std::string_view type) {
+  constexpr std::string_view kPrefix = "torch.nn.modules.activation.";
+  if (type.substr(0, kPrefix.size()) != kPrefix) return {};
+  type.remove_prefix(kPrefix.size());
+  static constexpr std::pair<std::string_view, std::string_view> kOps[] = {
+      {"ReLU", "relu"},           {"ReLU6", "hardtanh"},      {"LeakyReLU", "leaky_relu"},
+      {"ELU", "elu"},             {"SELU", "selu"},           {"CELU", "celu"},
+      {"GELU", "gelu"},           {"SiLU", "silu"},           {"Mish", "mish"},
+      {"Tanh", "tanh"},           {"Sigmoid", "sigmoid"},     {"Softplus", "softplus"},
+      {"Softmax", "softmax"},     {"LogSoftmax", "log_softmax"}, {"Hardtanh", "hardtanh"},
+      {"Hardsigmoid", "hardsigmoid"}, {"Hardswish", "hardswish"}, {"Threshold", "threshold"},
+      {"Hardshrink", "hardshrink"}, {"Softshrink", "softshrink"}, {"LogSigmoid", "log_sigmoid"}};
+  for (const auto& [cls, op] : kOps)
+    if (type == cls) return op;
+  return {};
+}
+
+/// Names parameter-free activation modules by their calls in the model's code (the forward
+/// graphs keep each submodule call as a `prim::CallMethod`, scripted and traced alike): an
+/// activation module M whose every call takes the output of a call of one module S (directly
+/// or through views), where every call of S feeds M, makes the activation operator after S's
+/// output M's call (ModuleSpec::activations). Anything less certain keeps "<S>/<op>".
+inline void name_activation_modules(const torch::jit::Module& model, std::vector<ModuleSpec>& specs) {
+  struct Site {
+    std::string owner;   // the module whose code makes the call (a type's code is walked per instance)
+    std::string callee;  // the submodule called
+    const torch::jit::Node* node;
+  };
+  std::vector<Site> sites;
+  std::map<std::string, torch::jit::Module> by_name;
+  for (const auto& item : model.named_modules()) by_name.emplace(item.name, item.value);
+  // Every method's graph: a traced module called twice has `forward` and `forward1`, and a
+  // scripted one may call helper methods of its own.
+  std::vector<std::shared_ptr<torch::jit::Graph>> graphs;  // held while `sites` points into them
+  for (const auto& [path, module] : by_name) {
+    for (const auto& method : module.get_methods()) {
+      const std::shared_ptr<torch::jit::Graph>& graph = graphs.emplace_back(method.graph());
+      if (graph->inputs().empty()) continue;
+      std::map<const torch::jit::Value*, std::string> rel{{graph->inputs()[0], path}};
+      std::vector<const torch::jit::Block*> blocks{graph->block()};
+      while (!blocks.empty()) {
+        const torch::jit::Block* b = blocks.back();
+        blocks.pop_back();
+        for (const torch::jit::Node* n : b->nodes()) {
+          for (const torch::jit::Block* inner : n->blocks()) blocks.push_back(inner);
+          if (n->inputs().empty()) continue;
+          const auto it = rel.find(n->inputs()[0]);
+          if (it == rel.end()) continue;
+          if (n->kind() == c10::prim::GetAttr) {
+            const std::string& attr = n->s(c10::attr::name);
+            rel[n->output()] = it->second.empty() ? attr : it->second + "." + attr;
+          } else if (n->kind() == c10::prim::CallMethod && it->second != path) {
+            sites.push_back({path, it->second, n});  // any method of a submodule: a call of it
+          }
+        }
+      }
+    }
+  }
+  // The call, in `owner`'s code, whose output `v` is, through views; null when none.
+  const auto producer = [&](const std::string& owner, const torch::jit::Value* v) -> const Site* {
+    for (int hops = 0; hops < 8; ++hops) {
+      const torch::jit::Node* n = v->node();
+      for (const Site& s : sites)
+        if (s.node == n && s.owner == owner) return &s;
+      if (n->inputs().empty() || !is_view_like_op(n->kind().toQualString())) return nullptr;
+      v = n->inputs()[0];
+    }
+    return nullptr;
+  };
+  const auto find_spec = [&](const std::string& name) -> ModuleSpec* {
+    const std::string want = name.empty() ? "root" : name;
+    for (ModuleSpec& s : specs)
+      if (s.name == want) return &s;
+    return nullptr;
+  };
+  const auto activation_op = [&](const std::string& name) -> std::string_view {
+    const ModuleSpec* spec = find_spec(name);
+    if (spec == nullptr || !spec->params.empty() || !spec->buffers.empty()) return {};
+    return activation_module_op(spec->type_name);
+  };
+  // S -> the activation module each of its calls feeds; unpaired when that is not one module
+  // for all of them, or the module also takes anything else.
+  std::map<std::string, std::string> feeds;
+  std::set<std::string> unpaired;
+  for (const Site& m : sites) {
+    if (activation_op(m.callee).empty()) continue;
+    const Site* s = m.node->inputs().size() == 2 ? producer(m.owner, m.node->inputs()[1]) : nullptr;
+    // In the same block: a call under an `if` or in a loop the other is not in would not pair.
+    if (s == nullptr || s->node->owningBlock() != m.node->owningBlock()) {
+      unpaired.insert(m.callee);
+      continue;
+    }
+    const auto [it, fresh] = feeds.emplace(s->callee, m.callee);
+    if (!fresh && it->second != m.callee) unpaired.insert(s->callee);
+  }
+  for (const auto& [s, m] : feeds) {
+    if (unpaired.count(s) != 0 || unpaired.count(m) != 0) continue;
+    ModuleSpec* spec = find_spec(s);
+    if (spec == nullptr || spec->attention || (spec->params.empty() && spec->buffers.empty())) continue;
+    // Every call of S feeds a call of M, and every call of M takes an output of S: one M call
+    // per S call, in order.
+    std::set<const torch::jit::Node*> feeding;  // the calls of S some call of M takes
+    std::size_t s_calls = 0, m_calls = 0;
+    for (const Site& site : sites) {
+      s_calls += site.callee == s ? 1 : 0;
+      if (site.callee != m) continue;
+      ++m_calls;
+      if (const Site* from = producer(site.owner, site.node->inputs()[1]); from != nullptr && from->callee == s)
+        feeding.insert(from->node);
+    }
+    std::size_t s_sites = 0;
+    for (const Site& site : sites) s_sites += site.callee == s && feeding.count(site.node) != 0 ? 1 : 0;
+    if (s_calls == 0 || s_calls != m_calls || s_sites != s_calls) continue;
+    const ModuleSpec* act = find_spec(m);
+    spec->activations.push_back({std::string(activation_op(m)), act->name, act->type_name});
+  }
+}
+
 /// A TorchScript model and its submodules, root first, as attach() describes them.
 inline std::vector<ModuleSpec> jit_specs_of(const torch::jit::Module& model) {
   std::vector<ModuleSpec> out;
@@ -59,11 +200,14 @@ inline std::vector<ModuleSpec> jit_specs_of(const torch::jit::Module& model) {
     constexpr std::string_view kAttention = "MultiheadAttention";
     spec.attention = type.size() >= kAttention.size() &&
                      type.substr(type.size() - kAttention.size()) == kAttention;
+    spec.python_attention = spec.attention;
+    if (spec.attention) spec.batch_first = attention_batch_first(item.value);
     for (const auto& p : item.value.named_parameters(/*recurse=*/false)) spec.params.emplace_back(p.name, p.value);
     for (const auto& b : item.value.named_buffers(/*recurse=*/false)) spec.buffers.emplace_back(b.name, b.value);
     any_tensor = any_tensor || !spec.params.empty() || !spec.buffers.empty();
     out.push_back(std::move(spec));
   }
+  name_activation_modules(model, out);
   if (!any_tensor) {
     if (holds_tensor_constants(model))
       throw Error(
@@ -80,8 +224,9 @@ inline std::vector<ModuleSpec> jit_specs_of(const torch::jit::Module& model) {
 /// Attaches `hooks` to a TorchScript model (`torch::jit::load`), as attach() does to a
 /// `torch::nn::Module`: every submodule that owns parameters or buffers delivers each call's
 /// output under its dotted name ("b0.fc", "layers.1") with {"call": "<k>", "module_type":
-/// "torch.nn.modules.linear.Linear"}, parameter-free activations after it as
-/// "<module>/<activation>", every parameter's gradient with {"parameter": name}, and the
+/// "torch.nn.modules.linear.Linear"}, an activation module of torch.nn under its own name where
+/// the model's code pairs its calls with one module's ("b0.act"), other activations after a
+/// module as "<module>/<activation>", every parameter's gradient with {"parameter": name}, and the
 /// per-module and global gradient norms. Scripted and traced models alike; a frozen model
 /// (its weights folded into its code) throws torchdbg::Error.
 ///

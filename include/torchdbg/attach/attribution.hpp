@@ -230,7 +230,19 @@ class Attribution : protected ObserverState {
       std::size_t slot = t.outputs.size();
       // The module's pending output, as it returned it, is delivered now, and remembered.
       Pending* p = pending_of(t, core.get());
-      if (p != nullptr && p->out.defined() && reads_data(p->out.unsafeGetTensorImpl())) slot = flush_pending(t, *p);
+      if (p != nullptr && p->out.defined() && reads_data(p->out.unsafeGetTensorImpl())) {
+        if (reshapes_pending(t, *core, *p, op_name)) {
+          Decision d;
+          d.core = core;
+          d.kind = Decision::Reshape;
+          d.module = p->module;
+          d.call = p->call;
+          d.follow_up = op_name == "aten::detach" ? 0 : 1;  // 0: the same values passed on
+          add(std::move(d));
+          continue;
+        }
+        slot = flush_pending(t, *p);
+      }
       for (std::size_t i = 0; i < t.data.size() && slot == t.outputs.size(); ++i)
         slot = output_slot(t, core->id, t.data[i]);
       if (!grad_mode && !core->options.no_grad_forward()) continue;  // metrics, evaluation
@@ -278,6 +290,54 @@ class Attribution : protected ObserverState {
     return ctx;
   }
 
+  /// Whether operator `op`, reading session `core`'s pending output `p`, is one of the
+  /// reshapes Python's MultiheadAttention applies to its out_proj product before returning it
+  /// (ModuleSpec::python_attention): `view` to (L, N, E), then `transpose` to (N, L, E) with
+  /// `batch_first`, or `squeeze(1)` for an unbatched query. Inside TorchScript only; the graph
+  /// executor's `detach` between subgraphs passes the output on at the same stage.
+  static bool reshapes_pending(const Tls& t, const AttachCore& core, const Pending& p, std::string_view op) {
+    if (t.script_depth == 0 || !core.modules[p.module].python_attention) return false;
+    if (op == "aten::detach") return true;
+    const int64_t dim = p.out.dim();
+    if (p.reshaped == 0)
+      return dim == 2 && (op == "aten::view" || op == "aten::reshape" || op == "aten::_unsafe_view" ||
+                          op == "aten::_reshape_alias");
+    if (p.reshaped == 1 && dim == 3) {
+      if (op == "aten::transpose") return core.modules[p.module].batch_first;
+      if (op == "aten::squeeze") return p.out.size(1) == 1;
+    }
+    return false;
+  }
+  /// At the end of a Reshape: `out` becomes the pending output when it is the reshape
+  /// expected; anything else delivers the pending output as it was, and remembers `out` as a
+  /// view of it.
+  static void reshape_pending(Tls& t, const Decision& d, const at::Tensor& out) {
+    Pending* p = pending_of(t, d.core.get());
+    if (p == nullptr || p->module != d.module || p->call != d.call || !p->out.defined()) return;
+    const at::Tensor& was = p->out;
+    bool fits = false;
+    uint8_t stage = p->reshaped;
+    if (d.follow_up == 0) {  // a detached alias between subgraphs: the same stage
+      fits = out.sizes() == was.sizes();
+    } else if (p->reshaped == 0) {
+      fits = out.dim() == 3 && out.size(0) * out.size(1) == was.size(0) && out.size(2) == was.size(1);
+      stage = 1;
+    } else if (p->reshaped == 1) {
+      fits = (out.dim() == 3 && out.size(0) == was.size(1) && out.size(1) == was.size(0) && out.size(2) == was.size(2)) ||
+             (out.dim() == 2 && was.size(1) == 1 && out.size(0) == was.size(0) && out.size(1) == was.size(2));
+      stage = 2;
+    }
+    if (fits) {
+      p->out = out;
+      p->reshaped = stage;
+      return;
+    }
+    const std::size_t slot = flush_pending(t, *p);
+    if (slot == t.outputs.size()) return;
+    const Derived seen = t.outputs[slot];
+    remember_output(t, Derived{d.core->id, seen.module, seen.call, nullptr, weak_of(out), 0, seen.info, seen.delivery, 0});
+  }
+
   /// Whether operator `fn` reads a session's pending module output on this thread.
   static bool reads_pending(const at::RecordFunction& fn, const Tls& t) {
     bool any = false;
@@ -314,6 +374,9 @@ class Attribution : protected ObserverState {
           case Decision::Forward:
             forward_output(t, d, out);
             break;
+          case Decision::Reshape:
+            reshape_pending(t, d, out);
+            break;
           case Decision::Alias: {
             const std::size_t slot =
                 remember_output(t, Derived{d.core->id, d.module, d.call, nullptr, weak_of(out), 0, d.from, d.delivery, 0});
@@ -342,7 +405,8 @@ class Attribution : protected ObserverState {
   }
 
  private:
-  /// Whether any tensor among `inputs` is a session's module tensor, or one this thread
+  /// Whether any tensor among `inputs` is a session's module tensor (inside TorchScript, or a
+  /// detached alias of one: ModuleTable::alias_of), or one this thread
   /// holds for a session: a pending output, a remembered output or weight view, an
   /// activation's delivered output. Without one, attribute() decides nothing.
   static bool reads_known(at::ArrayRef<const c10::IValue> inputs, const Tls& t, const CoreList& cores) {
@@ -352,8 +416,8 @@ class Attribution : protected ObserverState {
         if (known || !x.defined()) return;
         const c10::TensorImpl* impl = x.unsafeGetTensorImpl();
         for (const auto& c : cores)
-          if (c->owner.count(impl) != 0) {
-            known = true;
+          if (c->owner.count(impl) != 0 || (t.script_depth > 0 && c->alias_of(x) != nullptr)) {
+            known = true;  // inside TorchScript, a detached alias of a module tensor too
             return;
           }
         known = held(t, impl);
@@ -445,6 +509,7 @@ class Attribution : protected ObserverState {
       norm = batch_norm_error(*d.norm);
     }
     if (cur != nullptr && cur->module == d.module) {  // the same call goes on
+      cur->reshaped = 0;
       if (d.input) cur->input = std::move(*d.input);
       if (norm) cur->input.norm = norm;
       for (std::size_t i = 0; i < d.used.size; ++i) cur->used.add(d.used.items[i]);

@@ -28,7 +28,8 @@ struct DeliveryInfo {
 };
 
 /// The module's output (`op` -1: its name, {"module_type", ..., "call", "<k>"}) or a follow-up
-/// operator's ("<module>/<op>", {"activation"|"op": op, "call": "<k>"}), for the module's call
+/// operator's ("<module>/<op>", {"activation"|"op": op, "call": "<k>"}; an activation module's
+/// name and {"module_type", ...} where Module::named_follow_ups names it), for the module's call
 /// `call` in the step. A module output whose data input is another delivery's output (`from`)
 /// also carries {"input_from": from's name, "input_call": from's call}. Built on first use
 /// and kept for the first kCachedCalls calls, so a step builds no strings. Thread-safe.
@@ -46,8 +47,10 @@ class DeliveryNames {
         f->md = table.modules[module].forward_md;
       } else {
         const char* n = FollowUpOps::kNames[op];
-        f->name = table.modules[module].name + "/" + n;
+        const auto* named = table.modules[module].named_follow_up(op);
+        f->name = named != nullptr ? named->name : table.modules[module].name + "/" + n;
         f->md.emplace(FollowUpOps::is_math(op) ? "op" : "activation", n);
+        if (named != nullptr) f->md.emplace("module_type", named->type_name);
       }
       f->md.emplace("call", std::to_string(call));
       if (with != nullptr) {

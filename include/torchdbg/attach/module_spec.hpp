@@ -22,6 +22,20 @@ struct ModuleSpec {
   std::vector<std::pair<std::string, at::Tensor>> buffers;
   /// A MultiheadAttention: its child `out_proj`'s weights are applied by its own forward.
   bool attention = false;
+  /// Python's MultiheadAttention (a TorchScript model's): its forward applies out_proj to the
+  /// attention output flattened to (L * N, E) and returns the product viewed as (L, N, E),
+  /// transposed to (N, L, E) when `batch_first`, squeezed to (L, E) for an unbatched query.
+  bool python_attention = false;
+  bool batch_first = false;
+  /// A parameter-free activation module that takes every output of this module's calls
+  /// (TorchScript's `self.act(self.fc(x))`): the activation operator (`op`, a FollowUpOps
+  /// name) applied to this module's output is that module's call, delivered under its name.
+  struct NamedActivation {
+    std::string op;
+    std::string name;
+    std::string type_name;
+  };
+  std::vector<NamedActivation> activations;
 };
 
 }  // namespace torchdbg::detail

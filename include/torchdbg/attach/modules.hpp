@@ -48,6 +48,21 @@ struct ModuleTable {
     /// Operators on this module's own tensors are internal steps of its forward (the packed
     /// q/k/v projection of MultiheadAttention), not its output.
     bool internal = false;
+    /// Activation modules named by ModuleSpec::activations: FollowUpOps index, name, type.
+    struct NamedFollowUp {
+      int op = -1;
+      std::string name;
+      std::string type_name;
+    };
+    std::vector<NamedFollowUp> named_follow_ups;
+    [[nodiscard]] const NamedFollowUp* named_follow_up(int op) const {
+      for (const auto& f : named_follow_ups)
+        if (f.op == op) return &f;
+      return nullptr;
+    }
+    /// Python's MultiheadAttention (ModuleSpec::python_attention) and its `batch_first`.
+    bool python_attention = false;
+    bool batch_first = false;
     /// Attached only so that its tensors are recognised (an unselected out_proj): no
     /// gradients, no name of its own.
     bool hidden = false;
@@ -177,6 +192,12 @@ struct ModuleTable {
     info.kind = kind_of_module(info.type_name);
     info.forward_as = idx;
     info.hidden = hidden;
+    info.python_attention = spec.python_attention;
+    info.batch_first = spec.batch_first;
+    for (const auto& a : spec.activations) {
+      const int op = FollowUpOps::find("aten::" + a.op);
+      if (op >= 0) info.named_follow_ups.push_back({op, a.name, a.type_name});
+    }
     const auto own = [&](const at::Tensor& t) {
       auto& list = owner[t.unsafeGetTensorImpl()];
       if (std::find(list.begin(), list.end(), idx) == list.end()) list.push_back(idx);

@@ -54,6 +54,9 @@ class ObserverState {
     TensorSet used;  // the module's tensors its operators read so far in this call
     at::Tensor out;
     AttachCore::InputMoments input;
+    /// Python's MultiheadAttention: how many of its forward's own reshapes of the product
+    /// (view, then transpose or squeeze) `out` has gone through (Decision::Reshape).
+    uint8_t reshaped = 0;
   };
   struct Derived {
     uint64_t core = 0;  // AttachCore::id; 0: empty
@@ -170,14 +173,16 @@ class ObserverState {
   /// Reader: another operator reading a remembered module output (a loss, dropout, a copy).
   /// FedAlias: a view-like operator on an activation's delivered output; its output joins
   /// Tls::fed.
+  /// Reshape: Python's MultiheadAttention reshaping its pending output before it returns it
+  /// (Attribution::reshapes_pending); its output becomes the pending output.
   struct Decision {
-    enum Kind { Forward, Weights, Internal, Activation, Alias, Reader, FedAlias } kind = Reader;
+    enum Kind { Forward, Weights, Internal, Activation, Alias, Reader, FedAlias, Reshape } kind = Reader;
     std::shared_ptr<AttachCore> core;
     std::size_t module = 0;
     uint32_t call = 0;                        // Activation, Alias: the call of the module's output
     const c10::TensorImpl* source = nullptr;  // Weights
     TensorSet used;                           // Forward: the module tensors it reads
-    int follow_up = -1;                       // Activation: index in FollowUpOps
+    int follow_up = -1;                       // Activation: index in FollowUpOps; Reshape: 0 a detach
     std::optional<AttachCore::InputMoments> input;
     /// Forward: the delivery whose output is the call's data input; Alias, FedAlias: the
     /// delivery it views.
@@ -219,18 +224,9 @@ class ObserverState {
     return t;
   }
 
-  /// Operators whose output is a view (or a reshaped or made-contiguous copy) of their input's
-  /// values: a module's output seen through them is still that module's.
-  static bool is_alias_op(std::string_view op) {
-    static constexpr std::string_view kOps[] = {
-        "aten::view",      "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::transpose",
-        "aten::t",         "aten::permute",      "aten::flatten", "aten::unflatten",      "aten::squeeze",
-        "aten::unsqueeze", "aten::contiguous",   "aten::expand",  "aten::view_as",        "aten::reshape_as",
-        "aten::movedim",   "aten::swapaxes",     "aten::swapdims"};
-    for (const auto& k : kOps)
-      if (op == k) return true;
-    return false;
-  }
+  /// A view-like operator (is_view_like_op): a module's output seen through it is still that
+  /// module's.
+  static bool is_alias_op(std::string_view op) { return is_view_like_op(op); }
   /// is_alias_op, and inside TorchScript `aten::detach` too: the graph executor hands a
   /// differentiable subgraph detached aliases of its inputs (one module's output goes to the
   /// activation after it through one).

@@ -36,6 +36,19 @@ template struct RecordFunctionInputsValid<&at::RecordFunction::inputs_valid_>;
 }  // namespace
 #endif
 
+/// Operators whose output is a view (or a reshaped or made-contiguous copy) of their input's
+/// values: a module's output seen through them is still that module's.
+inline bool is_view_like_op(std::string_view op) {
+  static constexpr std::string_view kOps[] = {
+      "aten::view",      "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::transpose",
+      "aten::t",         "aten::permute",      "aten::flatten", "aten::unflatten",      "aten::squeeze",
+      "aten::unsqueeze", "aten::contiguous",   "aten::expand",  "aten::view_as",        "aten::reshape_as",
+      "aten::movedim",   "aten::swapaxes",     "aten::swapdims"};
+  for (const auto& k : kOps)
+    if (op == k) return true;
+  return false;
+}
+
 /// Marks this thread as running torchdbg's own work (deliveries, hooks, statistics): the
 /// forward observer ignores the operators run meanwhile. (RecordFunction stays on: the
 /// statistics read tensor data without operators, so a delivery runs few, and turning it off
