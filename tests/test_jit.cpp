@@ -10,6 +10,7 @@
 #include <torchdbg/diagnosis.hpp>
 #include <torchdbg/health.hpp>
 #include <torchdbg/jit.hpp>
+#include <torchdbg/report.hpp>
 
 #include <cstdlib>
 #include <fstream>
@@ -59,6 +60,23 @@ bool have_models() {
 torch::jit::Module load_model(const std::string& name, const std::string& variant) {
   return torch::jit::load(model_dir() + "/" + name + "_" + variant + ".pt");
 }
+
+/// The "mlp" model in training mode and an SGD optimizer over its parameters, as a C++ loop
+/// fine-tuning a model from Python sets them up.
+struct FineTuned {
+  torch::jit::Module model;
+  std::vector<at::Tensor> params;
+  torch::optim::SGD opt;
+  explicit FineTuned(const std::string& variant)
+      : model(load_model("mlp", variant)), params(parameters_of(model)), opt(params, torch::optim::SGDOptions(1e-2)) {
+    model.train();
+  }
+  static std::vector<at::Tensor> parameters_of(const torch::jit::Module& m) {
+    std::vector<at::Tensor> out;
+    for (const auto& p : m.parameters()) out.push_back(p);
+    return out;
+  }
+};
 
 /// What Python recorded: the input, each hooked module's outputs by call, each gradient.
 struct Reference {
@@ -150,6 +168,19 @@ const std::map<std::string, std::map<std::string, std::string>>& expected_forwar
       {"attention_ub", {{"inp", "inp"}, {"mha", "mha"}, {"out", "out"}}},
       {"attention_sq", {{"inp", "inp"}, {"mha", "mha"}, {"out", "out"}}},
       {"attention_t", {{"inp", "inp"}, {"mha", "mha"}, {"out", "out"}}},
+      {"attention_tok", {{"inp", "inp"}, {"mha", "mha"}, {"out", "out"}}},
+      // a user's class named like MultiheadAttention: its own output, its out_proj its own
+      {"user_attention",
+       {{"inp", "inp"},
+        {"attn.qkv", "attn.qkv"},
+        {"attn.out_proj", "attn.out_proj"},
+        {"attn.norm", "attn.norm"},
+        {"attn", "attn"},
+        {"head", "head"}}},
+      {"cells", {{"gru", "gru"}, {"lstm", "lstm"}, {"rnn", "rnn"}, {"act", "act"}, {"fc", "fc"}}},
+      // traced, the cells are their gates' operators: their outputs are not delivered
+      {"cells#traced", {{"fc", "fc"}}},
+      {"gates", {{"fc", "fc"}, {"fc/sigmoid", "sigmoid_t:fc"}, {"g", "g"}, {"g/sigmoid", "sigmoid:g"}, {"out", "out"}}},
       // TransformerEncoderLayer's fused inference path: its parts are not delivered
       {"encoder", {{"inp", "inp"}, {"out", "out"}}},
       {"conv", {{"conv", "conv"}, {"bn", "bn"}, {"bn/relu", "relu:bn"}, {"fc", "fc"}}},
@@ -187,7 +218,11 @@ std::vector<torch::Tensor> reference_calls(const Reference& ref, const std::stri
   std::vector<torch::Tensor> out;
   const std::string f = what.substr(0, colon);
   for (const auto& t : ref.outputs.at(what.substr(colon + 1)))
-    out.push_back(f == "tanh" ? torch::tanh(t) : f == "sigmoid" ? torch::sigmoid(t) : f == "gelu" ? torch::gelu(t) : torch::relu(t));
+    out.push_back(f == "tanh"        ? torch::tanh(t)
+                  : f == "sigmoid"   ? torch::sigmoid(t)
+                  : f == "sigmoid_t" ? torch::sigmoid(t.t())
+                  : f == "gelu"      ? torch::gelu(t)
+                                     : torch::relu(t));
   return out;
 }
 
@@ -196,9 +231,13 @@ bool close(const torch::Tensor& a, const torch::Tensor& b) {
 }
 
 /// Every forward delivery of one step against the reference: the names, each call's values.
-void check_forward(const Recorder& rec, const Reference& ref, const std::string& model_name) {
+/// `variant`: "<model>#<variant>" in expected_forward() where that variant delivers otherwise.
+void check_forward(const Recorder& rec, const Reference& ref, const std::string& model_name,
+                   const std::string& variant) {
+  const auto& all = expected_forward();
+  const auto own = all.find(model_name + "#" + variant);
   const std::map<std::string, std::string>& expected =
-      ref.expect.empty() ? expected_forward().at(model_name) : ref.expect;
+      !ref.expect.empty() ? ref.expect : own != all.end() ? own->second : all.at(model_name);
   std::set<std::string> names, want;
   for (const auto& [name, calls] : rec.fwd) names.insert(name);
   for (const auto& [name, what] : expected) want.insert(name);
@@ -241,14 +280,15 @@ void check_model(const std::string& model_name) {
       for (const auto& p : rec.problems) problems += p + "; ";
       INFO(problems);
       CHECK(rec.problems.empty());
-      check_forward(rec, ref, model_name);
+      check_forward(rec, ref, model_name, variant);
       std::set<std::string> grad_names, want_grads;
       for (const auto& [name, g] : rec.bwd) grad_names.insert(name);
       for (const auto& [name, g] : ref.grads) want_grads.insert(name);
       CHECK(grad_names == want_grads);
       for (const auto& [name, type] : rec.types) {
         INFO("module_type of " << name << ": " << type);
-        CHECK(type.rfind("torch.nn.modules.", 0) == 0);  // the Python class, unmangled
+        // the Python class, unmangled
+        CHECK((type.rfind("torch.nn.modules.", 0) == 0 || type == "MyMultiheadAttention"));
         CHECK(type.find("mangle") == std::string::npos);
       }
       if (model_name == "net") CHECK(rec.types.at("b0.fc") == "torch.nn.modules.linear.Linear");
@@ -265,8 +305,9 @@ void check_model(const std::string& model_name) {
 TEST_CASE("attach on scripted and traced models delivers what Python's hooks and autograd record",
           "[jit]") {
   if (!have_models()) return;
-  for (const std::string model_name : {"net", "attention", "attention_bf", "attention_ub", "attention_sq",
-                                       "attention_t", "conv", "mlp", "loop", "deep", "named"})
+  for (const std::string model_name :
+       {"net", "attention", "attention_bf", "attention_ub", "attention_sq", "attention_t", "attention_tok",
+        "user_attention", "cells", "gates", "conv", "mlp", "loop", "deep", "named"})
     check_model(model_name);
 }
 
@@ -283,13 +324,17 @@ TEST_CASE("attach on random TorchScript models delivers what Python's hooks reco
 
 TEST_CASE("attach on a frozen TorchScript model throws torchdbg::Error naming the cause", "[jit]") {
   if (!have_models()) return;
-  torch::jit::Module frozen = load_model("net", "frozen");
   HookManager hooks;
-  try {
-    auto session = torchdbg::attach(frozen, hooks);
-    FAIL("attach accepted a frozen model");
-  } catch (const torchdbg::Error& e) {
-    CHECK(std::string(e.what()).find("freeze") != std::string::npos);
+  // all folded; one buffer kept (its forward updates it); one submodule kept (preserved_attrs)
+  for (const std::string name : {"net", "counter", "mlp_keep"}) {
+    INFO(name);
+    torch::jit::Module frozen = load_model(name, "frozen");
+    try {
+      auto session = torchdbg::attach(frozen, hooks);
+      FAIL("attach accepted a frozen model");
+    } catch (const torchdbg::Error& e) {
+      CHECK(std::string(e.what()).find("freeze") != std::string::npos);
+    }
   }
   // Nothing stayed attached: a normal model attaches to the same manager afterwards.
   torch::jit::Module model = load_model("net", "scripted");
@@ -318,7 +363,7 @@ TEST_CASE("inference on a TorchScript model: eval, NoGradGuard, no_grad_forward"
         torch::NoGradGuard no_grad;
         (void)model.forward({ref.x});
         session.flush();
-        check_forward(rec, ref, model_name);
+        check_forward(rec, ref, model_name, variant);
         CHECK(rec.bwd.empty());
       }
     }
@@ -332,11 +377,9 @@ TEST_CASE("fine-tuning a TorchScript model in C++: healthy runs raise nothing, a
     for (const std::string blown : {"", "fc1", "fc2"}) {
       INFO(variant << " blown up: '" << blown << "'");
       torch::manual_seed(5);
-      torch::jit::Module model = load_model("mlp", variant);
-      model.train();
-      std::vector<at::Tensor> params;
-      for (const auto& p : model.parameters()) params.push_back(p);
-      torch::optim::SGD opt(params, torch::optim::SGDOptions(1e-2));
+      FineTuned tuned(variant);
+      torch::jit::Module& model = tuned.model;
+      torch::optim::SGD& opt = tuned.opt;
       HookManager hooks;
       torchdbg::HealthMonitor health(torchdbg::HealthOptions().on_failure(torchdbg::OnFailure::Pause));
       auto fed = health.install(hooks);
@@ -372,6 +415,54 @@ TEST_CASE("fine-tuning a TorchScript model in C++: healthy runs raise nothing, a
         REQUIRE_FALSE(d.hypotheses.empty());
         CHECK(d.hypotheses[0].layer.rfind(blown, 0) == 0);
       }
+    }
+  }
+}
+
+TEST_CASE("the reporter, gradient norms and auto_step on a TorchScript model", "[jit]") {
+  if (!have_models()) return;
+  for (const std::string variant : {"scripted", "traced"}) {
+    INFO(variant);
+    torch::manual_seed(3);
+    FineTuned tuned(variant);
+    torch::jit::Module& model = tuned.model;
+    const std::vector<at::Tensor>& params = tuned.params;
+    torch::optim::SGD& opt = tuned.opt;
+    HookManager hooks;
+    torchdbg::HealthMonitor health;
+    torchdbg::Reporter reporter;
+    auto recorded = std::make_shared<torchdbg::RecordingExporter>();
+    reporter.add_exporter(recorded);
+    auto fed = health.install(hooks);
+    auto reported = reporter.install(hooks, &health);
+    auto session = torchdbg::attach(model, hooks, torchdbg::AttachOptions().auto_step(true));
+    std::vector<double> norms;  // torch's own norm of all gradients, per step
+    for (int s = 0; s < 6; ++s) {  // no set_step: each backward pass is a step
+      opt.zero_grad();
+      const auto x = torch::randn({16, 8});
+      auto loss = model.forward({x}).toTensor().square().mean();
+      hooks.set_loss(loss.item<double>());
+      loss.backward();
+      double sq = 0.0;
+      for (const auto& p : params) sq += p.grad().to(torch::kDouble).pow(2).sum().item<double>();
+      norms.push_back(std::sqrt(sq));
+      opt.step();
+    }
+    CHECK(hooks.step() == 6);
+    reporter.flush();
+    const auto steps = recorded->steps();
+    REQUIRE(steps.size() >= 5);
+    for (const auto& r : steps) {
+      INFO("step " << r.step);
+      std::set<std::string> fwd, grads;
+      for (const auto& l : r.layers) (l.forward ? fwd : grads).insert(l.forward ? l.layer : l.layer + "." + l.parameter);
+      CHECK(fwd == std::set<std::string>{"fc1", "act", "fc2", "fc2/tanh", "fc3"});
+      CHECK(grads == std::set<std::string>{"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"});
+      REQUIRE(r.gradient_norm.has_value());
+      REQUIRE(r.step >= 0);
+      REQUIRE(r.step < static_cast<int64_t>(norms.size()));
+      CHECK(*r.gradient_norm == Approx(norms[static_cast<std::size_t>(r.step)]).epsilon(1e-4));
+      CHECK(r.health.size() >= 5);
     }
   }
 }

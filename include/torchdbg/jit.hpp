@@ -68,6 +68,60 @@ inline bool attention_batch_first(const torch::jit::Module& m) {
   return out->node()->kind() == c10::aten::transpose;
 }
 
+/// Whether a module's code applies its own parameters in operators that do not follow one
+/// another (a traced RNNCell, GRUCell or LSTMCell: tracing records `gru_cell` as its parts,
+/// `linear(x, weight_ih)` and `linear(hx, weight_hh)`). Each of those would look like a call
+/// of its own with a part's value as its output (ModuleSpec::opaque).
+inline bool applies_weights_apart(const torch::jit::Module& m, const ModuleSpec& spec) {
+  if (spec.params.size() < 2) return false;
+  for (const auto& method : m.get_methods()) {
+    const std::shared_ptr<torch::jit::Graph> graph = method.graph();
+    if (graph->inputs().empty()) continue;
+    const torch::jit::Value* self = graph->inputs()[0];
+    std::vector<const torch::jit::Node*> users;  // operators reading a parameter, in order
+    std::vector<const torch::jit::Block*> blocks{graph->block()};
+    std::set<const torch::jit::Value*> params;
+    while (!blocks.empty()) {
+      const torch::jit::Block* b = blocks.back();
+      blocks.pop_back();
+      for (const torch::jit::Node* n : b->nodes()) {
+        for (const torch::jit::Block* inner : n->blocks()) blocks.push_back(inner);
+        if (n->kind() == c10::prim::GetAttr && n->inputs().size() == 1 && n->inputs()[0] == self) {
+          const std::string& attr = n->s(c10::attr::name);
+          for (const auto& p : spec.params)
+            if (p.first == attr) params.insert(n->output());
+          continue;
+        }
+        if (n->kind().is_prim()) continue;
+        for (const torch::jit::Value* in : n->inputs())
+          if (params.count(in) != 0) {
+            users.push_back(n);
+            break;
+          }
+      }
+    }
+    // Each such operator must take (through any operators) what the one before it in its
+    // block made (operators in two branches of an `if` are alternatives, not steps).
+    for (std::size_t i = 1; i < users.size(); ++i) {
+      if (users[i]->owningBlock() != users[i - 1]->owningBlock()) continue;
+      std::set<const torch::jit::Node*> seen;
+      std::vector<const torch::jit::Value*> todo(users[i - 1]->outputs().begin(), users[i - 1]->outputs().end());
+      bool reached = false;
+      while (!todo.empty() && !reached && seen.size() < 4096) {
+        const torch::jit::Value* v = todo.back();
+        todo.pop_back();
+        for (const torch::jit::Use& u : v->uses()) {
+          if (u.user == users[i]) reached = true;
+          if (!seen.insert(u.user).second) continue;
+          for (const torch::jit::Value* o : u.user->outputs()) todo.push_back(o);
+        }
+      }
+      if (!reached) return true;
+    }
+  }
+  return false;
+}
+
 /// The operator a built-in parameter-free activation module of torch.nn runs on its input
 /// (a FollowUpOps name), or empty: "torch.nn.modules.activation.ReLU" -> "relu".
 inline std::string_view activation_module_op(std::string_view type) {
@@ -85,6 +139,30 @@ inline std::string_view activation_module_op(std::string_view type) {
   for (const auto& [cls, op] : kOps)
     if (type == cls) return op;
   return {};
+}
+
+/// Whether the output of call `s`, directly or through views, goes anywhere an activation
+/// could be applied to it before or besides call `m`: an activation or elementwise function
+/// (FollowUpOps), or out of its block (returned, carried by a loop, put in a tuple or list).
+inline bool followed_elsewhere(const torch::jit::Node* s, const torch::jit::Node* m) {
+  std::vector<const torch::jit::Value*> todo(s->outputs().begin(), s->outputs().end());
+  for (int guard = 0; !todo.empty() && guard < 4096; ++guard) {
+    const torch::jit::Value* v = todo.back();
+    todo.pop_back();
+    for (const torch::jit::Use& u : v->uses()) {
+      const torch::jit::Node* n = u.user;
+      if (n == m) continue;
+      const std::string op = n->kind().toQualString();
+      if (is_view_like_op(op)) {
+        for (const torch::jit::Value* o : n->outputs()) todo.push_back(o);
+      } else if (FollowUpOps::find(op) >= 0 || n->kind() == c10::prim::Return || n->kind() == c10::prim::Loop ||
+                 n->kind() == c10::prim::TupleConstruct || n->kind() == c10::prim::ListConstruct ||
+                 n->kind() == c10::prim::DictConstruct) {
+        return true;
+      }
+    }
+  }
+  return false;
 }
 
 /// Names parameter-free activation modules by their calls in the model's code (the forward
@@ -158,7 +236,9 @@ inline void name_activation_modules(const torch::jit::Module& model, std::vector
     if (activation_op(m.callee).empty()) continue;
     const Site* s = m.node->inputs().size() == 2 ? producer(m.owner, m.node->inputs()[1]) : nullptr;
     // In the same block: a call under an `if` or in a loop the other is not in would not pair.
-    if (s == nullptr || s->node->owningBlock() != m.node->owningBlock()) {
+    // And M the only follow-up of S's output: an activation function on it (or on a view of
+    // it) first, or the output leaving the block, would take the name at run time.
+    if (s == nullptr || s->node->owningBlock() != m.node->owningBlock() || followed_elsewhere(s->node, m.node)) {
       unpaired.insert(m.callee);
       continue;
     }
@@ -168,7 +248,8 @@ inline void name_activation_modules(const torch::jit::Module& model, std::vector
   for (const auto& [s, m] : feeds) {
     if (unpaired.count(s) != 0 || unpaired.count(m) != 0) continue;
     ModuleSpec* spec = find_spec(s);
-    if (spec == nullptr || spec->attention || (spec->params.empty() && spec->buffers.empty())) continue;
+    if (spec == nullptr || spec->attention || spec->opaque || (spec->params.empty() && spec->buffers.empty()))
+      continue;
     // Every call of S feeds a call of M, and every call of M takes an output of S: one M call
     // per S call, in order.
     std::set<const torch::jit::Node*> feeding;  // the calls of S some call of M takes
@@ -190,20 +271,27 @@ inline void name_activation_modules(const torch::jit::Module& model, std::vector
 
 /// A TorchScript model and its submodules, root first, as attach() describes them.
 inline std::vector<ModuleSpec> jit_specs_of(const torch::jit::Module& model) {
+  // torch.jit.freeze and optimize_for_inference drop the model's `training` attribute with
+  // the rest they fold, whatever attributes or submodules they keep (preserved_attrs, a buffer
+  // its forward updates); a scripted or traced model always has it.
+  if (!model.hasattr("training"))
+    throw Error(
+        "torchdbg: attach: this TorchScript model is frozen (torch.jit.freeze or "
+        "optimize_for_inference): the weights it folded into its code are constants no operator "
+        "can be told apart by. Attach the model before freezing it");
   std::vector<ModuleSpec> out;
   bool any_tensor = false;
   for (const auto& item : model.named_modules()) {  // the model first, as ""
     ModuleSpec spec;
     spec.name = item.name.empty() ? "root" : item.name;
     spec.type_name = jit_type_name(item.value);
-    const std::string_view type = spec.type_name;
-    constexpr std::string_view kAttention = "MultiheadAttention";
-    spec.attention = type.size() >= kAttention.size() &&
-                     type.substr(type.size() - kAttention.size()) == kAttention;
+    // torch.nn's own (a class of the user's with a name alike is not: its forward is its own)
+    spec.attention = spec.type_name == "torch.nn.modules.activation.MultiheadAttention";
     spec.python_attention = spec.attention;
     if (spec.attention) spec.batch_first = attention_batch_first(item.value);
     for (const auto& p : item.value.named_parameters(/*recurse=*/false)) spec.params.emplace_back(p.name, p.value);
     for (const auto& b : item.value.named_buffers(/*recurse=*/false)) spec.buffers.emplace_back(b.name, b.value);
+    spec.opaque = !spec.attention && applies_weights_apart(item.value, spec);
     any_tensor = any_tensor || !spec.params.empty() || !spec.buffers.empty();
     out.push_back(std::move(spec));
   }

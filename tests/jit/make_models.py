@@ -73,6 +73,93 @@ class AttentionTransposed(Attention):
         return self.out(a.transpose(0, 1))
 
 
+class AttentionToken(Attention):
+    """One query token, batch of one; the caller squeezes the token dimension (0)."""
+
+    def forward(self, x):
+        h = self.inp(x)
+        a, _ = self.mha(h[:1], h, h)
+        return self.out(a.squeeze(0))
+
+
+class MyMultiheadAttention(nn.Module):
+    """A user's attention: its class name ends like torch.nn's, its forward is its own."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((1,), 0.5))
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out_proj = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        w = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+        return self.norm(self.out_proj(w @ v) + x) * self.scale
+
+
+class UserAttention(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.attn = MyMultiheadAttention(d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x):
+        return self.head(self.attn(self.inp(x)))
+
+
+class Cells(nn.Module):
+    """RNN cells: scripted, one operator each; traced, their gates (no output delivered)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.gru = nn.GRUCell(d, d)
+        self.lstm = nn.LSTMCell(d, d)
+        self.rnn = nn.RNNCell(d, d)
+        self.act = nn.Tanh()
+        self.fc = nn.Linear(d, 2)
+
+    def forward(self, x):
+        h = self.gru(x)
+        h, c = self.lstm(h)
+        h = self.rnn(h + c)
+        return self.fc(self.act(h))
+
+
+class Gates(nn.Module):
+    """Activation functions read a Linear's output (one through a view) before the activation
+    module does: the module is not named, the first function is the delivery."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.act = nn.ReLU()
+        self.g = nn.Linear(d, d)
+        self.act2 = nn.ReLU()
+        self.out = nn.Linear(d, 2)
+
+    def forward(self, x):
+        y = self.fc(x)
+        stat = torch.sigmoid(y.t()).mean()
+        z = self.g(self.act(y))
+        gate = torch.sigmoid(z)
+        return self.out(self.act2(z) * gate) + stat
+
+
+class Counter(nn.Module):
+    """Freezing keeps the buffer its forward updates, and folds the Linears."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.register_buffer("calls", torch.zeros(1))
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.relu(self.fc(x))
+
+
 class Encoder(nn.Module):
     """A TransformerEncoderLayer: in eval without gradients it runs as one fused operator."""
 
@@ -206,7 +293,7 @@ def random_source(rng, k):
 
     for i in range(rng.randint(3, 7)):
         kind = rng.choice(["act_module", "functional", "plain", "block", "twice", "shared", "norm", "view",
-                           "loop", "sequential", "twice_functional", "dropout", "batchnorm"])
+                           "loop", "sequential", "twice_functional", "dropout", "batchnorm", "gate"])
         if kind == "act_module":  # an activation module after a Linear: named
             init += ["self.l%d = nn.Linear(%d, %d)" % (i, d, d), "self.a%d = nn.%s" % (i, module())]
             fwd += ["x = self.a%d(self.l%d(x))" % (i, i)]
@@ -255,6 +342,11 @@ def random_source(rng, k):
             call = "torch.nn.functional.gelu" if f == "gelu" else "torch." + f
             init += ["self.l%d = nn.Linear(%d, %d)" % (i, d, d)]
             fwd += ["x = %s(self.l%d(%s(self.l%d(x))))" % (call, i, call, i)]
+            expect += [("l%d" % i, "l%d" % i), ("l%d/%s" % (i, f), "%s:l%d" % (f, i))]
+        elif kind == "gate":  # a function also reads the Linear's output: the module is not named
+            cls, f = act()
+            init += ["self.l%d = nn.Linear(%d, %d)" % (i, d, d), "self.a%d = nn.%s()" % (i, cls)]
+            fwd += ["y = self.l%d(x)" % i, "x = self.a%d(y) * torch.sigmoid(y)" % i]
             expect += [("l%d" % i, "l%d" % i), ("l%d/%s" % (i, f), "%s:l%d" % (f, i))]
         elif kind == "dropout":  # a parameter-free module that is no activation: no delivery
             init += ["self.l%d = nn.Linear(%d, %d)" % (i, d, d), "self.d%d = nn.Dropout(0.0)" % i]
@@ -318,6 +410,10 @@ def main(out_dir):
         "attention_ub": (Attention(), torch.randn(5, 8)),
         "attention_sq": (AttentionBatchFirst(), torch.randn(3, 3, 8)),
         "attention_t": (AttentionTransposed(), torch.randn(3, 3, 8)),
+        "attention_tok": (AttentionToken(), torch.randn(6, 1, 8)),
+        "user_attention": (UserAttention(), torch.randn(5, 8)),
+        "cells": (Cells(), torch.randn(4, 8)),
+        "gates": (Gates(), torch.randn(4, 8)),
         "encoder": (Encoder(), torch.randn(2, 5, 8)),
         "conv": (ConvNet(), torch.randn(3, 2, 5, 5)),
         "mlp": (Mlp(), torch.randn(16, 8)),
@@ -325,6 +421,10 @@ def main(out_dir):
         "deep": (Deep(), torch.randn(4, 8)),
         "named": (Named(), torch.randn(4, 8)),
     }
+    # frozen keeping a tensor: a buffer its forward updates, an attribute asked for
+    torch.jit.freeze(torch.jit.script(Counter()).eval()).save(os.path.join(out_dir, "counter_frozen.pt"))
+    torch.jit.freeze(torch.jit.script(Mlp()).eval(), preserved_attrs=["fc3"]).save(
+        os.path.join(out_dir, "mlp_keep_frozen.pt"))
     cases = {name: (model, x, None) for name, (model, x) in cases.items()}
     cases.update(random_cases(out_dir, seed=int(os.environ.get("TORCHDBG_TEST_SEED", "11"))))
     for name, (model, x, expect) in cases.items():

@@ -231,7 +231,7 @@ class Attribution : protected ObserverState {
       // The module's pending output, as it returned it, is delivered now, and remembered.
       Pending* p = pending_of(t, core.get());
       if (p != nullptr && p->out.defined() && reads_data(p->out.unsafeGetTensorImpl())) {
-        if (reshapes_pending(t, *core, *p, op_name)) {
+        if (reshapes_pending(t, *core, *p, op_name, inputs)) {
           Decision d;
           d.core = core;
           d.kind = Decision::Reshape;
@@ -293,9 +293,10 @@ class Attribution : protected ObserverState {
   /// Whether operator `op`, reading session `core`'s pending output `p`, is one of the
   /// reshapes Python's MultiheadAttention applies to its out_proj product before returning it
   /// (ModuleSpec::python_attention): `view` to (L, N, E), then `transpose` to (N, L, E) with
-  /// `batch_first`, or `squeeze(1)` for an unbatched query. Inside TorchScript only; the graph
+  /// `batch_first`, or `squeeze(1)` for an unbatched query (`inputs`: the operator's own). Inside TorchScript only; the graph
   /// executor's `detach` between subgraphs passes the output on at the same stage.
-  static bool reshapes_pending(const Tls& t, const AttachCore& core, const Pending& p, std::string_view op) {
+  static bool reshapes_pending(const Tls& t, const AttachCore& core, const Pending& p, std::string_view op,
+                               at::ArrayRef<const c10::IValue> inputs) {
     if (t.script_depth == 0 || !core.modules[p.module].python_attention) return false;
     if (op == "aten::detach") return true;
     const int64_t dim = p.out.dim();
@@ -304,7 +305,9 @@ class Attribution : protected ObserverState {
                           op == "aten::_reshape_alias");
     if (p.reshaped == 1 && dim == 3) {
       if (op == "aten::transpose") return core.modules[p.module].batch_first;
-      if (op == "aten::squeeze") return p.out.size(1) == 1;
+      if (op == "aten::squeeze")  // squeeze(1), not a caller's squeeze(0) of one token
+        return p.out.size(1) == 1 && inputs.size() == 2 && inputs[1].isInt() &&
+               (inputs[1].toInt() == 1 || inputs[1].toInt() == -2);
     }
     return false;
   }

@@ -27,6 +27,9 @@ struct ModuleSpec {
   /// transposed to (N, L, E) when `batch_first`, squeezed to (L, E) for an unbatched query.
   bool python_attention = false;
   bool batch_first = false;
+  /// Its code applies its own parameters in operators that do not follow one another (a
+  /// traced GRUCell's gates): no operator's output is its output; it delivers its gradients.
+  bool opaque = false;
   /// A parameter-free activation module that takes every output of this module's calls
   /// (TorchScript's `self.act(self.fc(x))`): the activation operator (`op`, a FollowUpOps
   /// name) applied to this module's output is that module's call, delivered under its name.

@@ -192,6 +192,7 @@ struct ModuleTable {
     info.kind = kind_of_module(info.type_name);
     info.forward_as = idx;
     info.hidden = hidden;
+    info.internal = spec.opaque;  // its operators' outputs are parts of its forward, none its output
     info.python_attention = spec.python_attention;
     info.batch_first = spec.batch_first;
     for (const auto& a : spec.activations) {
