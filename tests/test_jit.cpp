@@ -181,6 +181,9 @@ const std::map<std::string, std::map<std::string, std::string>>& expected_forwar
       // traced, the cells are their gates' operators: their outputs are not delivered
       {"cells#traced", {{"fc", "fc"}}},
       {"gates", {{"fc", "fc"}, {"fc/sigmoid", "sigmoid_t:fc"}, {"g", "g"}, {"g/sigmoid", "sigmoid:g"}, {"out", "out"}}},
+      {"hidden", {{"fc", "fc"}, {"fc/relu", "relu:fc"}, {"g", "g"}, {"g/relu", "relu:g"}, {"out", "out"}}},
+      // weights prepared apart (views, casts) are one call; a layer applying them in a loop none
+      {"custom", {{"film", "film"}, {"act", "act"}, {"cast", "cast"}, {"act2", "act2"}, {"head", "head"}}},
       // TransformerEncoderLayer's fused inference path: its parts are not delivered
       {"encoder", {{"inp", "inp"}, {"out", "out"}}},
       {"conv", {{"conv", "conv"}, {"bn", "bn"}, {"bn/relu", "relu:bn"}, {"fc", "fc"}}},
@@ -287,9 +290,11 @@ void check_model(const std::string& model_name) {
       CHECK(grad_names == want_grads);
       for (const auto& [name, type] : rec.types) {
         INFO("module_type of " << name << ": " << type);
-        // the Python class, unmangled
-        CHECK((type.rfind("torch.nn.modules.", 0) == 0 || type == "MyMultiheadAttention"));
+        // the Python class, unmangled: torch.nn's by its module path, a user's by its name
+        const std::set<std::string> own{"MyMultiheadAttention", "FiLM", "CastLinear", "LoopLayer"};
+        CHECK((type.rfind("torch.nn.modules.", 0) == 0 || own.count(type) != 0));
         CHECK(type.find("mangle") == std::string::npos);
+        CHECK(type.find("__torch__") == std::string::npos);
       }
       if (model_name == "net") CHECK(rec.types.at("b0.fc") == "torch.nn.modules.linear.Linear");
       for (const auto& [name, g] : ref.grads) {
@@ -307,7 +312,7 @@ TEST_CASE("attach on scripted and traced models delivers what Python's hooks and
   if (!have_models()) return;
   for (const std::string model_name :
        {"net", "attention", "attention_bf", "attention_ub", "attention_sq", "attention_t", "attention_tok",
-        "user_attention", "cells", "gates", "conv", "mlp", "loop", "deep", "named"})
+        "user_attention", "cells", "gates", "hidden", "custom", "conv", "mlp", "loop", "deep", "named"})
     check_model(model_name);
 }
 

@@ -8,6 +8,8 @@
 
 #include <torch/csrc/jit/api/module.h>
 
+#include <algorithm>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <set>
@@ -68,52 +70,82 @@ inline bool attention_batch_first(const torch::jit::Module& m) {
   return out->node()->kind() == c10::aten::transpose;
 }
 
-/// Whether a module's code applies its own parameters in operators that do not follow one
-/// another (a traced RNNCell, GRUCell or LSTMCell: tracing records `gru_cell` as its parts,
-/// `linear(x, weight_ih)` and `linear(hx, weight_hh)`). Each of those would look like a call
-/// of its own with a part's value as its output (ModuleSpec::opaque).
+/// Whether a module's code applies its own parameters to data in operators that do not follow
+/// one another, or in a loop (ModuleSpec::opaque): a traced RNNCell, GRUCell or LSTMCell
+/// (tracing records `gru_cell` as its parts, `linear(x, weight_ih)` and `linear(hx,
+/// weight_hh)`), a layer that applies its weights once per iteration. Each of those operators
+/// would look like a call of its own, with a part's value as its output. Operators on the
+/// parameters alone (`weight.view(1, -1)`, `weight.to(x.dtype)`, `weight.size(1)`) prepare
+/// them and do not count.
 inline bool applies_weights_apart(const torch::jit::Module& m, const ModuleSpec& spec) {
-  if (spec.params.size() < 2) return false;
+  if (spec.params.empty()) return false;
   for (const auto& method : m.get_methods()) {
     const std::shared_ptr<torch::jit::Graph> graph = method.graph();
     if (graph->inputs().empty()) continue;
     const torch::jit::Value* self = graph->inputs()[0];
-    std::vector<const torch::jit::Node*> users;  // operators reading a parameter, in order
-    std::vector<const torch::jit::Block*> blocks{graph->block()};
-    std::set<const torch::jit::Value*> params;
-    while (!blocks.empty()) {
-      const torch::jit::Block* b = blocks.back();
-      blocks.pop_back();
-      for (const torch::jit::Node* n : b->nodes()) {
-        for (const torch::jit::Block* inner : n->blocks()) blocks.push_back(inner);
-        if (n->kind() == c10::prim::GetAttr && n->inputs().size() == 1 && n->inputs()[0] == self) {
-          const std::string& attr = n->s(c10::attr::name);
-          for (const auto& p : spec.params)
-            if (p.first == attr) params.insert(n->output());
-          continue;
-        }
-        if (n->kind().is_prim()) continue;
-        for (const torch::jit::Value* in : n->inputs())
-          if (params.count(in) != 0) {
-            users.push_back(n);
-            break;
-          }
+    std::set<const torch::jit::Value*> weights;  // parameters and what is made of them alone
+    std::vector<const torch::jit::Node*> users;  // operators applying them to data, in order
+    // Nodes in program order, blocks entered where they stand (depth first).
+    std::vector<const torch::jit::Node*> order;
+    std::vector<std::pair<torch::jit::const_graph_node_list_iterator, torch::jit::const_graph_node_list_iterator>>
+        stack;
+    const torch::jit::Block* top = graph->block();
+    stack.emplace_back(top->nodes().begin(), top->nodes().end());
+    while (!stack.empty()) {
+      auto& [it, end] = stack.back();
+      if (it == end) {
+        stack.pop_back();
+        continue;
+      }
+      const torch::jit::Node* n = *it;
+      ++it;
+      order.push_back(n);
+      const auto blocks = n->blocks();
+      for (std::size_t b = blocks.size(); b-- > 0;) {
+        const torch::jit::Block* inner = blocks[b];
+        stack.emplace_back(inner->nodes().begin(), inner->nodes().end());
       }
     }
-    // Each such operator must take (through any operators) what the one before it in its
-    // block made (operators in two branches of an `if` are alternatives, not steps).
+    for (const torch::jit::Node* n : order) {
+      if (n->kind() == c10::prim::GetAttr && n->inputs().size() == 1 && n->inputs()[0] == self) {
+        const std::string& attr = n->s(c10::attr::name);
+        for (const auto& p : spec.params)
+          if (p.first == attr) weights.insert(n->output());
+        continue;
+      }
+      bool reads_weights = false, reads_data = false;
+      for (const torch::jit::Value* in : n->inputs()) {
+        if (weights.count(in) != 0) {
+          reads_weights = true;
+        } else if (in->type()->kind() == c10::TypeKind::TensorType) {
+          reads_data = true;
+        }
+      }
+      if (!reads_weights) continue;
+      if (!reads_data) {  // made of the parameters alone
+        for (const torch::jit::Value* o : n->outputs()) weights.insert(o);
+        continue;
+      }
+      if (n->kind().is_prim()) continue;  // a call or a list: what receives them decides
+      for (const torch::jit::Block* b = n->owningBlock(); b->owningNode() != nullptr; b = b->owningNode()->owningBlock())
+        if (b->owningNode()->kind() == c10::prim::Loop) return true;  // once per iteration
+      users.push_back(n);
+    }
+    // Each such operator must take what the one before it in its block made, or a view of
+    // it, as the observer continues a call (`x @ w + b`); operators in two branches of an
+    // `if` are alternatives, not steps. Anything between (an activation: a traced loop's
+    // next iteration) would start a call of its own.
     for (std::size_t i = 1; i < users.size(); ++i) {
       if (users[i]->owningBlock() != users[i - 1]->owningBlock()) continue;
-      std::set<const torch::jit::Node*> seen;
       std::vector<const torch::jit::Value*> todo(users[i - 1]->outputs().begin(), users[i - 1]->outputs().end());
       bool reached = false;
-      while (!todo.empty() && !reached && seen.size() < 4096) {
+      for (int guard = 0; !todo.empty() && !reached && guard < 4096; ++guard) {
         const torch::jit::Value* v = todo.back();
         todo.pop_back();
         for (const torch::jit::Use& u : v->uses()) {
           if (u.user == users[i]) reached = true;
-          if (!seen.insert(u.user).second) continue;
-          for (const torch::jit::Value* o : u.user->outputs()) todo.push_back(o);
+          if (is_view_like_op(u.user->kind().toQualString()))
+            for (const torch::jit::Value* o : u.user->outputs()) todo.push_back(o);
         }
       }
       if (!reached) return true;
@@ -141,10 +173,16 @@ inline std::string_view activation_module_op(std::string_view type) {
   return {};
 }
 
-/// Whether the output of call `s`, directly or through views, goes anywhere an activation
-/// could be applied to it before or besides call `m`: an activation or elementwise function
-/// (FollowUpOps), or out of its block (returned, carried by a loop, put in a tuple or list).
+/// Whether the output of call `s`, directly or through views, goes anywhere but call `m` and
+/// operators that make new values of it (arithmetic, matmul, reductions, cat): an activation
+/// function, another module or function (which may apply one), an operator that may hand the
+/// same tensor back (`detach`, `to`, `dropout`), out of its block. At run time the first
+/// activation applied to it takes the name.
 inline bool followed_elsewhere(const torch::jit::Node* s, const torch::jit::Node* m) {
+  static constexpr std::string_view kMakesNew[] = {
+      "aten::add", "aten::sub",  "aten::mul",  "aten::div", "aten::matmul", "aten::mm",  "aten::bmm",
+      "aten::cat", "aten::stack", "aten::sum", "aten::mean", "aten::linear", "aten::addmm", "aten::size",
+      "aten::dim", "aten::numel", "prim::dtype", "prim::device"};
   std::vector<const torch::jit::Value*> todo(s->outputs().begin(), s->outputs().end());
   for (int guard = 0; !todo.empty() && guard < 4096; ++guard) {
     const torch::jit::Value* v = todo.back();
@@ -155,11 +193,9 @@ inline bool followed_elsewhere(const torch::jit::Node* s, const torch::jit::Node
       const std::string op = n->kind().toQualString();
       if (is_view_like_op(op)) {
         for (const torch::jit::Value* o : n->outputs()) todo.push_back(o);
-      } else if (FollowUpOps::find(op) >= 0 || n->kind() == c10::prim::Return || n->kind() == c10::prim::Loop ||
-                 n->kind() == c10::prim::TupleConstruct || n->kind() == c10::prim::ListConstruct ||
-                 n->kind() == c10::prim::DictConstruct) {
-        return true;
+        continue;
       }
+      if (std::find(std::begin(kMakesNew), std::end(kMakesNew), op) == std::end(kMakesNew)) return true;
     }
   }
   return false;

@@ -147,6 +147,76 @@ class Gates(nn.Module):
         return self.out(self.act2(z) * gate) + stat
 
 
+class Helper(nn.Module):
+    """A parameter-free submodule that applies an activation to what it is given."""
+
+    def forward(self, y):
+        return torch.relu(y).mean()
+
+
+class Hidden(Gates):
+    """A Linear's output reaches an activation through a submodule and through detach beside
+    the activation module: the module is not named (whichever runs first is the delivery)."""
+
+    def __init__(self, d=8):
+        super().__init__(d)
+        self.helper = Helper()
+
+    def forward(self, x):
+        y = self.fc(x)
+        s = self.helper(y)
+        z = self.g(self.act(y))
+        t = torch.relu(z.detach()).mean()
+        return self.out(self.act2(z)) + s + t
+
+
+class FiLM(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.randn(d))
+        self.beta = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x * self.gamma.view(1, -1) + self.beta.view(1, -1)
+
+
+class CastLinear(nn.Linear):
+    def forward(self, x):
+        return F.linear(x, self.weight.to(x.dtype), self.bias.to(x.dtype))
+
+
+class LoopLayer(nn.Module):
+    """Applies its weights once per iteration: no output of its own is delivered."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d) * 0.3)
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        for _ in range(2):
+            x = torch.tanh(x @ self.weight.t() + self.bias)
+        return x
+
+
+class Custom(nn.Module):
+    """Layers that prepare their weights apart (views, casts) before applying them."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.film = FiLM(d)
+        self.act = nn.ReLU()
+        self.cast = CastLinear(d, d)
+        self.act2 = nn.Tanh()
+        self.loop = LoopLayer(d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x):
+        x = self.act(self.film(x))
+        x = self.act2(self.cast(x))
+        return self.head(self.loop(x))
+
+
 class Counter(nn.Module):
     """Freezing keeps the buffer its forward updates, and folds the Linears."""
 
@@ -414,6 +484,8 @@ def main(out_dir):
         "user_attention": (UserAttention(), torch.randn(5, 8)),
         "cells": (Cells(), torch.randn(4, 8)),
         "gates": (Gates(), torch.randn(4, 8)),
+        "hidden": (Hidden(), torch.randn(4, 8)),
+        "custom": (Custom(), torch.randn(4, 8)),
         "encoder": (Encoder(), torch.randn(2, 5, 8)),
         "conv": (ConvNet(), torch.randn(3, 2, 5, 5)),
         "mlp": (Mlp(), torch.randn(16, 8)),
