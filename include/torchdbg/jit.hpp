@@ -150,6 +150,17 @@ inline bool applies_weights_apart(const torch::jit::Module& m, const ModuleSpec&
       }
       if (!reached) return true;
     }
+    // What `forward` returns must be the last of those operators' output (or a view of it):
+    // code after it (`relu(x) + self.slope * x`, a child's output) would leave a part's value
+    // delivered as the module's. A value from an `if` (an early return) is taken as it is.
+    if (method.name() == "forward" && !users.empty() && !graph->outputs().empty()) {
+      const torch::jit::Value* out = graph->outputs()[0];
+      if (out->node()->kind() == c10::prim::TupleConstruct && !out->node()->inputs().empty())
+        out = out->node()->inputs()[0];
+      while (is_view_like_op(out->node()->kind().toQualString()) && !out->node()->inputs().empty())
+        out = out->node()->inputs()[0];
+      if (out->node() != users.back() && out->node()->kind() != c10::prim::If) return true;
+    }
   }
   return false;
 }

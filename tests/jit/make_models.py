@@ -199,6 +199,17 @@ class LoopLayer(nn.Module):
         return x
 
 
+class SlopeAct(nn.Module):
+    """Its output is made after its operator on its weight: no output of its own is delivered."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.slope = nn.Parameter(torch.full((d,), 0.1))
+
+    def forward(self, x):
+        return torch.relu(x) + self.slope * x
+
+
 class Custom(nn.Module):
     """Layers that prepare their weights apart (views, casts) before applying them."""
 
@@ -209,12 +220,13 @@ class Custom(nn.Module):
         self.cast = CastLinear(d, d)
         self.act2 = nn.Tanh()
         self.loop = LoopLayer(d)
+        self.leaky = SlopeAct(d)
         self.head = nn.Linear(d, 2)
 
     def forward(self, x):
         x = self.act(self.film(x))
         x = self.act2(self.cast(x))
-        return self.head(self.loop(x))
+        return self.head(self.leaky(self.loop(x)))
 
 
 class Counter(nn.Module):
