@@ -346,6 +346,56 @@ TEST_CASE("attach on a frozen TorchScript model throws torchdbg::Error naming th
   CHECK_NOTHROW(torchdbg::attach(model, hooks));
 }
 
+TEST_CASE("a TorchScript model defined in C++ attaches and delivers; once frozen it throws", "[jit]") {
+  // Module::define gives no `training` attribute, which a frozen model lacks too: the frozen
+  // one is told apart by the weights it keeps as constants.
+  torch::manual_seed(3);
+  auto linear = [](const char* type, int64_t in, int64_t out) {
+    torch::jit::Module m(type);
+    m.register_parameter("weight", torch::randn({out, in}).requires_grad_(), false);
+    m.register_parameter("bias", torch::randn({out}).requires_grad_(), false);
+    m.define("def forward(self, x):\n  return torch.linear(x, self.weight, self.bias)\n");
+    return m;
+  };
+  torch::jit::Module net("Net");
+  net.register_module("fc1", linear("Lin1", 5, 7));
+  net.register_module("fc2", linear("Lin2", 7, 3));
+  net.define("def forward(self, x):\n  return self.fc2.forward(torch.relu(self.fc1.forward(x)))\n");
+  REQUIRE_FALSE(net.hasattr("training"));
+  const torch::Tensor x = torch::randn({4, 5});
+  const torch::Tensor w1 = net.attr("fc1").toModule().attr("weight").toTensor();
+  const torch::Tensor b1 = net.attr("fc1").toModule().attr("bias").toTensor();
+  const torch::Tensor w2 = net.attr("fc2").toModule().attr("weight").toTensor();
+  const torch::Tensor b2 = net.attr("fc2").toModule().attr("bias").toTensor();
+  HookManager hooks;
+  Recorder rec;
+  rec.install(hooks);
+  {
+    auto session = torchdbg::attach(net, hooks);
+    for (int64_t step = 0; step < 3; ++step) {
+      hooks.set_step(step);
+      rec.clear();
+      net.forward({x}).toTensor().sum().backward();
+      session.flush();
+      torch::NoGradGuard no_grad;
+      const torch::Tensor h = torch::linear(x, w1, b1);
+      const torch::Tensor y = torch::linear(torch::relu(h), w2, b2);
+      CHECK(rec.problems.empty());
+      REQUIRE(rec.fwd.count("fc1") == 1);
+      REQUIRE(rec.fwd.count("fc2") == 1);
+      REQUIRE(rec.fwd["fc1"].size() == 1);
+      CHECK(torch::allclose(rec.fwd["fc1"][0], h, 1e-5, 1e-6));
+      CHECK(torch::allclose(rec.fwd["fc2"][0], y, 1e-5, 1e-6));
+      REQUIRE(rec.bwd.count("fc2.weight") == 1);
+      CHECK(torch::allclose(rec.bwd["fc2.weight"], w2.grad(), 1e-5, 1e-6));
+      CHECK(torch::allclose(rec.bwd["fc1.bias"], b1.grad(), 1e-5, 1e-6));
+      for (const torch::Tensor& p : {w1, b1, w2, b2}) p.mutable_grad().zero_();
+    }
+  }
+  torch::jit::Module frozen = torch::jit::freeze(net);
+  CHECK_THROWS_AS(torchdbg::attach(frozen, hooks), torchdbg::Error);
+}
+
 TEST_CASE("inference on a TorchScript model: eval, NoGradGuard, no_grad_forward", "[jit]") {
   if (!have_models()) return;
   // No BatchNorm: eval computes what train did. attention_bf takes MultiheadAttention's fused

@@ -41,12 +41,15 @@ inline std::string jit_type_name(const torch::jit::Module& m) {
 
 /// Whether a method's graph holds a tensor as a constant: what torch.jit.freeze (and
 /// optimize_for_inference) leaves of the weights it folds into the code.
-inline bool holds_tensor_constants(const torch::jit::Module& m) {
-  for (const auto& method : m.get_methods()) {
-    const std::shared_ptr<torch::jit::Graph> graph = method.graph();
-    for (const torch::jit::Node* n : graph->nodes()) {
-      if (n->kind() == c10::prim::Constant && n->output()->type()->kind() == c10::TypeKind::TensorType)
-        return true;
+/// The model's own methods and every submodule's count.
+inline bool holds_tensor_constants(const torch::jit::Module& model) {
+  for (const torch::jit::Module& m : model.modules()) {
+    for (const auto& method : m.get_methods()) {
+      const std::shared_ptr<torch::jit::Graph> graph = method.graph();
+      for (const torch::jit::Node* n : graph->nodes()) {
+        if (n->kind() == c10::prim::Constant && n->output()->type()->kind() == c10::TypeKind::TensorType)
+          return true;
+      }
     }
   }
   return false;
@@ -320,8 +323,10 @@ inline void name_activation_modules(const torch::jit::Module& model, std::vector
 inline std::vector<ModuleSpec> jit_specs_of(const torch::jit::Module& model) {
   // torch.jit.freeze and optimize_for_inference drop the model's `training` attribute with
   // the rest they fold, whatever attributes or submodules they keep (preserved_attrs, a buffer
-  // its forward updates); a scripted or traced model always has it.
-  if (!model.hasattr("training"))
+  // its forward updates), and leave the folded weights as tensor constants in its code. A
+  // scripted or traced model always has `training`; one defined in C++ (`Module::define`) may
+  // lack it, and holds no tensor constant unless frozen.
+  if (!model.hasattr("training") && holds_tensor_constants(model))
     throw Error(
         "torchdbg: attach: this TorchScript model is frozen (torch.jit.freeze or "
         "optimize_for_inference): the weights it folded into its code are constants no operator "
