@@ -49,10 +49,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -64,6 +66,7 @@
 #include <torchdbg/jit.hpp>
 #include <torchdbg/torchdbg.hpp>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "bench_util.hpp"
@@ -428,9 +431,30 @@ struct Trainer {
 struct Paired {
   double percent = 0.0;
   double difference_us_per_step = 0.0;
+  /// A distribution-free 95% confidence interval of `percent` (the median's, from order
+  /// statistics: no assumption on how load on shared cores is distributed); NaN under 6
+  /// windows, too few for one.
+  double percent_low = std::numeric_limits<double>::quiet_NaN();
+  double percent_high = std::numeric_limits<double>::quiet_NaN();
+  double difference_low_us_per_step = std::numeric_limits<double>::quiet_NaN();  // the same interval
+  double difference_high_us_per_step = std::numeric_limits<double>::quiet_NaN();
   int windows = 0;
   int steps_per_window = 0;
 };
+
+/// The 0-based ranks [lo, hi] of sorted values that bracket the median of n with at least 95%
+/// confidence: the largest k with P(Binomial(n, 1/2) < k) <= 2.5%, from k - 1 to n - k.
+std::optional<std::pair<std::size_t, std::size_t>> median_interval_ranks(std::size_t n) {
+  double cdf = 0.0, pmf = std::pow(0.5, static_cast<double>(n));  // P(X = 0)
+  std::size_t k = 0;  // P(X < k) = cdf
+  while (k < n / 2 && cdf + pmf <= 0.025) {
+    cdf += pmf;
+    pmf *= static_cast<double>(n - k) / static_cast<double>(k + 1);
+    ++k;
+  }
+  if (k == 0) return std::nullopt;
+  return std::make_pair(k - 1, n - k);
+}
 
 Paired paired_overhead(const std::vector<double>& base, const std::vector<double>& mon, int steps,
                        int period) {
@@ -454,6 +478,13 @@ Paired paired_overhead(const std::vector<double>& base, const std::vector<double
   const double d = median(diffs), b = median(bases);
   p.percent = 100.0 * d / b;
   p.difference_us_per_step = d / static_cast<double>(per_window);
+  if (const auto ranks = median_interval_ranks(diffs.size())) {
+    std::sort(diffs.begin(), diffs.end());
+    p.percent_low = 100.0 * diffs[ranks->first] / b;
+    p.percent_high = 100.0 * diffs[ranks->second] / b;
+    p.difference_low_us_per_step = diffs[ranks->first] / static_cast<double>(per_window);
+    p.difference_high_us_per_step = diffs[ranks->second] / static_cast<double>(per_window);
+  }
   return p;
 }
 
@@ -608,8 +639,11 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
     }
     if (print) {
       fmt::print("overhead {} {}: {:.1f}%\n", name, mode, overhead);
-      fmt::print("  paired windows {} {}: {:.1f}% (median of {} windows of {} steps)\n", name, mode,
-                 paired.percent, paired.windows, paired.steps_per_window);
+      fmt::print("  paired windows {} {}: {:.1f}% (median of {} windows of {} steps; 95% interval {})\n", name,
+                 mode, paired.percent, paired.windows, paired.steps_per_window,
+                 std::isnan(paired.percent_low)
+                     ? std::string("needs 6 windows")
+                     : fmt::format("{:+.1f}% to {:+.1f}%", paired.percent_low, paired.percent_high));
       if (tr.device.is_cuda()) fmt::print("host copies per step {} {}: {:.2f}\n", name, mode, copies_per_step);
       if (mode == "live") fmt::print("  page reads during live {}: {}\n", name, page.reads());
       std::fflush(stdout);
@@ -617,8 +651,14 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
     out[mode] = {{"overhead_percent", overhead},
                  {"overhead_percent_median_steps", median_steps},
                  {"overhead_percent_paired", paired.percent},
+                 {"overhead_percent_paired_interval",
+                  std::isnan(paired.percent_low) ? nlohmann::json() : nlohmann::json::array({paired.percent_low, paired.percent_high})},
                  {"paired_windows", paired.windows},
                  {"paired_difference_us_per_step", paired.difference_us_per_step},
+                 {"paired_difference_us_per_step_interval",
+                  std::isnan(paired.difference_low_us_per_step)
+                      ? nlohmann::json()
+                      : nlohmann::json::array({paired.difference_low_us_per_step, paired.difference_high_us_per_step})},
                  {"baseline_median_us", b},
                  {"monitored_median_us", m},
                  {"host_copies_per_step", copies_per_step},
@@ -703,10 +743,16 @@ nlohmann::json bench_fixed(const Args& a) {
     const char* what = mode == "full"      ? ", the quick start's health monitor"
                        : mode == "every10" ? ", the quick start with HealthOptions().interval(10), mean per step"
                                            : ", attached, no hook";
-    fmt::print("fixed cost per step {}: {:.1f} us (one Linear 16->10, batch 32: {:.1f} us step, {:+.1f}%){}\n",
-               mode, us, m["baseline_median_us"].get<double>(), m["overhead_percent"].get<double>(), what);
+    const auto& interval = m["paired_difference_us_per_step_interval"];
+    fmt::print("fixed cost per step {}: {:.1f} us (one Linear 16->10, batch 32: {:.1f} us step, {:+.1f}%){}{}\n",
+               mode, us, m["baseline_median_us"].get<double>(), m["overhead_percent"].get<double>(), what,
+               interval.is_array() ? fmt::format("; paired windows {:.1f} us, 95% interval {:.1f} to {:.1f} us",
+                                                 m["paired_difference_us_per_step"].get<double>(),
+                                                 interval[0].get<double>(), interval[1].get<double>())
+                                   : std::string());
     out[mode] = {{"us_per_step", us},
                  {"paired_difference_us_per_step", m["paired_difference_us_per_step"]},
+                 {"paired_difference_us_per_step_interval", interval},
                  {"baseline_median_us", m["baseline_median_us"]},
                  {"overhead_percent", m["overhead_percent"]}};
   }
