@@ -6,7 +6,8 @@
 // from one run). Prints one line per model and mode and writes the same figures as JSON.
 //
 //   torchdbg_bench [--threads N] [--rounds R] [--steps S] [--rss-steps N] [--json FILE] [--models
-//   mlp,scripted,cnn,transformer,gru,tiny,one] [--modes detached,full,sampled,every10,idle,reporter,live]
+//   mlp,scripted,cnn,transformer,gru,tiny,one] [--modes
+//   detached,full,sampled,every10,idle,observer,reporter,live]
 //   [--sample K] [--no-health] [--device cpu|cuda] [--default-malloc] [--count-ops]
 //
 // `sampled` is full with HookManagerOptions().sampling(StatsSampling().stride(K)) (K = 8 by
@@ -28,6 +29,11 @@
 // reporter with the live page (torchdbg/live.hpp) serving and a page open: a thread that
 // fetches /state and /sections every second, as the page does, during the monitored steps.
 // live against reporter is what the page costs the run (built with cpp-httplib only).
+//
+// `observer` attaches nothing: a global RecordFunction callback that boxes every operator's
+// inputs and outputs and does nothing with them, registered over the window torchdbg's
+// operator observer is (removed at a backward pass's first node, back at its end). What any
+// observer of a forward from outside the model pays LibTorch before deciding anything.
 //
 // `scripted` is the MLP as a TorchScript module (torchdbg/jit.hpp's attach), beside `mlp`.
 // `tiny` is the MLP at 16 features: it prints what one delivery costs outside the kernel.
@@ -349,6 +355,57 @@ std::map<std::string, int64_t> count_operators(F&& f) {
   return out;
 }
 
+/// The `observer` mode: LibTorch's cost of observing a forward from outside the model, with
+/// nothing decided. A global callback that asks for every operator's inputs and outputs (as
+/// torchdbg's observer does) and returns at once, registered from construction to
+/// destruction except during backward passes: it removes itself at a pass's first autograd
+/// node and an autograd final callback puts it back at the pass's end, as torchdbg does.
+class BareObserver {
+ public:
+  BareObserver() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    live_ = true;
+    add();
+  }
+  ~BareObserver() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    live_ = false;
+    if (handle_ != 0) at::removeCallback(handle_);
+    handle_ = 0;
+  }
+  BareObserver(const BareObserver&) = delete;
+  BareObserver& operator=(const BareObserver&) = delete;
+
+ private:
+  static void add() {  // under mutex_
+    if (!live_ || handle_ != 0) return;
+    handle_ = at::addGlobalCallback(
+        at::RecordFunctionCallback(&BareObserver::on_start, [](const at::RecordFunction&, at::ObserverContext*) {})
+            .needsInputs(true)
+            .needsOutputs(true)
+            .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION,
+                     at::RecordScope::TORCHSCRIPT_FUNCTION}));
+  }
+  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+    static constexpr std::string_view kEngineNode = "autograd::engine::evaluate_function";
+    const std::string_view name = fn.name();
+    if (fn.scope() != at::RecordScope::BACKWARD_FUNCTION && name.substr(0, kEngineNode.size()) != kEngineNode)
+      return nullptr;
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (handle_ == 0) return nullptr;
+    at::removeCallback(handle_);
+    handle_ = 0;
+    torch::autograd::Engine::get_default_engine().queue_callback([] {
+      std::lock_guard<std::mutex> relock(mutex_);
+      add();
+    });
+    return nullptr;
+  }
+  static inline std::mutex mutex_;
+  static inline at::CallbackHandle handle_ = 0;
+  static inline bool live_ = false;
+};
+
 /// What a monitored run installs: forward statistics of every child and activation,
 /// gradient statistics of every parameter, and the health monitor (states, events) on all of
 /// them (every step, or every 10th).
@@ -586,7 +643,7 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
   nlohmann::json out;
   // "idle": attached to a manager with no hook at all, so nothing is ever due: what merely
   // having tensor hooks on the parameters does to LibTorch's step.
-  for (const std::string mode : {"detached", "full", "sampled", "every10", "idle", "reporter", "live"}) {
+  for (const std::string mode : {"detached", "full", "sampled", "every10", "idle", "observer", "reporter", "live"}) {
     if (!model_listed(a.modes, mode)) continue;
     std::vector<double> base, mon;
     uint64_t copies = 0, deliveries = 0;
@@ -607,7 +664,12 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
       {
         PageReader::Open open(page);  // the page reads during the monitored half only
         std::optional<torchdbg::AttachSession> session;
-        if (mode != "detached") session.emplace(attach_model(*tr.model, monitor.hooks));
+        std::optional<BareObserver> bare;
+        if (mode == "observer") {
+          bare.emplace();
+        } else if (mode != "detached") {
+          session.emplace(attach_model(*tr.model, monitor.hooks));
+        }
         for (int s = 0; s < a.steps; ++s) {
           monitor.hooks.set_step(r * a.steps + s);
           mon.push_back(tr.step());
@@ -727,22 +789,25 @@ nlohmann::json bench_delivery(const Args& a) {
 
 /// What torchdbg costs per step whatever the model: the quick start (a health monitor, every
 /// step), the same judging every 10th step (`HealthOptions().interval(10)`) and a manager with
-/// no hook (idle) on one Linear, in microseconds per step.
+/// no hook (idle) on one Linear, in microseconds per step; beside them what a do-nothing
+/// operator observer costs over the same window (`observer`: LibTorch's share of the quick start).
 nlohmann::json bench_fixed(const Args& a) {
   Args one = a;
-  one.modes = "full,every10,idle";
+  one.modes = "full,every10,idle,observer";
   one.steps = 50;  // ~30 us steps: more per round for the same share of round overhead
   one.rounds = std::max(a.rounds, 40);
   const nlohmann::json r = bench_model<OneLinear>("one", {16}, 32, one, /*print=*/false, /*quick_start=*/true);
   nlohmann::json out;
-  for (const std::string mode : {"full", "every10", "idle"}) {
+  for (const std::string mode : {"full", "every10", "idle", "observer"}) {
     const auto& m = r[mode];
     // every10's cost sits in one step of ten: its mean over paired windows, not a median step
     const double us = mode == "every10" ? m["paired_difference_us_per_step"].get<double>()
                                         : m["monitored_median_us"].get<double>() - m["baseline_median_us"].get<double>();
     const char* what = mode == "full"      ? ", the quick start's health monitor"
                        : mode == "every10" ? ", the quick start with HealthOptions().interval(10), mean per step"
-                                           : ", attached, no hook";
+                       : mode == "idle"    ? ", attached, no hook"
+                                           : ", no torchdbg: a RecordFunction callback boxing the operators' inputs "
+                                             "and outputs over the quick start's window, deciding nothing";
     const auto& interval = m["paired_difference_us_per_step_interval"];
     fmt::print("fixed cost per step {}: {:.1f} us (one Linear 16->10, batch 32: {:.1f} us step, {:+.1f}%){}{}\n",
                mode, us, m["baseline_median_us"].get<double>(), m["overhead_percent"].get<double>(), what,
