@@ -18,6 +18,11 @@
 // step dispatch (with the most frequent extra ones and the .item() reads): on a GPU each
 // operator costs at least a dispatch and most a kernel launch.
 //
+// --train-only MODE (plain, or one of the modes above but reporter and live) trains --steps
+// steps of the one model --models names in that mode after 10 warm-up steps, inside
+// train_counted(), and does nothing else: bench/count_instructions.sh counts the instructions
+// it runs there under callgrind, a figure that does not drift with the machine's load.
+//
 // It first prints the machine (CPU model, threads, copy bandwidth): every figure is this
 // machine's.
 //
@@ -265,7 +270,10 @@ struct Args {
   std::string device = "cpu";
   bool fixed_malloc = true;  // --default-malloc: glibc's dynamic mmap/trim thresholds
   bool count_ops = false;    // --count-ops: LibTorch operators per step, baseline and full
+  std::string train_only;    // --train-only MODE: --steps steps of the one model, nothing else
 };
+
+bool model_listed(const std::string& list, const std::string& name);
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -308,6 +316,12 @@ Args parse(int argc, char** argv) {
       a.health = false;
     else if (!std::strcmp(argv[i], "--count-ops"))
       a.count_ops = true;
+    else if (!std::strcmp(argv[i], "--train-only")) {
+      a.train_only = next("--train-only");
+      if (!model_listed("plain,detached,full,sampled,every10,idle,observer", a.train_only))
+        throw std::runtime_error("--train-only: expected plain, detached, full, sampled, every10, idle or observer, got '" +
+                                 a.train_only + "'");
+    }
     else
       throw std::runtime_error(std::string("unknown argument ") + argv[i]);
   }
@@ -478,6 +492,37 @@ struct Trainer {
     return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
   }
 };
+
+/// The steps --train-only counts (callgrind collects inside this function only).
+[[gnu::noinline]] void train_counted(const std::function<void()>& step, int steps) {
+  for (int i = 0; i < steps; ++i) step();
+}
+
+/// --train-only: `a.steps` steps of one model in `mode` after 10 warm-up steps (the first
+/// steps build per-layer state), set up as bench_model sets up its monitored half (`one`:
+/// the quick start).
+template <typename Model>
+void train_only(std::vector<int64_t> shape, int64_t batch, const Args& a, bool quick_start) {
+  const std::string& mode = a.train_only;
+  Trainer<Model> tr(shape, batch, torch::Device(a.device));
+  Monitor monitor(mode == "every10", a.health && mode != "idle", quick_start, false,
+                  mode == "sampled" ? a.sample : 1);
+  if (mode == "idle") monitor.hooks.clear_hooks();
+  std::optional<torchdbg::AttachSession> session;
+  std::optional<BareObserver> bare;
+  if (mode == "observer") {
+    bare.emplace();
+  } else if (mode != "plain" && mode != "detached") {
+    session.emplace(attach_model(*tr.model, monitor.hooks));
+  }
+  int64_t n = 0;
+  const std::function<void()> step = [&] {
+    if (mode != "plain") monitor.hooks.set_step(n++);
+    tr.step();
+  };
+  for (int i = 0; i < 10; ++i) step();
+  train_counted(step, a.steps);
+}
 
 /// The overhead from paired windows: a window is `period` steps' worth of consecutive rounds
 /// (whole rounds; every10 needs windows that hold exactly one due step), and its difference is
@@ -1006,6 +1051,17 @@ int main(int argc, char** argv) {
     torch::set_num_threads(a.threads);
     set_blas_threads(a.threads);
     torch::manual_seed(0);
+    if (!a.train_only.empty()) {
+      const std::string& m = a.models;
+      if (m == "mlp") train_only<Mlp>({784}, 128, a, false);
+      else if (m == "scripted") train_only<ScriptedMlp>({784}, 128, a, false);
+      else if (m == "cnn") train_only<Cnn>({3, 32, 32}, 32, a, false);
+      else if (m == "transformer") train_only<TransformerLm>({}, 8, a, false);
+      else if (m == "gru") train_only<UnrolledGru>({}, 32, a, false);
+      else if (m == "one") train_only<OneLinear>({16}, 32, a, true);
+      else throw std::runtime_error("--train-only: --models names one of mlp, scripted, cnn, transformer, gru, one; got '" + m + "'");
+      return 0;
+    }
     nlohmann::json report{{"threads", a.threads},
                            {"rounds", a.rounds},
                            {"steps_per_round", a.steps},
