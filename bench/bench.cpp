@@ -9,6 +9,7 @@
 //   mlp,scripted,cnn,transformer,gru,tiny,one] [--modes
 //   detached,full,sampled,every10,idle,observer,reporter,live]
 //   [--sample K] [--no-health] [--device cpu|cuda] [--default-malloc] [--count-ops]
+//   torchdbg_bench --models MODEL --train-only MODE [--steps N] [--warmup W]
 //
 // `sampled` is full with HookManagerOptions().sampling(StatsSampling().stride(K)) (K = 8 by
 // default): tensors of 16 * K blocks of 2048 values and more (up to 16 MiB) get a light pass
@@ -19,7 +20,7 @@
 // operator costs at least a dispatch and most a kernel launch.
 //
 // --train-only MODE (plain, or one of the modes above but reporter and live) trains --steps
-// steps of the one model --models names in that mode after 10 warm-up steps, inside
+// steps of the one model --models names in that mode after --warmup steps (10), inside
 // train_counted(), and does nothing else: bench/count_instructions.sh counts the instructions
 // it runs there under callgrind, a figure that does not drift with the machine's load.
 //
@@ -271,6 +272,7 @@ struct Args {
   bool fixed_malloc = true;  // --default-malloc: glibc's dynamic mmap/trim thresholds
   bool count_ops = false;    // --count-ops: LibTorch operators per step, baseline and full
   std::string train_only;    // --train-only MODE: --steps steps of the one model, nothing else
+  int warmup = 10;           // --warmup: --train-only's steps before the counted ones
 };
 
 bool model_listed(const std::string& list, const std::string& name);
@@ -316,6 +318,8 @@ Args parse(int argc, char** argv) {
       a.health = false;
     else if (!std::strcmp(argv[i], "--count-ops"))
       a.count_ops = true;
+    else if (!std::strcmp(argv[i], "--warmup"))
+      a.warmup = std::stoi(next("--warmup"));
     else if (!std::strcmp(argv[i], "--train-only")) {
       a.train_only = next("--train-only");
       if (!model_listed("plain,detached,full,sampled,every10,idle,observer", a.train_only))
@@ -324,6 +328,14 @@ Args parse(int argc, char** argv) {
     }
     else
       throw std::runtime_error(std::string("unknown argument ") + argv[i]);
+  }
+  if (!a.train_only.empty()) {
+    if (a.steps <= 0 || a.warmup < 0)
+      throw std::runtime_error("--train-only: expected --steps > 0 and --warmup >= 0, got " + std::to_string(a.steps) +
+                               " and " + std::to_string(a.warmup));
+    if (a.train_only == "every10" && (a.steps % 10 != 0 || a.warmup % 10 != 0))
+      throw std::runtime_error("--train-only every10: --steps and --warmup must be multiples of 10 (one due step in "
+                               "ten counted), got " + std::to_string(a.steps) + " and " + std::to_string(a.warmup));
   }
   return a;
 }
@@ -369,16 +381,21 @@ std::map<std::string, int64_t> count_operators(F&& f) {
   return out;
 }
 
-/// The `observer` mode: LibTorch's cost of observing a forward from outside the model, with
-/// nothing decided. A global callback that asks for every operator's inputs and outputs (as
-/// torchdbg's observer does) and returns at once, registered from construction to
-/// destruction except during backward passes: it removes itself at a pass's first autograd
-/// node and an autograd final callback puts it back at the pass's end, as torchdbg does.
+/// The `observer` mode: what LibTorch charges a naive observer of a forward from outside the
+/// model, with nothing decided. A global callback that asks for every operator's inputs and
+/// outputs (as torchdbg's observer does) and returns at once, registered from construction to
+/// destruction except during backward passes run on the constructing thread: it removes
+/// itself at such a pass's first autograd node and is put back at the pass's end, also when
+/// the pass throws (torchdbg's queue_pass_end), as torchdbg's observer is. Unlike torchdbg's,
+/// it boxes the operators inside composite ones too (torchdbg turns RecordFunction off inside
+/// those it decided). One at a time.
 class BareObserver {
  public:
   BareObserver() {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (live_) throw std::runtime_error("BareObserver: one at a time");
     live_ = true;
+    owner_ = std::this_thread::get_id();
     add();
   }
   ~BareObserver() {
@@ -400,24 +417,30 @@ class BareObserver {
             .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION,
                      at::RecordScope::TORCHSCRIPT_FUNCTION}));
   }
+  static void readd() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    add();
+  }
   static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     static constexpr std::string_view kEngineNode = "autograd::engine::evaluate_function";
     const std::string_view name = fn.name();
     if (fn.scope() != at::RecordScope::BACKWARD_FUNCTION && name.substr(0, kEngineNode.size()) != kEngineNode)
       return nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      // A pass on another thread (a device's autograd thread) keeps it, as torchdbg does.
+      if (handle_ == 0 || std::this_thread::get_id() != owner_) return nullptr;
+    }
+    if (!torchdbg::detail::queue_pass_end(&BareObserver::readd, &BareObserver::readd)) return nullptr;
     std::lock_guard<std::mutex> lock(mutex_);
-    if (handle_ == 0) return nullptr;
-    at::removeCallback(handle_);
+    if (handle_ != 0) at::removeCallback(handle_);
     handle_ = 0;
-    torch::autograd::Engine::get_default_engine().queue_callback([] {
-      std::lock_guard<std::mutex> relock(mutex_);
-      add();
-    });
     return nullptr;
   }
   static inline std::mutex mutex_;
   static inline at::CallbackHandle handle_ = 0;
   static inline bool live_ = false;
+  static inline std::thread::id owner_;
 };
 
 /// What a monitored run installs: forward statistics of every child and activation,
@@ -494,12 +517,17 @@ struct Trainer {
 };
 
 /// The steps --train-only counts (callgrind collects inside this function only).
-[[gnu::noinline]] void train_counted(const std::function<void()>& step, int steps) {
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((noinline, noipa))  // no clone either: callgrind toggles on this one name
+#else
+__attribute__((noinline))
+#endif
+void train_counted(const std::function<void()>& step, int steps) {
   for (int i = 0; i < steps; ++i) step();
 }
 
-/// --train-only: `a.steps` steps of one model in `mode` after 10 warm-up steps (the first
-/// steps build per-layer state), set up as bench_model sets up its monitored half (`one`:
+/// --train-only: `a.steps` steps of one model in `mode` after `a.warmup` steps (the first
+/// steps build per-layer state; the health monitor judges its first steps as a warm-up), set up as bench_model sets up its monitored half (`one`:
 /// the quick start).
 template <typename Model>
 void train_only(std::vector<int64_t> shape, int64_t batch, const Args& a, bool quick_start) {
@@ -520,7 +548,7 @@ void train_only(std::vector<int64_t> shape, int64_t batch, const Args& a, bool q
     if (mode != "plain") monitor.hooks.set_step(n++);
     tr.step();
   };
-  for (int i = 0; i < 10; ++i) step();
+  for (int i = 0; i < a.warmup; ++i) step();
   train_counted(step, a.steps);
 }
 
