@@ -38,8 +38,9 @@
 //
 // `observer` attaches nothing: a global RecordFunction callback that boxes every operator's
 // inputs and outputs and does nothing with them, registered over the window torchdbg's
-// operator observer is (removed at a backward pass's first node, back at its end). What any
-// observer of a forward from outside the model pays LibTorch before deciding anything.
+// operator observer is (removed at a backward pass's first node, back at its end): what a
+// naive observer of a forward from outside the model pays LibTorch before deciding anything
+// (it boxes the operators inside composite ones, which torchdbg's observer does not).
 //
 // `scripted` is the MLP as a TorchScript module (torchdbg/jit.hpp's attach), beside `mlp`.
 // `tiny` is the MLP at 16 features: it prints what one delivery costs outside the kernel.
@@ -527,8 +528,8 @@ void train_counted(const std::function<void()>& step, int steps) {
 }
 
 /// --train-only: `a.steps` steps of one model in `mode` after `a.warmup` steps (the first
-/// steps build per-layer state; the health monitor judges its first steps as a warm-up), set up as bench_model sets up its monitored half (`one`:
-/// the quick start).
+/// steps build per-layer state; the health monitor judges its first steps as a warm-up), set
+/// up as bench_model sets up its monitored half (`one`: the quick start).
 template <typename Model>
 void train_only(std::vector<int64_t> shape, int64_t batch, const Args& a, bool quick_start) {
   const std::string& mode = a.train_only;
@@ -863,7 +864,7 @@ nlohmann::json bench_delivery(const Args& a) {
 /// What torchdbg costs per step whatever the model: the quick start (a health monitor, every
 /// step), the same judging every 10th step (`HealthOptions().interval(10)`) and a manager with
 /// no hook (idle) on one Linear, in microseconds per step; beside them what a do-nothing
-/// operator observer costs over the same window (`observer`: LibTorch's share of the quick start).
+/// operator observer costs over the same window (`observer`: LibTorch's price of watching).
 nlohmann::json bench_fixed(const Args& a) {
   Args one = a;
   one.modes = "full,every10,idle,observer";
