@@ -444,6 +444,18 @@ class BareObserver {
   static inline std::thread::id owner_;
 };
 
+/// What a mode puts on the model: torchdbg's session, the bare observer (`observer`), or
+/// nothing (`plain`, `detached`).
+template <typename Model>
+void watch(const std::string& mode, Model& model, torchdbg::HookManager& hooks,
+           std::optional<torchdbg::AttachSession>& session, std::optional<BareObserver>& bare) {
+  if (mode == "observer") {
+    bare.emplace();
+  } else if (mode != "plain" && mode != "detached") {
+    session.emplace(attach_model(model, hooks));
+  }
+}
+
 /// What a monitored run installs: forward statistics of every child and activation,
 /// gradient statistics of every parameter, and the health monitor (states, events) on all of
 /// them (every step, or every 10th).
@@ -539,11 +551,7 @@ void train_only(std::vector<int64_t> shape, int64_t batch, const Args& a, bool q
   if (mode == "idle") monitor.hooks.clear_hooks();
   std::optional<torchdbg::AttachSession> session;
   std::optional<BareObserver> bare;
-  if (mode == "observer") {
-    bare.emplace();
-  } else if (mode != "plain" && mode != "detached") {
-    session.emplace(attach_model(*tr.model, monitor.hooks));
-  }
+  watch(mode, *tr.model, monitor.hooks, session, bare);
   int64_t n = 0;
   const std::function<void()> step = [&] {
     if (mode != "plain") monitor.hooks.set_step(n++);
@@ -739,11 +747,7 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
         PageReader::Open open(page);  // the page reads during the monitored half only
         std::optional<torchdbg::AttachSession> session;
         std::optional<BareObserver> bare;
-        if (mode == "observer") {
-          bare.emplace();
-        } else if (mode != "detached") {
-          session.emplace(attach_model(*tr.model, monitor.hooks));
-        }
+        watch(mode, *tr.model, monitor.hooks, session, bare);
         for (int s = 0; s < a.steps; ++s) {
           monitor.hooks.set_step(r * a.steps + s);
           mon.push_back(tr.step());
