@@ -1630,6 +1630,56 @@ TEST_CASE("a sampled reading of data holding NaN/Inf, or of too few blocks, or t
   }
 }
 
+TEST_CASE("every vector width's column deviations are a double loop's, NaN and Inf carried", "[stats]") {
+  namespace d = torchdbg::detail;
+  std::mt19937_64 g(20261205);
+  const auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); };
+  for (const auto& k : d::block_kernel_variants()) {
+    INFO("variant " << k.name);
+    for (int round = 0; round < 60; ++round) {
+      const int64_t rows = pick(1, 40), n = pick(0, 70), stride = n + pick(0, 9);
+      torchdbg_test::SeededRng rng(static_cast<uint64_t>(round) + 7);
+      // Each position's offset (a bias) far above the spread, as batch_spread is given.
+      const double offset = std::pow(10.0, static_cast<double>(pick(-2, 5)));
+      torch::Tensor t = torch::randn({rows, std::max<int64_t>(stride, 1)}) + torch::randn({1, std::max<int64_t>(stride, 1)}) * offset;
+      if (pick(0, 3) == 0 && rows > 1 && n > 0) {
+        const float bad[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                             -std::numeric_limits<float>::infinity()};
+        t.index_put_({pick(0, rows - 1), pick(0, n - 1)}, bad[pick(0, 2)]);
+      }
+      const float* p = t.data_ptr<float>();
+      // Sums already held (another chunk's): added to, not replaced.
+      std::vector<double> s1(static_cast<std::size_t>(n)), s2(s1.size());
+      for (auto& x : s1) x = static_cast<double>(pick(-5, 5));
+      for (auto& x : s2) x = static_cast<double>(pick(0, 5));
+      std::vector<double> w1 = s1, w2 = s2, mag(s1.size(), 0.0);
+      for (int64_t i = 0; i < n; ++i) {
+        const auto u = static_cast<std::size_t>(i);
+        for (int64_t r = 1; r < rows; ++r) {
+          const double dv = static_cast<double>(p[r * stride + i]) - static_cast<double>(p[i]);
+          w1[u] += dv;
+          w2[u] += dv * dv;
+          mag[u] += std::fabs(dv) + dv * dv;
+        }
+      }
+      k.column_deviations(p, rows, stride, n, s1.data(), s2.data());
+      INFO("rows " << rows << " n " << n << " stride " << stride << " offset " << offset);
+      for (std::size_t u = 0; u < s1.size(); ++u) {
+        INFO("position " << u << " got " << s1[u] << ", " << s2[u] << " want " << w1[u] << ", " << w2[u]);
+        if (std::isnan(w1[u]) || std::isnan(w2[u])) {
+          CHECK((std::isnan(s1[u]) || std::isnan(s2[u])));
+        } else if (std::isinf(w2[u])) {
+          CHECK(std::isinf(s2[u]));
+        } else {
+          // only the rounding of a fused multiply-add may differ from the loop's
+          CHECK(std::fabs(s1[u] - w1[u]) <= 1e-13 * (mag[u] + 10.0));
+          CHECK(std::fabs(s2[u] - w2[u]) <= 1e-13 * (mag[u] + 10.0));
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("every vector width's sums about a shift are a double loop's, and NaN/Inf anywhere are refused", "[stats]") {
   namespace d = torchdbg::detail;
   torchdbg_test::SeededRng rng(80);

@@ -245,6 +245,11 @@ typedef int32_t TorchdbgV8i __attribute__((vector_size(32)));
 
 typedef float TorchdbgV16f __attribute__((vector_size(64)));
 typedef int32_t TorchdbgV16i __attribute__((vector_size(64)));
+// Doubles, and the floats converted to them (column_deviations).
+typedef float TorchdbgV2f __attribute__((vector_size(8)));
+typedef double TorchdbgV2d __attribute__((vector_size(16)));
+typedef double TorchdbgV4d __attribute__((vector_size(32)));
+typedef double TorchdbgV8d __attribute__((vector_size(64)));
 
 /// What float_block_finite_impl counts besides moments and extrema.
 /// - kBlockMoments: nothing (zeros, negatives and abs_sum are left 0).
@@ -456,6 +461,53 @@ __attribute__((always_inline)) inline int64_t float_count_above_impl(const float
   return total;
 }
 
+/// Per position i < n of `rows` rows of floats (row r at `p + r * stride`): adds to s1[i] and
+/// s2[i] the sum over rows 1.. of d = row[i] - row0[i] and of d * d, in double, row by row
+/// (batch_spread's deviations about the first sample). VH holds as many floats as VD doubles.
+template <typename VH, typename VD>
+__attribute__((always_inline)) inline void float_column_deviations_impl(const float* p, int64_t rows,
+                                                                        int64_t stride, int64_t n,
+                                                                        double* s1, double* s2) {
+  constexpr int64_t kLanes = sizeof(VD) / sizeof(double);
+  static_assert(sizeof(VH) / sizeof(float) == kLanes, "as many floats as doubles");
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {  // two vectors: a whole line of each row
+    VH h0, h1;
+    std::memcpy(&h0, p + i, sizeof h0);
+    std::memcpy(&h1, p + i + kLanes, sizeof h1);
+    const VD f0 = __builtin_convertvector(h0, VD), f1 = __builtin_convertvector(h1, VD);
+    VD a0, a1, b0, b1;
+    std::memcpy(&a0, s1 + i, sizeof a0);
+    std::memcpy(&a1, s1 + i + kLanes, sizeof a1);
+    std::memcpy(&b0, s2 + i, sizeof b0);
+    std::memcpy(&b1, s2 + i + kLanes, sizeof b1);
+    for (int64_t r = 1; r < rows; ++r) {
+      const float* q = p + r * stride + i;
+      std::memcpy(&h0, q, sizeof h0);
+      std::memcpy(&h1, q + kLanes, sizeof h1);
+      const VD d0 = __builtin_convertvector(h0, VD) - f0, d1 = __builtin_convertvector(h1, VD) - f1;
+      a0 += d0;
+      a1 += d1;
+      b0 += d0 * d0;
+      b1 += d1 * d1;
+    }
+    std::memcpy(s1 + i, &a0, sizeof a0);
+    std::memcpy(s1 + i + kLanes, &a1, sizeof a1);
+    std::memcpy(s2 + i, &b0, sizeof b0);
+    std::memcpy(s2 + i + kLanes, &b1, sizeof b1);
+  }
+  for (; i < n; ++i) {
+    double a = s1[i], b = s2[i];
+    for (int64_t r = 1; r < rows; ++r) {
+      const double d = static_cast<double>(p[r * stride + i]) - static_cast<double>(p[i]);
+      a += d;
+      b += d * d;
+    }
+    s1[i] = a;
+    s2[i] = b;
+  }
+}
+
 /// One vector width's kernels.
 struct BlockKernels {
   const char* name;
@@ -466,10 +518,11 @@ struct BlockKernels {
   void (*rows_above)(const float*, int64_t, int64_t, float, int32_t*);
   int64_t (*count_above)(const float*, int64_t, float);
   bool (*finite_sums)(const float*, int64_t, float, FloatBlock&);  // kBlockSums
+  void (*column_deviations)(const float*, int64_t, int64_t, int64_t, double*, double*);
 };
 
 /// The kernels of one vector width compiled for one target: `<kernel>_<suffix>` functions.
-#define TORCHDBG_DEFINE_KERNELS(suffix, target_attr, VF, VI)                                   \
+#define TORCHDBG_DEFINE_KERNELS(suffix, target_attr, VF, VI, VH, VD)                           \
   target_attr inline bool block_finite_##suffix(const float* p, int64_t n, float shift,        \
                                                 FloatBlock& o) {                               \
     return float_block_finite_impl<VF, VI, kBlockSigns>(p, n, shift, o);                       \
@@ -496,13 +549,19 @@ struct BlockKernels {
   target_attr inline bool block_sums_##suffix(const float* p, int64_t n, float shift,          \
                                               FloatBlock& o) {                                 \
     return float_block_finite_impl<VF, VI, kBlockSums>(p, n, shift, o);                        \
+  }                                                                                            \
+  target_attr inline void column_deviations_##suffix(const float* p, int64_t rows, int64_t stride, \
+                                                     int64_t n, double* s1, double* s2) {      \
+    float_column_deviations_impl<VH, VD>(p, rows, stride, n, s1, s2);                          \
   }
 
 #if defined(TORCHDBG_X86_DISPATCH)
-TORCHDBG_DEFINE_KERNELS(avx512, __attribute__((target("avx512f"))), TorchdbgV16f, TorchdbgV16i)
-TORCHDBG_DEFINE_KERNELS(avx2, __attribute__((target("avx2,fma"))), TorchdbgV8f, TorchdbgV8i)
+TORCHDBG_DEFINE_KERNELS(avx512, __attribute__((target("avx512f"))), TorchdbgV16f, TorchdbgV16i, TorchdbgV8f,
+                        TorchdbgV8d)
+TORCHDBG_DEFINE_KERNELS(avx2, __attribute__((target("avx2,fma"))), TorchdbgV8f, TorchdbgV8i, TorchdbgV4f,
+                        TorchdbgV4d)
 #endif
-TORCHDBG_DEFINE_KERNELS(baseline, , TorchdbgV4f, TorchdbgV4i)
+TORCHDBG_DEFINE_KERNELS(baseline, , TorchdbgV4f, TorchdbgV4i, TorchdbgV2f, TorchdbgV2d)
 #undef TORCHDBG_DEFINE_KERNELS
 
 /// Every vector width this CPU can run, widest first: `block_kernels()` takes the first;
@@ -512,11 +571,11 @@ inline std::vector<BlockKernels> block_kernel_variants() {
 #if defined(TORCHDBG_X86_DISPATCH)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f"))
-    out.push_back({"avx512f", &block_finite_avx512, &block_moments_avx512, &block_non_negative_avx512, &block_exact_avx512, &rows_above_avx512, &count_above_avx512, &block_sums_avx512});
+    out.push_back({"avx512f", &block_finite_avx512, &block_moments_avx512, &block_non_negative_avx512, &block_exact_avx512, &rows_above_avx512, &count_above_avx512, &block_sums_avx512, &column_deviations_avx512});
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    out.push_back({"avx2+fma", &block_finite_avx2, &block_moments_avx2, &block_non_negative_avx2, &block_exact_avx2, &rows_above_avx2, &count_above_avx2, &block_sums_avx2});
+    out.push_back({"avx2+fma", &block_finite_avx2, &block_moments_avx2, &block_non_negative_avx2, &block_exact_avx2, &rows_above_avx2, &count_above_avx2, &block_sums_avx2, &column_deviations_avx2});
 #endif
-  out.push_back({"baseline", &block_finite_baseline, &block_moments_baseline, &block_non_negative_baseline, &block_exact_baseline, &rows_above_baseline, &count_above_baseline, &block_sums_baseline});
+  out.push_back({"baseline", &block_finite_baseline, &block_moments_baseline, &block_non_negative_baseline, &block_exact_baseline, &rows_above_baseline, &count_above_baseline, &block_sums_baseline, &column_deviations_baseline});
   return out;
 }
 
@@ -1518,12 +1577,23 @@ inline double batch_spread(const at::Tensor& t) {
       std::fill(s1.begin(), s1.end(), 0.0);
       std::fill(s2.begin(), s2.end(), 0.0);
       const T* first = p + lo;  // the shift: row 0's value at each position
-      for (int64_t b = 1; b < rows; ++b) {
-        const T* q = p + b * inner + lo;
-        for (int64_t i = 0; i < n; ++i) {
-          const double d = as_double(q[i]) - as_double(first[i]);
-          s1[static_cast<std::size_t>(i)] += d;
-          s2[static_cast<std::size_t>(i)] += d * d;
+#if defined(TORCHDBG_HAVE_VECTOR_EXT)
+      constexpr bool vector_floats = std::is_same_v<T, float>;
+#else
+      constexpr bool vector_floats = false;
+#endif
+      if constexpr (vector_floats) {
+#if defined(TORCHDBG_HAVE_VECTOR_EXT)
+        block_kernels().column_deviations(first, rows, inner, n, s1.data(), s2.data());
+#endif
+      } else {
+        for (int64_t b = 1; b < rows; ++b) {
+          const T* q = p + b * inner + lo;
+          for (int64_t i = 0; i < n; ++i) {
+            const double d = as_double(q[i]) - as_double(first[i]);
+            s1[static_cast<std::size_t>(i)] += d;
+            s2[static_cast<std::size_t>(i)] += d * d;
+          }
         }
       }
       const double k = static_cast<double>(rows);
