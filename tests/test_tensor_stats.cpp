@@ -719,6 +719,7 @@ TEST_CASE("every vector width this CPU runs agrees with the double reference, fa
         if (i < n) t[i] = i % 2 ? 0.0 : -0.0;  // zeros and -0 (not negative) at lane edges
       }
       if (n > 40) t[40] = -7.25;
+      // Row 0 is the shift; rows 1.. are summed (handed over from row 1, as batch_spread does).
       const float* p = t.data_ptr<float>();
       d::FloatBlock fast, exact, moments;
       REQUIRE(k.finite(p, n, 0.5f, fast));
@@ -1281,6 +1282,22 @@ TEST_CASE("property: batch_spread is the spread across the batch of a double ref
     }
   }
   CHECK(nonzero > 40);
+  // Float rows wider than one chunk of positions (4096) and taller than one block of rows (32),
+  // and a NaN or Inf past the first chunk, in the shift row or another.
+  for (const auto& shape : std::vector<std::vector<int64_t>>{{3, 2 * 4096 + 5}, {70, 4100}, {2, 4097}}) {
+    const torch::Tensor t = torch::randn(shape) * 0.5 + torch::randn({1, shape[1]}) * 100;
+    const double want = reference_batch_spread(t), got = torchdbg::detail::batch_spread(t);
+    INFO("shape " << torch::IntArrayRef(shape) << " got " << got << " want " << want);
+    CHECK(std::fabs(got - want) <= 1e-9 * want);
+    for (const auto& [row, col] : std::vector<std::pair<int64_t, int64_t>>{{0, 4096 + 17}, {shape[0] - 1, shape[1] - 1}}) {
+      for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+        torch::Tensor u = t.clone();
+        u.index_put_({row, col}, bad);
+        INFO("bad value " << bad << " at [" << row << ", " << col << "]");
+        CHECK(std::isnan(torchdbg::detail::batch_spread(u)));
+      }
+    }
+  }
   // Rows that are all alike have no spread, however large the values.
   CHECK(torchdbg::detail::batch_spread(torch::randn({1, 7}).mul(1e6).expand({32, 7})) == 0.0);
   CHECK(torchdbg::detail::batch_spread(torch::randn({5}).mul(1e6).repeat({16, 1})) == 0.0);
@@ -1662,7 +1679,7 @@ TEST_CASE("every vector width's column deviations are a double loop's, NaN and I
           mag[u] += std::fabs(dv) + dv * dv;
         }
       }
-      k.column_deviations(p, rows, stride, n, s1.data(), s2.data());
+      k.column_deviations(p, p + stride, rows - 1, stride, n, s1.data(), s2.data());
       INFO("rows " << rows << " n " << n << " stride " << stride << " offset " << offset);
       for (std::size_t u = 0; u < s1.size(); ++u) {
         INFO("position " << u << " got " << s1[u] << ", " << s2[u] << " want " << w1[u] << ", " << w2[u]);

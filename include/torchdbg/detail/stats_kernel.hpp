@@ -461,27 +461,28 @@ __attribute__((always_inline)) inline int64_t float_count_above_impl(const float
   return total;
 }
 
-/// Per position i < n of `rows` rows of floats (row r at `p + r * stride`): adds to s1[i] and
-/// s2[i] the sum over rows 1.. of d = row[i] - row0[i] and of d * d, in double, row by row
-/// (batch_spread's deviations about the first sample). VH holds as many floats as VD doubles.
+/// Per position i < n: adds to s1[i] and s2[i] the sums of d = row[i] - first[i] and of d * d,
+/// in double, over `rows` rows of floats (row r at `p + r * stride`), row by row (batch_spread's
+/// deviations from the first sample; it hands the rows over in blocks). VH holds as many floats
+/// as VD doubles.
 template <typename VH, typename VD>
-__attribute__((always_inline)) inline void float_column_deviations_impl(const float* p, int64_t rows,
-                                                                        int64_t stride, int64_t n,
-                                                                        double* s1, double* s2) {
+__attribute__((always_inline)) inline void float_column_deviations_impl(const float* first, const float* p,
+                                                                        int64_t rows, int64_t stride,
+                                                                        int64_t n, double* s1, double* s2) {
   constexpr int64_t kLanes = sizeof(VD) / sizeof(double);
   static_assert(sizeof(VH) / sizeof(float) == kLanes, "as many floats as doubles");
   int64_t i = 0;
   for (; i + 2 * kLanes <= n; i += 2 * kLanes) {  // two vectors: a whole line of each row
     VH h0, h1;
-    std::memcpy(&h0, p + i, sizeof h0);
-    std::memcpy(&h1, p + i + kLanes, sizeof h1);
+    std::memcpy(&h0, first + i, sizeof h0);
+    std::memcpy(&h1, first + i + kLanes, sizeof h1);
     const VD f0 = __builtin_convertvector(h0, VD), f1 = __builtin_convertvector(h1, VD);
     VD a0, a1, b0, b1;
     std::memcpy(&a0, s1 + i, sizeof a0);
     std::memcpy(&a1, s1 + i + kLanes, sizeof a1);
     std::memcpy(&b0, s2 + i, sizeof b0);
     std::memcpy(&b1, s2 + i + kLanes, sizeof b1);
-    for (int64_t r = 1; r < rows; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
       const float* q = p + r * stride + i;
       std::memcpy(&h0, q, sizeof h0);
       std::memcpy(&h1, q + kLanes, sizeof h1);
@@ -498,8 +499,8 @@ __attribute__((always_inline)) inline void float_column_deviations_impl(const fl
   }
   for (; i < n; ++i) {
     double a = s1[i], b = s2[i];
-    for (int64_t r = 1; r < rows; ++r) {
-      const double d = static_cast<double>(p[r * stride + i]) - static_cast<double>(p[i]);
+    for (int64_t r = 0; r < rows; ++r) {
+      const double d = static_cast<double>(p[r * stride + i]) - static_cast<double>(first[i]);
       a += d;
       b += d * d;
     }
@@ -518,7 +519,7 @@ struct BlockKernels {
   void (*rows_above)(const float*, int64_t, int64_t, float, int32_t*);
   int64_t (*count_above)(const float*, int64_t, float);
   bool (*finite_sums)(const float*, int64_t, float, FloatBlock&);  // kBlockSums
-  void (*column_deviations)(const float*, int64_t, int64_t, int64_t, double*, double*);
+  void (*column_deviations)(const float*, const float*, int64_t, int64_t, int64_t, double*, double*);
 };
 
 /// The kernels of one vector width compiled for one target: `<kernel>_<suffix>` functions.
@@ -550,9 +551,10 @@ struct BlockKernels {
                                               FloatBlock& o) {                                 \
     return float_block_finite_impl<VF, VI, kBlockSums>(p, n, shift, o);                        \
   }                                                                                            \
-  target_attr inline void column_deviations_##suffix(const float* p, int64_t rows, int64_t stride, \
-                                                     int64_t n, double* s1, double* s2) {      \
-    float_column_deviations_impl<VH, VD>(p, rows, stride, n, s1, s2);                          \
+  target_attr inline void column_deviations_##suffix(const float* first, const float* p, int64_t rows, \
+                                                     int64_t stride, int64_t n, double* s1,    \
+                                                     double* s2) {                             \
+    float_column_deviations_impl<VH, VD>(first, p, rows, stride, n, s1, s2);                   \
   }
 
 #if defined(TORCHDBG_X86_DISPATCH)
@@ -1584,7 +1586,12 @@ inline double batch_spread(const at::Tensor& t) {
 #endif
       if constexpr (vector_floats) {
 #if defined(TORCHDBG_HAVE_VECTOR_EXT)
-        block_kernels().column_deviations(first, rows, inner, n, s1.data(), s2.data());
+        // Rows in blocks: a pass over a block's rows at a few positions touches no more pages
+        // than the TLB holds, however tall the tensor.
+        constexpr int64_t kRowBlock = 32;
+        for (int64_t b = 1; b < rows; b += kRowBlock)
+          block_kernels().column_deviations(first, first + b * inner, std::min(kRowBlock, rows - b), inner, n,
+                                            s1.data(), s2.data());
 #endif
       } else {
         for (int64_t b = 1; b < rows; ++b) {
