@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -461,14 +462,15 @@ __attribute__((always_inline)) inline int64_t float_count_above_impl(const float
   return total;
 }
 
-/// Per position i < n: adds to s1[i] and s2[i] the sums of d = row[i] - first[i] and of d * d,
-/// in double, over `rows` rows of floats (row r at `p + r * stride`), row by row (batch_spread's
-/// deviations from the first sample; it hands the rows over in blocks). VH holds as many floats
-/// as VD doubles.
+/// Per position i < n: adds to s1[i] and s2[i] (or, `fresh`, stores in them) the sums of
+/// d = row[i] - first[i] and of d * d, in double, over `rows` rows of floats (row r at
+/// `p + r * stride`), row by row (batch_spread's deviations from the first sample; it hands the
+/// rows over in blocks). VH holds as many floats as VD doubles.
 template <typename VH, typename VD>
 __attribute__((always_inline)) inline void float_column_deviations_impl(const float* first, const float* p,
                                                                         int64_t rows, int64_t stride,
-                                                                        int64_t n, double* s1, double* s2) {
+                                                                        int64_t n, bool fresh, double* s1,
+                                                                        double* s2) {
   constexpr int64_t kLanes = sizeof(VD) / sizeof(double);
   static_assert(sizeof(VH) / sizeof(float) == kLanes, "as many floats as doubles");
   int64_t i = 0;
@@ -477,11 +479,13 @@ __attribute__((always_inline)) inline void float_column_deviations_impl(const fl
     std::memcpy(&h0, first + i, sizeof h0);
     std::memcpy(&h1, first + i + kLanes, sizeof h1);
     const VD f0 = __builtin_convertvector(h0, VD), f1 = __builtin_convertvector(h1, VD);
-    VD a0, a1, b0, b1;
-    std::memcpy(&a0, s1 + i, sizeof a0);
-    std::memcpy(&a1, s1 + i + kLanes, sizeof a1);
-    std::memcpy(&b0, s2 + i, sizeof b0);
-    std::memcpy(&b1, s2 + i + kLanes, sizeof b1);
+    VD a0 = {}, a1 = {}, b0 = {}, b1 = {};
+    if (!fresh) {
+      std::memcpy(&a0, s1 + i, sizeof a0);
+      std::memcpy(&a1, s1 + i + kLanes, sizeof a1);
+      std::memcpy(&b0, s2 + i, sizeof b0);
+      std::memcpy(&b1, s2 + i + kLanes, sizeof b1);
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const float* q = p + r * stride + i;
       std::memcpy(&h0, q, sizeof h0);
@@ -498,7 +502,7 @@ __attribute__((always_inline)) inline void float_column_deviations_impl(const fl
     std::memcpy(s2 + i + kLanes, &b1, sizeof b1);
   }
   for (; i < n; ++i) {
-    double a = s1[i], b = s2[i];
+    double a = fresh ? 0.0 : s1[i], b = fresh ? 0.0 : s2[i];
     for (int64_t r = 0; r < rows; ++r) {
       const double d = static_cast<double>(p[r * stride + i]) - static_cast<double>(first[i]);
       a += d;
@@ -519,7 +523,7 @@ struct BlockKernels {
   void (*rows_above)(const float*, int64_t, int64_t, float, int32_t*);
   int64_t (*count_above)(const float*, int64_t, float);
   bool (*finite_sums)(const float*, int64_t, float, FloatBlock&);  // kBlockSums
-  void (*column_deviations)(const float*, const float*, int64_t, int64_t, int64_t, double*, double*);
+  void (*column_deviations)(const float*, const float*, int64_t, int64_t, int64_t, bool, double*, double*);
 };
 
 /// The kernels of one vector width compiled for one target: `<kernel>_<suffix>` functions.
@@ -552,9 +556,9 @@ struct BlockKernels {
     return float_block_finite_impl<VF, VI, kBlockSums>(p, n, shift, o);                        \
   }                                                                                            \
   target_attr inline void column_deviations_##suffix(const float* first, const float* p, int64_t rows, \
-                                                     int64_t stride, int64_t n, double* s1,    \
-                                                     double* s2) {                             \
-    float_column_deviations_impl<VH, VD>(first, p, rows, stride, n, s1, s2);                   \
+                                                     int64_t stride, int64_t n, bool fresh,    \
+                                                     double* s1, double* s2) {                 \
+    float_column_deviations_impl<VH, VD>(first, p, rows, stride, n, fresh, s1, s2);            \
   }
 
 #if defined(TORCHDBG_X86_DISPATCH)
@@ -1568,16 +1572,18 @@ inline double batch_spread(const at::Tensor& t) {
   const at::Tensor c = readable(r.base);
   const int64_t rows = c.size(0), inner = c.numel() / rows;
   constexpr int64_t kChunk = 4096;
-  std::vector<double> s1(static_cast<std::size_t>(std::min(inner, kChunk)));
-  std::vector<double> s2(s1.size());
+  // Per position of a chunk: the sums of its deviations and of their squares (set below:
+  // never read before they are written).
+  const std::size_t width = static_cast<std::size_t>(std::min(inner, kChunk));
+  const std::unique_ptr<double[]> sums(new double[2 * width]);
+  double* const s1 = sums.get();
+  double* const s2 = s1 + width;
   double within = 0.0;  // sum over positions of the squared deviations from their batch mean
   dispatch_dtype(c.scalar_type(), [&](auto tag) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     const T* p = static_cast<const T*>(c.data_ptr());
     for (int64_t lo = 0; lo < inner; lo += kChunk) {
       const int64_t n = std::min(kChunk, inner - lo);
-      std::fill(s1.begin(), s1.end(), 0.0);
-      std::fill(s2.begin(), s2.end(), 0.0);
       const T* first = p + lo;  // the shift: row 0's value at each position
 #if defined(TORCHDBG_HAVE_VECTOR_EXT)
       constexpr bool vector_floats = std::is_same_v<T, float>;
@@ -1587,19 +1593,21 @@ inline double batch_spread(const at::Tensor& t) {
       if constexpr (vector_floats) {
 #if defined(TORCHDBG_HAVE_VECTOR_EXT)
         // Rows in blocks: a pass over a block's rows at a few positions touches no more pages
-        // than the TLB holds, however tall the tensor.
+        // than the TLB holds, however tall the tensor. The first block sets the sums (rows >= 2).
         constexpr int64_t kRowBlock = 32;
         for (int64_t b = 1; b < rows; b += kRowBlock)
           block_kernels().column_deviations(first, first + b * inner, std::min(kRowBlock, rows - b), inner, n,
-                                            s1.data(), s2.data());
+                                            /*fresh=*/b == 1, s1, s2);
 #endif
       } else {
+        std::fill(s1, s1 + n, 0.0);
+        std::fill(s2, s2 + n, 0.0);
         for (int64_t b = 1; b < rows; ++b) {
           const T* q = p + b * inner + lo;
           for (int64_t i = 0; i < n; ++i) {
             const double d = as_double(q[i]) - as_double(first[i]);
-            s1[static_cast<std::size_t>(i)] += d;
-            s2[static_cast<std::size_t>(i)] += d * d;
+            s1[i] += d;
+            s2[i] += d * d;
           }
         }
       }
@@ -1608,8 +1616,8 @@ inline double batch_spread(const at::Tensor& t) {
       const double inv_k = 1.0 / static_cast<double>(rows);
       double part[4] = {0.0, 0.0, 0.0, 0.0};
       for (int64_t i = 0; i < n; ++i) {
-        const double a = s1[static_cast<std::size_t>(i)];
-        const double w = s2[static_cast<std::size_t>(i)] - a * a * inv_k;
+        const double a = s1[i];
+        const double w = s2[i] - a * a * inv_k;
         part[i & 3] += w < 0.0 ? 0.0 : w;  // rounding below 0 is none; NaN (from NaN/Inf) stays
       }
       within += (part[0] + part[1]) + (part[2] + part[3]);
