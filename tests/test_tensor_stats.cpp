@@ -1299,6 +1299,25 @@ TEST_CASE("property: batch_spread is the spread across the batch of a double ref
       }
     }
   }
+  // float64 values whose squares, or their sums over the batch, overflow (rows of 0 and of up
+  // to 1e308, any row first): the spread of the reference on the values scaled by a power of two
+  // (exact), and NaN still where a value is NaN or Inf.
+  for (const int64_t rows : {2, 3, 10, 100, 1000}) {
+    for (const double big : {1e150, 1e153, 5e153, 2e154, 1e200, 1e307}) {
+      torch::Tensor t = torch::zeros({rows, 6}, torch::kDouble);
+      t.narrow(0, 1, rows - 1).copy_(torch::rand({rows - 1, 6}, torch::kDouble).add(0.5).mul(big));
+      t = t.index_select(0, torch::randperm(rows));
+      const double scale = std::ldexp(1.0, std::ilogb(big) + 1);
+      const double want = reference_batch_spread(t / scale) * scale, got = torchdbg::detail::batch_spread(t);
+      INFO("rows " << rows << " magnitude " << big << " got " << got << " want " << want);
+      CHECK(std::isfinite(want));
+      CHECK(std::fabs(got - want) <= 1e-9 * want);
+      t[rows - 1][5] = kInf;
+      CHECK(std::isnan(torchdbg::detail::batch_spread(t)));
+      t[rows - 1][5] = kNaN;
+      CHECK(std::isnan(torchdbg::detail::batch_spread(t)));
+    }
+  }
   // Rows that are all alike have no spread, however large the values.
   CHECK(torchdbg::detail::batch_spread(torch::randn({1, 7}).mul(1e6).expand({32, 7})) == 0.0);
   CHECK(torchdbg::detail::batch_spread(torch::randn({5}).mul(1e6).repeat({16, 1})) == 0.0);

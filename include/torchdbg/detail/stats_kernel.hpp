@@ -1555,8 +1555,12 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
 /// that is the same for every sample, has none. NaN when `t` has fewer than 2 dimensions,
 /// fewer than 2 rows, or a NaN/Inf. CPU tensors are read once in place (shifted sums per
 /// position, in float64, 4096 positions at a time; an overlapping view is first copied whole);
-/// other devices reduce there. Deviations beyond 1e154 overflow float64 squares: NaN.
-inline double batch_spread(const at::Tensor& t) {
+/// other devices reduce there. float64 values of any finite magnitude: where their squares
+/// overflow, the values are measured scaled by a power of two (exact) and the spread scaled back.
+inline double batch_spread(const at::Tensor& t);
+
+/// batch_spread without the rescaling of float64 values whose squares overflow.
+inline double batch_spread_unscaled(const at::Tensor& t) {
   if (!t.defined()) throw Error("torchdbg: cannot compute the batch spread of an undefined tensor");
   check_supported_dtype(t.scalar_type());
   if (t.is_sparse() || t.is_meta() || t.dim() < 2 || t.size(0) < 2 || t.numel() == 0) return kNaN;
@@ -1616,8 +1620,10 @@ inline double batch_spread(const at::Tensor& t) {
       const double inv_k = 1.0 / static_cast<double>(rows);
       double part[4] = {0.0, 0.0, 0.0, 0.0};
       for (int64_t i = 0; i < n; ++i) {
+        // a * inv_k first: a^2 / k is below s2, so it overflows only where s2 did (a^2 alone
+        // can overflow while the spread is finite).
         const double a = s1[i];
-        const double w = s2[i] - a * a * inv_k;
+        const double w = s2[i] - a * inv_k * a;
         part[i & 3] += w < 0.0 ? 0.0 : w;  // rounding below 0 is none; NaN (from NaN/Inf) stays
       }
       within += (part[0] + part[1]) + (part[2] + part[3]);
@@ -1626,6 +1632,21 @@ inline double batch_spread(const at::Tensor& t) {
   });
   const double v = within / static_cast<double>(c.numel());
   return std::isfinite(v) ? std::sqrt(v) : kNaN;
+}
+
+inline double batch_spread(const at::Tensor& t) {
+  const double v = batch_spread_unscaled(t);
+  if (!std::isnan(v) || t.scalar_type() != at::kDouble || t.dim() < 2 || t.size(0) < 2 || t.numel() == 0 ||
+      t.is_sparse() || t.is_meta())
+    return v;
+  // NaN from finite float64 values: their squares (or sums of them) overflowed. Values at most 1
+  // in magnitude cannot overflow; a power of two scales them exactly.
+  const at::Tensor base = collapse_repeats(t, 0).base;
+  const double amax = base.abs().max().to(at::kCPU).item<double>();
+  if (!std::isfinite(amax) || amax == 0.0) return v;
+  int e = 0;
+  std::frexp(amax, &e);
+  return std::ldexp(batch_spread_unscaled(base * std::ldexp(1.0, -e)), e);
 }
 
 /// `collapse_repeats(t)` with its base on the CPU (copied from another device).
