@@ -9,6 +9,7 @@ if command -v ninja >/dev/null; then args+=(-G Ninja); fi
 if [[ -n "${CMAKE_PREFIX_PATH:-}" ]]; then args+=("-DCMAKE_PREFIX_PATH=$CMAKE_PREFIX_PATH"); fi
 if [[ -n "${TORCHDBG_HEADER_CHECK:-}" ]]; then args+=("-DTORCHDBG_HEADER_CHECK=$TORCHDBG_HEADER_CHECK"); fi
 if [[ -n "${TORCHDBG_TSAN_TESTS:-}" ]]; then args+=("-DTORCHDBG_TSAN_TESTS=$TORCHDBG_TSAN_TESTS"); fi
+if [[ -n "${TORCHDBG_SCALAR_TESTS:-}" ]]; then args+=("-DTORCHDBG_SCALAR_TESTS=$TORCHDBG_SCALAR_TESTS"); fi
 if [[ -f "$build/CMakeCache.txt" ]]; then
   cmake -S "$root" -B "$build" >/dev/null
 else

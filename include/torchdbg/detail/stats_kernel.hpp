@@ -197,19 +197,6 @@ struct FloatBlock {
   int64_t finite = 0, zeros = 0, negatives = 0, nan = 0, pos_inf = 0;
 };
 
-#if defined(TORCHDBG_HAVE_VECTOR_EXT)
-/// One vector lane's float sums, extrema and counts, added to a block's (both paths).
-inline void add_lane(float s1, float s2, float ab, float mn, float mx, int32_t zeros,
-                     int32_t negatives, FloatBlock& o) {
-  o.s1 += s1;
-  o.s2 += s2;
-  o.abs_sum += ab;
-  o.min = std::min(o.min, mn);
-  o.max = std::max(o.max, mx);
-  o.zeros += zeros;
-  o.negatives += negatives;
-}
-
 /// One finite value of a block's scalar tail (both paths), summed in double.
 inline void add_finite(float v, float shift, FloatBlock& o) {
   const double d = static_cast<double>(v) - shift;
@@ -235,6 +222,19 @@ inline void add_scalar(const float* p, int64_t n, float shift, FloatBlock& o) {
       o.pos_inf += v == INFINITY ? 1 : 0;
     }
   }
+}
+
+#if defined(TORCHDBG_HAVE_VECTOR_EXT)
+/// One vector lane's float sums, extrema and counts, added to a block's (both paths).
+inline void add_lane(float s1, float s2, float ab, float mn, float mx, int32_t zeros,
+                     int32_t negatives, FloatBlock& o) {
+  o.s1 += s1;
+  o.s2 += s2;
+  o.abs_sum += ab;
+  o.min = std::min(o.min, mn);
+  o.max = std::max(o.max, mx);
+  o.zeros += zeros;
+  o.negatives += negatives;
 }
 
 // Each width is used only where it is the CPU's native one: GCC splits wider vectors, and
