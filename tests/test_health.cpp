@@ -212,6 +212,82 @@ TEST_CASE("dead units are counted per channel over a window of samples", "[healt
   CHECK(edge.layer("fc/relu")->dead_fraction == 1.0);
 }
 
+TEST_CASE("property: the dead-unit window's fraction and run start are a naive rescan's", "[health]") {
+  // Random widths (a change starts over), samples per output, capacities, activity thresholds
+  // and counts (most units at or near 0, some revived): UnitWindow against a rescan of the
+  // outputs it holds, newest first.
+  std::mt19937_64 g(20261206);
+  const auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); };
+  int runs_before_newest = 0, dead_seen = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    torchdbg::detail::UnitWindow w;
+    const auto capacity = static_cast<std::size_t>(pick(1, 6));
+    const int64_t window_samples = pick(1, 400);
+    const double activity = std::vector<double>{0.0, 0.01, 0.05, 0.5}[static_cast<std::size_t>(pick(0, 3))];
+    std::vector<std::vector<int64_t>> counts_of;  // since the last start over
+    std::vector<int64_t> samples_of, steps_of;
+    // The reference: the held outputs are the newest `capacity`.
+    const auto rescan = [&](double act, int64_t& since) {
+      const std::size_t n = counts_of.size(), held = std::min(n, capacity);
+      const std::size_t width = counts_of.back().size();
+      since = steps_of.back();
+      std::vector<int64_t> active(width, 0);
+      int64_t samples = 0;
+      for (std::size_t k = 0; k < held && samples < window_samples; ++k) {
+        samples += samples_of[n - 1 - k];
+        for (std::size_t u = 0; u < width; ++u) active[u] += counts_of[n - 1 - k][u];
+      }
+      if (width == 0 || samples < window_samples) return std::nan("");
+      std::vector<std::size_t> dead;
+      for (std::size_t u = 0; u < width; ++u)
+        if (static_cast<double>(active[u]) < act * static_cast<double>(samples)) dead.push_back(u);
+      for (std::size_t k = 0; k < held && !dead.empty(); ++k) {
+        bool inactive = true;
+        for (const std::size_t u : dead)
+          if (static_cast<double>(counts_of[n - 1 - k][u]) > act * static_cast<double>(samples_of[n - 1 - k]))
+            inactive = false;
+        if (!inactive) break;
+        since = steps_of[n - 1 - k];
+      }
+      if (!dead.empty()) ++dead_seen;
+      if (since < steps_of.back()) ++runs_before_newest;
+      return static_cast<double>(dead.size()) / static_cast<double>(width);
+    };
+    int64_t width = pick(0, 6);
+    for (int64_t step = 0; step < 40; ++step) {
+      if (pick(0, 25) == 0) width = pick(0, 6);  // a change of width
+      if (!counts_of.empty() && static_cast<int64_t>(counts_of.front().size()) != width) {
+        counts_of.clear();
+        samples_of.clear();
+        steps_of.clear();
+      }
+      const int64_t per_unit = pick(0, 150);
+      std::vector<int64_t> c(static_cast<std::size_t>(width));
+      for (auto& v : c) v = pick(0, 3) == 0 ? pick(0, per_unit) : std::min<int64_t>(pick(0, 2), per_unit);
+      counts_of.push_back(c);
+      samples_of.push_back(per_unit);
+      steps_of.push_back(step * 3 + pick(0, 2));
+      w.push(c, per_unit, steps_of.back(), capacity, activity);
+      // Now and then the judgement asks with another threshold than the pushes' (the window
+      // follows it, and the next push goes back).
+      const double asked = pick(0, 10) == 0 ? activity * 2 + 0.01 : activity;
+      int64_t want_since = -1, since = -1;
+      const double want = rescan(asked, want_since);
+      const double got = w.dead_fraction(window_samples, asked, &since);
+      INFO("trial " << trial << " step " << step << " width " << width << " capacity " << capacity
+                    << " window " << window_samples << " activity " << asked);
+      if (std::isnan(want)) {
+        CHECK(std::isnan(got));
+      } else {
+        CHECK(got == want);
+        CHECK(since == want_since);
+      }
+    }
+  }
+  CHECK(dead_seen > 200);
+  CHECK(runs_before_newest > 100);
+}
+
 TEST_CASE("the first non-finite output of a step is the origin; later ones are consequences",
           "[health]") {
   HealthMonitor m;

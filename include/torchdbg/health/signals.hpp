@@ -244,13 +244,14 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
       const int64_t units = y.size(detail::unit_dim_of(y, dim));
       if (prefetch_valid && info.unit_counts != nullptr &&
           static_cast<int64_t>(info.unit_counts->size()) == units) {
+        counts.reserve(info.unit_counts->size());
         for (double c : *info.unit_counts) counts.push_back(static_cast<int64_t>(c));
         per_unit = units == 0 ? 0 : y.numel() / units;
       } else {
         counts = detail::count_above_per_unit(y, dim, 0.0, per_unit);
       }
       L.units.push(std::move(counts), per_unit, step,
-                   static_cast<std::size_t>(options_.dead_window()));
+                   static_cast<std::size_t>(options_.dead_window()), options_.dead_activity());
     } catch (const Error&) {
       // the unit dimension does not exist for this output: no dead-unit judgement
     }

@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -60,14 +61,26 @@ struct UnitWindow {
   std::vector<std::vector<int64_t>> unit_ring;
   std::vector<int64_t> sample_ring, step_ring;
   std::size_t unit_head = 0;
+  /// Outputs pushed since the window last started over (the newest is number `pushed`).
+  int64_t pushed = 0;
+  /// Per unit: the number of the newest output in which it was active (above `activity` of
+  /// that output's samples), 0 for none; what dead_fraction's `since` is found from.
+  std::vector<int64_t> last_active;
+  double activity = -1.0;
 
   /// One output's counts (`per_unit` values per unit); a change of width starts over.
-  void push(std::vector<int64_t> counts, int64_t per_unit, int64_t step, std::size_t capacity);
+  /// `activity`: HealthOptions::dead_activity.
+  void push(std::vector<int64_t> counts, int64_t per_unit, int64_t step, std::size_t capacity,
+            double activity);
   /// The fraction of units active in fewer than `activity` of the newest `window_samples`
   /// samples (NaN before there are that many); `since`: the step of the oldest held output
   /// in which every one of them was inactive, in the unbroken run up to the newest (a
   /// failure that the window confirms only after a few outputs began there).
-  double dead_fraction(int64_t window_samples, double activity, int64_t* since) const;
+  double dead_fraction(int64_t window_samples, double activity, int64_t* since);
+
+ private:
+  std::size_t index_of(int64_t number) const;  // the ring slot of held output `number`
+  void mark_active(std::size_t slot, int64_t number);
 };
 
 #if TORCHDBG_DEFINITIONS
@@ -143,28 +156,57 @@ TORCHDBG_INLINE double ActivationKinds::saturated_fraction(const std::string& ki
 }
 
 TORCHDBG_INLINE void UnitWindow::push(std::vector<int64_t> counts, int64_t per_unit, int64_t step,
-                                      std::size_t capacity) {
+                                      std::size_t capacity, double active_above) {
   const std::size_t w = capacity;
   if (!unit_ring.empty() && unit_ring.front().size() != counts.size()) {
     unit_ring.clear();  // the layer's width changed: start over
     sample_ring.clear();
     step_ring.clear();
     unit_head = 0;
+    pushed = 0;
   }
+  if (pushed == 0) last_active.assign(counts.size(), 0);
+  std::size_t slot = 0;
   if (unit_ring.size() < w) {
+    slot = unit_ring.size();
     unit_ring.push_back(std::move(counts));
     sample_ring.push_back(per_unit);
     step_ring.push_back(step);
   } else {
+    slot = unit_head;
     unit_ring[unit_head] = std::move(counts);
     sample_ring[unit_head] = per_unit;
     step_ring[unit_head] = step;
     unit_head = (unit_head + 1) % w;
   }
+  ++pushed;
+  if (active_above != activity) {  // another threshold: every held output again
+    activity = active_above;
+    std::fill(last_active.begin(), last_active.end(), 0);
+    const int64_t held = static_cast<int64_t>(unit_ring.size());
+    for (int64_t n = pushed - held + 1; n <= pushed; ++n) mark_active(index_of(n), n);
+  } else {
+    mark_active(slot, pushed);
+  }
 }
 
-TORCHDBG_INLINE double UnitWindow::dead_fraction(int64_t window_samples, double activity,
-                                                 int64_t* since) const {
+TORCHDBG_INLINE std::size_t UnitWindow::index_of(int64_t number) const {
+  // The oldest held output is at slot 0 while the ring fills, then at unit_head.
+  const std::size_t held = unit_ring.size();
+  const std::size_t oldest = unit_head % held;
+  const auto back = static_cast<std::size_t>(pushed - number);  // 0: the newest
+  return (oldest + held - 1 - back) % held;
+}
+
+TORCHDBG_INLINE void UnitWindow::mark_active(std::size_t slot, int64_t number) {
+  const double limit = activity * static_cast<double>(sample_ring[slot]);
+  const std::vector<int64_t>& c = unit_ring[slot];
+  for (std::size_t u = 0; u < c.size(); ++u)
+    if (static_cast<double>(c[u]) > limit) last_active[u] = number;
+}
+
+TORCHDBG_INLINE double UnitWindow::dead_fraction(int64_t window_samples, double active_above,
+                                                 int64_t* since) {
   const std::size_t held = unit_ring.size();
   if (held == 0) return detail::kNaN;
   const std::size_t units = unit_ring.front().size();
@@ -179,22 +221,28 @@ TORCHDBG_INLINE double UnitWindow::dead_fraction(int64_t window_samples, double 
     for (std::size_t u = 0; u < units; ++u) active[u] += unit_ring[i][u];
   }
   if (samples < window_samples) return detail::kNaN;
-  std::vector<std::size_t> dead;
-  for (std::size_t u = 0; u < units; ++u)
-    if (static_cast<double>(active[u]) < activity * static_cast<double>(samples)) dead.push_back(u);
-  if (since != nullptr) {
-    *since = step_ring[newest];
-    for (std::size_t k = 0; k < held && !dead.empty(); ++k) {
-      const std::size_t i = (newest + held - k) % held;
-      const double limit = activity * static_cast<double>(sample_ring[i]);
-      bool inactive = true;
-      for (const std::size_t u : dead)
-        inactive = inactive && static_cast<double>(unit_ring[i][u]) <= limit;
-      if (!inactive) break;
-      *since = step_ring[i];
+  if (active_above != activity) {  // last_active follows another threshold
+    activity = active_above;
+    std::fill(last_active.begin(), last_active.end(), 0);
+    for (int64_t n = pushed - static_cast<int64_t>(held) + 1; n <= pushed; ++n) mark_active(index_of(n), n);
+  }
+  std::size_t dead = 0;
+  int64_t newest_active = 0;  // the newest output in which a dead unit was active
+  for (std::size_t u = 0; u < units; ++u) {
+    if (static_cast<double>(active[u]) < active_above * static_cast<double>(samples)) {
+      ++dead;
+      newest_active = std::max(newest_active, last_active[u]);
     }
   }
-  return static_cast<double>(dead.size()) / static_cast<double>(units);
+  if (since != nullptr) {
+    // The unbroken inactive run: the held outputs after the newest with a dead unit active.
+    *since = step_ring[newest];
+    if (dead > 0) {
+      const int64_t first = std::max(newest_active + 1, pushed - static_cast<int64_t>(held) + 1);
+      if (first <= pushed) *since = step_ring[index_of(first)];
+    }
+  }
+  return static_cast<double>(dead) / static_cast<double>(units);
 }
 
 #endif  // TORCHDBG_DEFINITIONS
