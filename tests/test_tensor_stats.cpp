@@ -1333,6 +1333,55 @@ TEST_CASE("property: batch_spread is the spread across the batch of a double ref
       CHECK(std::isnan(torchdbg::detail::batch_spread(t)));
     }
   }
+  // float64 deviations too small for their squares (down to subnormals), also beside a column
+  // of huge values, and values more than DBL_MAX apart: the reference on the deviations scaled
+  // by a power of two, with a long double loop on two rows as a second one.
+  const auto tensor2 = [](std::vector<double> v, std::vector<int64_t> shape) {
+    return torch::tensor(v, torch::kDouble).reshape(shape);
+  };
+  struct Tiny {
+    torch::Tensor t;
+    double want;
+  };
+  for (const Tiny& c : std::vector<Tiny>{
+           {tensor2({1e-300, -1e-300}, {2, 1}), 1e-300},
+           {tensor2({2.5e-308, -2.5e-308}, {2, 1}), 2.5e-308},
+           {tensor2({1e-160, -1e-160}, {2, 1}), 1e-160},
+           {tensor2({1e150, 3e-300, 1e150, -3e-300}, {2, 2}), std::sqrt(0.5) * 3e-300},
+           {tensor2({1e308, 1e-200, 1e308, -1e-200}, {2, 2}), std::sqrt(0.5) * 1e-200},
+           {tensor2({1.7e308, -1.7e308}, {2, 1}), 1.7e308},
+           {tensor2({-1.7e308, 1.7e308, 1.0, 1.0}, {2, 2}), 0.85e308},
+           {tensor2({-1.7e308, 1.7e308, 1.7e308, -1.7e308}, {2, 2}), 1.7e308}}) {
+    const double got = torchdbg::detail::batch_spread(c.t);
+    INFO("values " << c.t << " got " << got << " want " << c.want);
+    CHECK(std::fabs(got - c.want) <= 1e-9 * c.want);
+  }
+  CHECK(torchdbg::detail::batch_spread(tensor2({1e-320, 0.0}, {2, 1})) > 0.0);  // subnormal: not 0
+  for (const double tiny : {1e-150, 1e-200, 1e-300, 1e-310}) {
+    const torch::Tensor t = (torch::randn({8, 16}, torch::kDouble) + torch::randn({1, 16}, torch::kDouble) * 1e3) * tiny;
+    const torch::Tensor dev = t - t.narrow(0, 0, 1);
+    const int k = -std::ilogb(tiny), half = k / 2;  // 2^k itself may be beyond double
+    const double want = reference_batch_spread(dev * std::ldexp(1.0, half) * std::ldexp(1.0, k - half)) *
+                        std::ldexp(1.0, -half) * std::ldexp(1.0, half - k);
+    const double got = torchdbg::detail::batch_spread(t);
+    INFO("magnitude " << tiny << " got " << got << " want " << want);
+    CHECK(want > 0.0);
+    if (tiny >= 1e-300) CHECK(std::fabs(got - want) <= 1e-9 * want);  // 1e-310 itself is subnormal
+    CHECK(torchdbg::detail::batch_spread((torch::randn({4, 1}, torch::kDouble) * tiny).expand({4, 7})) > 0.0);
+  }
+  // Many rows and a first row far from the others (the shift of the first pass): the
+  // closed form of one value 0 among rows - 1 values v.
+  for (const int64_t rows : {int64_t{10000}, int64_t{100000}, int64_t{1000000}}) {
+    for (const auto dtype : {torch::kDouble, torch::kFloat}) {
+      torch::Tensor t = torch::full({rows, 3}, 0.1, dtype);
+      t[0] = 0.0;
+      const double v = t[1][0].item<double>();
+      const double want = v * std::sqrt(static_cast<double>(rows - 1)) / static_cast<double>(rows);
+      const double got = torchdbg::detail::batch_spread(t);
+      INFO("rows " << rows << " " << dtype << " got " << got << " want " << want);
+      CHECK(std::fabs(got - want) <= 1e-9 * want);
+    }
+  }
   // Rows that are all alike have no spread, however large the values.
   CHECK(torchdbg::detail::batch_spread(torch::randn({1, 7}).mul(1e6).expand({32, 7})) == 0.0);
   CHECK(torchdbg::detail::batch_spread(torch::randn({5}).mul(1e6).repeat({16, 1})) == 0.0);

@@ -1553,13 +1553,15 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
 /// deviation of `t[b, ...] - mean_b t[:, ...]` over all elements, i.e. what is left of
 /// `std(t)` once every position's mean over the batch is taken out. A bias, or any output
 /// that is the same for every sample, has none. NaN when `t` has fewer than 2 dimensions,
-/// fewer than 2 rows, or a NaN/Inf. CPU tensors are read once in place (shifted sums per
-/// position, in float64, 4096 positions at a time; an overlapping view is first copied whole);
-/// other devices reduce there. float64 values of any finite magnitude: where their squares
-/// overflow, the values are measured scaled by a power of two (exact) and the spread scaled back.
+/// fewer than 2 rows, or a NaN/Inf. CPU tensors are read once in place (sums per position
+/// about the first row, in float64, 4096 positions at a time, again about each position's mean
+/// where the first row lies far from it; an overlapping view is first copied whole); other
+/// devices reduce there. float64 values of any finite magnitude: their deviations from the
+/// first row are scaled by a power of two (exactly) so that their squares neither overflow nor
+/// underflow.
 inline double batch_spread(const at::Tensor& t);
 
-/// batch_spread without the rescaling of float64 values whose squares overflow.
+/// batch_spread without the scaling of float64 deviations.
 inline double batch_spread_unscaled(const at::Tensor& t) {
   if (!t.defined()) throw Error("torchdbg: cannot compute the batch spread of an undefined tensor");
   check_supported_dtype(t.scalar_type());
@@ -1582,6 +1584,7 @@ inline double batch_spread_unscaled(const at::Tensor& t) {
   const std::unique_ptr<double[]> sums(new double[2 * width]);
   double* const s1 = sums.get();
   double* const s2 = s1 + width;
+  std::unique_ptr<double[]> means;  // the chunk's per-position means, where it is read again
   double within = 0.0;  // sum over positions of the squared deviations from their batch mean
   dispatch_dtype(c.scalar_type(), [&](auto tag) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
@@ -1618,13 +1621,43 @@ inline double batch_spread_unscaled(const at::Tensor& t) {
       // Four running sums and no division: a loop bound by neither the adder's latency nor
       // the divider.
       const double inv_k = 1.0 / static_cast<double>(rows);
+      // Where the first row lies far from a position's mean, s2 - s1^2 / rows cancels: a
+      // position whose sum of squares is more than this many times its result has lost more
+      // than about 1e-10 of it to rounding (sums of `rows` terms: about rows ulp), and the
+      // chunk is summed again about its means.
+      const double cancels = 9e5 / static_cast<double>(rows);
       double part[4] = {0.0, 0.0, 0.0, 0.0};
+      bool again = false;
       for (int64_t i = 0; i < n; ++i) {
         // a * inv_k first: a^2 / k is below s2, so it overflows only where s2 did (a^2 alone
         // can overflow while the spread is finite).
         const double a = s1[i];
         const double w = s2[i] - a * inv_k * a;
+        again |= w * cancels < s2[i];
         part[i & 3] += w < 0.0 ? 0.0 : w;  // rounding below 0 is none; NaN (from NaN/Inf) stays
+      }
+      if (again) {
+        if (!means) means.reset(new double[width]);
+        double* const m = means.get();
+        for (int64_t i = 0; i < n; ++i) {
+          m[i] = as_double(first[i]) + s1[i] * inv_k;
+          s1[i] = 0.0;
+          s2[i] = 0.0;
+        }
+        for (int64_t b = 0; b < rows; ++b) {
+          const T* q = p + b * inner + lo;
+          for (int64_t i = 0; i < n; ++i) {
+            const double d = as_double(q[i]) - m[i];
+            s1[i] += d;
+            s2[i] += d * d;
+          }
+        }
+        part[0] = part[1] = part[2] = part[3] = 0.0;
+        for (int64_t i = 0; i < n; ++i) {
+          const double a = s1[i];
+          const double w = s2[i] - a * inv_k * a;
+          part[i & 3] += w < 0.0 ? 0.0 : w;
+        }
       }
       within += (part[0] + part[1]) + (part[2] + part[3]);
     }
@@ -1634,19 +1667,34 @@ inline double batch_spread_unscaled(const at::Tensor& t) {
   return std::isfinite(v) ? std::sqrt(v) : kNaN;
 }
 
+/// `t * 2^k` for any k (2^k itself may not be a double).
+inline at::Tensor times_power_of_two(const at::Tensor& t, int k) {
+  at::Tensor out = t;
+  for (; k > 1000; k -= 1000) out = out * std::ldexp(1.0, 1000);
+  for (; k < -1000; k += 1000) out = out * std::ldexp(1.0, -1000);
+  return out * std::ldexp(1.0, k);
+}
+
 inline double batch_spread(const at::Tensor& t) {
-  const double v = batch_spread_unscaled(t);
-  if (!std::isnan(v) || t.scalar_type() != at::kDouble || t.dim() < 2 || t.size(0) < 2 || t.numel() == 0 ||
-      t.is_sparse() || t.is_meta())
-    return v;
-  // NaN from finite float64 values: their squares (or sums of them) overflowed. Values at most 1
-  // in magnitude cannot overflow; a power of two scales them exactly.
+  if (!t.defined() || t.scalar_type() != at::kDouble || t.is_sparse() || t.is_meta() || t.dim() < 2 ||
+      t.size(0) < 2 || t.numel() == 0 || t.stride(0) == 0)
+    return batch_spread_unscaled(t);
+  // float64: the deviations from the first row, scaled to at most 1 (float32 and narrower
+  // values cannot overflow or underflow float64 squares).
   const at::Tensor base = collapse_repeats(t, 0).base;
-  const double amax = base.abs().max().to(at::kCPU).item<double>();
-  if (!std::isfinite(amax) || amax == 0.0) return v;
+  at::Tensor dev = base - base.narrow(0, 0, 1);
+  double dmax = dev.abs().max().to(at::kCPU).item<double>();
+  int halved = 0;
+  if (std::isinf(dmax)) {  // finite values more than DBL_MAX apart (or an Inf, NaN below)
+    dev = base * 0.5 - base.narrow(0, 0, 1) * 0.5;
+    dmax = dev.abs().max().to(at::kCPU).item<double>();
+    halved = 1;
+  }
+  if (!std::isfinite(dmax)) return kNaN;
+  if (dmax == 0.0) return 0.0;
   int e = 0;
-  std::frexp(amax, &e);
-  return std::ldexp(batch_spread_unscaled(base * std::ldexp(1.0, -e)), e);
+  std::frexp(dmax, &e);
+  return std::ldexp(batch_spread_unscaled(times_power_of_two(dev, -e)), e + halved);
 }
 
 /// `collapse_repeats(t)` with its base on the CPU (copied from another device).
