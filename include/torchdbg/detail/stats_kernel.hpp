@@ -1556,9 +1556,9 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
 /// fewer than 2 rows, or a NaN/Inf. CPU tensors are read once in place (sums per position
 /// about the first row, in float64, 4096 positions at a time, again about each position's mean
 /// where the first row lies far from it; an overlapping view is first copied whole); other
-/// devices reduce there. float64 values of any finite magnitude: their deviations from the
-/// first row are scaled by a power of two (exactly) so that their squares neither overflow nor
-/// underflow.
+/// devices reduce there. float64 values of any finite magnitude: where their squares may have
+/// overflowed or underflowed, their deviations from the first row are measured again scaled
+/// by a power of two (exactly).
 inline double batch_spread(const at::Tensor& t);
 
 /// batch_spread without the scaling of float64 deviations.
@@ -1622,10 +1622,10 @@ inline double batch_spread_unscaled(const at::Tensor& t) {
       // the divider.
       const double inv_k = 1.0 / static_cast<double>(rows);
       // Where the first row lies far from a position's mean, s2 - s1^2 / rows cancels: a
-      // position whose sum of squares is more than this many times its result has lost more
-      // than about 1e-10 of it to rounding (sums of `rows` terms: about rows ulp), and the
-      // chunk is summed again about its means.
-      const double cancels = 9e5 / static_cast<double>(rows);
+      // position whose sum of squares is more than this many times its result has lost about
+      // 1e-10 of it to rounding (sums of `rows` terms: about sqrt(rows) ulp), and the chunk is
+      // summed again about its means.
+      const double cancels = 9e5 / std::sqrt(static_cast<double>(rows));
       double part[4] = {0.0, 0.0, 0.0, 0.0};
       bool again = false;
       for (int64_t i = 0; i < n; ++i) {
@@ -1676,12 +1676,15 @@ inline at::Tensor times_power_of_two(const at::Tensor& t, int k) {
 }
 
 inline double batch_spread(const at::Tensor& t) {
-  if (!t.defined() || t.scalar_type() != at::kDouble || t.is_sparse() || t.is_meta() || t.dim() < 2 ||
-      t.size(0) < 2 || t.numel() == 0 || t.stride(0) == 0)
-    return batch_spread_unscaled(t);
-  // float64: the deviations from the first row, scaled to at most 1 (float32 and narrower
-  // values cannot overflow or underflow float64 squares).
-  const at::Tensor base = collapse_repeats(t, 0).base;
+  const double v = batch_spread_unscaled(t);
+  // float32 and narrower values cannot overflow or underflow float64 squares; float64 values
+  // can where the result is NaN (or an overflow) or below about 1e-140.
+  if (!(std::isnan(v) || v < 1e-140) || t.scalar_type() != at::kDouble || t.is_sparse() || t.is_meta() ||
+      t.dim() < 2 || t.size(0) < 2 || t.numel() == 0 || t.stride(0) == 0)
+    return v;
+  // The deviations from the first row, scaled to at most 1.
+  at::NoGradGuard no_grad;
+  const at::Tensor base = collapse_repeats(t, 0).base.detach();
   at::Tensor dev = base - base.narrow(0, 0, 1);
   double dmax = dev.abs().max().to(at::kCPU).item<double>();
   int halved = 0;
