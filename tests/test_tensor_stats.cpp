@@ -1380,6 +1380,9 @@ TEST_CASE("property: batch_spread is the spread across the batch of a double ref
       const double got = torchdbg::detail::batch_spread(t);
       INFO("rows " << rows << " " << dtype << " got " << got << " want " << want);
       CHECK(std::fabs(got - want) <= 1e-9 * want);
+      // Summed again about the means: a NaN or Inf in another position still makes NaN.
+      t[rows - 1][2] = dtype == torch::kFloat ? kInf : kNaN;
+      CHECK(std::isnan(torchdbg::detail::batch_spread(t)));
     }
   }
   // Rows that are all alike have no spread, however large the values.

@@ -1585,6 +1585,7 @@ inline double batch_spread_unscaled(const at::Tensor& t) {
   double* const s1 = sums.get();
   double* const s2 = s1 + width;
   std::unique_ptr<double[]> means;  // the chunk's per-position means, where it is read again
+  std::unique_ptr<float[]> float_means;
   double within = 0.0;  // sum over positions of the squared deviations from their batch mean
   dispatch_dtype(c.scalar_type(), [&](auto tag) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
@@ -1639,17 +1640,28 @@ inline double batch_spread_unscaled(const at::Tensor& t) {
       if (again) {
         if (!means) means.reset(new double[width]);
         double* const m = means.get();
-        for (int64_t i = 0; i < n; ++i) {
-          m[i] = as_double(first[i]) + s1[i] * inv_k;
-          s1[i] = 0.0;
-          s2[i] = 0.0;
-        }
-        for (int64_t b = 0; b < rows; ++b) {
-          const T* q = p + b * inner + lo;
-          for (int64_t i = 0; i < n; ++i) {
-            const double d = as_double(q[i]) - m[i];
-            s1[i] += d;
-            s2[i] += d * d;
+        for (int64_t i = 0; i < n; ++i) m[i] = as_double(first[i]) + s1[i] * inv_k;
+        if constexpr (vector_floats) {
+#if defined(TORCHDBG_HAVE_VECTOR_EXT)
+          // The means rounded to float are a shift as good: the kernel again, every row.
+          if (!float_means) float_means.reset(new float[width]);
+          float* const mf = float_means.get();
+          for (int64_t i = 0; i < n; ++i) mf[i] = static_cast<float>(m[i]);
+          constexpr int64_t kRowBlock = 32;
+          for (int64_t b = 0; b < rows; b += kRowBlock)
+            block_kernels().column_deviations(mf, p + b * inner + lo, std::min(kRowBlock, rows - b), inner, n,
+                                              /*fresh=*/b == 0, s1, s2);
+#endif
+        } else {
+          std::fill(s1, s1 + n, 0.0);
+          std::fill(s2, s2 + n, 0.0);
+          for (int64_t b = 0; b < rows; ++b) {
+            const T* q = p + b * inner + lo;
+            for (int64_t i = 0; i < n; ++i) {
+              const double d = as_double(q[i]) - m[i];
+              s1[i] += d;
+              s2[i] += d * d;
+            }
           }
         }
         part[0] = part[1] = part[2] = part[3] = 0.0;
