@@ -25,6 +25,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <c10/util/SmallVector.h>
@@ -1695,7 +1696,7 @@ inline double batch_spread(const at::Tensor& t) {
       t.dim() < 2 || t.size(0) < 2 || t.numel() == 0 || t.stride(0) == 0)
     return v;
   // The deviations from the first row, scaled to at most 1.
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   const at::Tensor base = collapse_repeats(t, 0).base.detach();
   at::Tensor dev = base - base.narrow(0, 0, 1);
   double dmax = dev.abs().max().to(at::kCPU).item<double>();
