@@ -7,7 +7,7 @@
 //
 //   torchdbg_bench [--threads N] [--rounds R] [--steps S] [--rss-steps N] [--json FILE] [--models
 //   mlp,scripted,cnn,transformer,gru,tiny,one] [--modes
-//   detached,full,sampled,every10,idle,observer,reporter,live]
+//   detached,full,sampled,every10,act10,idle,observer,reporter,live]
 //   [--sample K] [--no-health] [--device cpu|cuda] [--default-malloc] [--count-ops]
 //   torchdbg_bench --models MODEL --train-only MODE [--steps N] [--warmup W]
 //
@@ -45,6 +45,8 @@
 // `scripted` is the MLP as a TorchScript module (torchdbg/jit.hpp's attach), beside `mlp`.
 // `tiny` is the MLP at 16 features: it prints what one delivery costs outside the kernel.
 // `one` is a single Linear with the README's quick start: what torchdbg costs per step.
+// `act10` (`one` only) is the quick start with HealthOptions().activation_interval(10):
+// gradients judged every step, forward outputs every 10th.
 //
 // With --device cuda the models train on the GPU, each timed step ends with a device
 // synchronize, and the run also prints how many copies brought statistics to the host per
@@ -323,8 +325,8 @@ Args parse(int argc, char** argv) {
       a.warmup = std::stoi(next("--warmup"));
     else if (!std::strcmp(argv[i], "--train-only")) {
       a.train_only = next("--train-only");
-      if (!model_listed("plain,detached,full,sampled,every10,idle,observer", a.train_only))
-        throw std::runtime_error("--train-only: expected plain, detached, full, sampled, every10, idle or observer, got '" +
+      if (!model_listed("plain,detached,full,sampled,every10,act10,idle,observer", a.train_only))
+        throw std::runtime_error("--train-only: expected plain, detached, full, sampled, every10, act10, idle or observer, got '" +
                                  a.train_only + "'");
     }
     else
@@ -334,9 +336,9 @@ Args parse(int argc, char** argv) {
     if (a.steps <= 0 || a.warmup < 0)
       throw std::runtime_error("--train-only: expected --steps > 0 and --warmup >= 0, got " + std::to_string(a.steps) +
                                " and " + std::to_string(a.warmup));
-    if (a.train_only == "every10" && (a.steps % 10 != 0 || a.warmup % 10 != 0))
-      throw std::runtime_error("--train-only every10: --steps and --warmup must be multiples of 10 (one due step in "
-                               "ten counted), got " + std::to_string(a.steps) + " and " + std::to_string(a.warmup));
+    if ((a.train_only == "every10" || a.train_only == "act10") && (a.steps % 10 != 0 || a.warmup % 10 != 0))
+      throw std::runtime_error("--train-only " + a.train_only + ": --steps and --warmup must be multiples of 10 (one due "
+                               "step in ten counted), got " + std::to_string(a.steps) + " and " + std::to_string(a.warmup));
   }
   return a;
 }
@@ -468,12 +470,14 @@ struct Monitor {
   /// `quick_start`: the README's quick start only (the health monitor, no other hook);
   /// `with_reporter`: a Reporter fed by the monitor, as a live page needs.
   /// `sample_stride` > 1: statistics of large tensors from a sample (StatsSampling).
+  /// `activation_interval` > 1: the health monitor judges forward outputs every that many
+  /// steps, gradients every step (HealthOptions::activation_interval; the quick start's `act10`).
   Monitor(bool every10, bool with_health = true, bool quick_start = false, bool with_reporter = false,
-          int64_t sample_stride = 1)
+          int64_t sample_stride = 1, int64_t activation_interval = 1)
       : hooks(torchdbg::HookManagerOptions()
                   .inspector(torchdbg::InspectorOptions().sample_rate(0.0))
                   .sampling(torchdbg::StatsSampling().stride(sample_stride))),
-        health(torchdbg::HealthOptions().interval(every10 ? 10 : 1)) {
+        health(torchdbg::HealthOptions().interval(every10 ? 10 : 1).activation_interval(activation_interval)) {
     if (with_health) fed = health.install(hooks);
     if (with_reporter) reported = reporter.install(hooks, &health);
     if (quick_start) return;
@@ -547,7 +551,7 @@ void train_only(std::vector<int64_t> shape, int64_t batch, const Args& a, bool q
   const std::string& mode = a.train_only;
   Trainer<Model> tr(shape, batch, torch::Device(a.device));
   Monitor monitor(mode == "every10", a.health && mode != "idle", quick_start, false,
-                  mode == "sampled" ? a.sample : 1);
+                  mode == "sampled" ? a.sample : 1, mode == "act10" ? 10 : 1);
   if (mode == "idle") monitor.hooks.clear_hooks();
   std::optional<torchdbg::AttachSession> session;
   std::optional<BareObserver> bare;
@@ -725,15 +729,17 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
   nlohmann::json out;
   // "idle": attached to a manager with no hook at all, so nothing is ever due: what merely
   // having tensor hooks on the parameters does to LibTorch's step.
-  for (const std::string mode : {"detached", "full", "sampled", "every10", "idle", "observer", "reporter", "live"}) {
+  for (const std::string mode :
+       {"detached", "full", "sampled", "every10", "act10", "idle", "observer", "reporter", "live"}) {
     if (!model_listed(a.modes, mode)) continue;
+    if (mode == "act10" && !quick_start) continue;  // the quick start's option (`one` only)
     std::vector<double> base, mon;
     uint64_t copies = 0, deliveries = 0;
     // One monitor per mode, kept across rounds (its per-layer state is built once, as in a
     // real run); only the attachment comes and goes, so baseline steps run detached.
     const bool reporting = mode == "reporter" || mode == "live";
     Monitor monitor(mode == "every10", a.health && mode != "idle", quick_start, reporting && a.health,
-                    mode == "sampled" ? a.sample : 1);
+                    mode == "sampled" ? a.sample : 1, mode == "act10" ? 10 : 1);
     if (mode == "idle") monitor.hooks.clear_hooks();
     PageReader page(mode == "live" ? &monitor : nullptr);
     for (int r = 0; r < a.rounds; ++r) {
@@ -764,9 +770,10 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
     // one step of ten, which a median of steps hides: there the headline is the paired
     // estimate over windows of ten steps (one due step each), which a burst of load on shared
     // cores moves far less than a mean of all steps would.
-    const Paired paired = paired_overhead(base, mon, a.steps, mode == "every10" ? 10 : 1);
+    const bool sparse = mode == "every10" || mode == "act10";
+    const Paired paired = paired_overhead(base, mon, a.steps, sparse ? 10 : 1);
     const double median_steps = 100.0 * (m - b) / b;
-    const double overhead = mode == "every10" ? paired.percent : median_steps;
+    const double overhead = sparse ? paired.percent : median_steps;
     const double copies_per_step = static_cast<double>(copies) / static_cast<double>(mon.size());
     if (print && mode == "full" && !tr.device.is_cuda() && g_copy_gbs > 0.0) {
       // The floor of reading every delivered tensor once from memory, at copy bandwidth (data
@@ -871,18 +878,22 @@ nlohmann::json bench_delivery(const Args& a) {
 /// operator observer costs over the same window (`observer`: LibTorch's price of watching).
 nlohmann::json bench_fixed(const Args& a) {
   Args one = a;
-  one.modes = "full,every10,idle,observer";
+  one.modes = "full,every10,act10,idle,observer";
   one.steps = 50;  // ~30 us steps: more per round for the same share of round overhead
   one.rounds = std::max(a.rounds, 40);
   const nlohmann::json r = bench_model<OneLinear>("one", {16}, 32, one, /*print=*/false, /*quick_start=*/true);
   nlohmann::json out;
-  for (const std::string mode : {"full", "every10", "idle", "observer"}) {
+  for (const std::string mode : {"full", "every10", "act10", "idle", "observer"}) {
     const auto& m = r[mode];
-    // every10's cost sits in one step of ten: its mean over paired windows, not a median step
-    const double us = mode == "every10" ? m["paired_difference_us_per_step"].get<double>()
-                                        : m["monitored_median_us"].get<double>() - m["baseline_median_us"].get<double>();
+    // every10's and act10's extra cost sits in one step of ten: their mean over paired
+    // windows, not a median step
+    const double us = mode == "every10" || mode == "act10"
+                          ? m["paired_difference_us_per_step"].get<double>()
+                          : m["monitored_median_us"].get<double>() - m["baseline_median_us"].get<double>();
     const char* what = mode == "full"      ? ", the quick start's health monitor"
                        : mode == "every10" ? ", the quick start with HealthOptions().interval(10), mean per step"
+                       : mode == "act10"   ? ", the quick start with HealthOptions().activation_interval(10) "
+                                             "(gradients every step, activations every 10th), mean per step"
                        : mode == "idle"    ? ", attached, no hook"
                                            : ", no torchdbg: a RecordFunction callback boxing the operators' inputs "
                                              "and outputs over the quick start's window, deciding nothing";

@@ -14,6 +14,11 @@
 //
 //   torchdbg_scenarios [--seeds N] [--only REGEX] [--min-accuracy F]
 //                      [--min-scenario-accuracy F] [--by-kind] [--verbose]
+//                      [--interval N] [--activation-interval N]
+//
+// --interval N and --activation-interval N run the monitor with HealthOptions().interval(N)
+// (everything judged every N-th step) and .activation_interval(N) (gradients judged every
+// step, forward outputs every N-th): what those options cost in accuracy.
 //
 // Prints one row per scenario (a Markdown table; --by-kind: one row per failure, with its
 // scenarios' hits in one cell) and the totals. Exit status 1 when a ground
@@ -37,6 +42,11 @@
 #include <vector>
 
 namespace {
+
+/// HealthOptions::interval and activation_interval of every run (--interval,
+/// --activation-interval).
+int64_t g_interval = 1;
+int64_t g_activation_interval = 1;
 
 using torchdbg::FailureKind;
 namespace F = torch::nn::functional;
@@ -769,7 +779,7 @@ RunResult run(const Scenario& sc, uint64_t seed, bool verbose) {
     opt = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
 
   torchdbg::HookManager hooks;
-  torchdbg::HealthMonitor health;
+  torchdbg::HealthMonitor health(torchdbg::HealthOptions().interval(g_interval).activation_interval(g_activation_interval));
   auto installed = health.install(hooks);
   auto session = torchdbg::attach(*model, hooks);
 
@@ -909,8 +919,12 @@ int main(int argc, char** argv) {
       verbose = true;
     } else if (a == "--by-kind") {
       by_kind = true;
+    } else if (a == "--interval") {
+      g_interval = std::stoll(next());
+    } else if (a == "--activation-interval") {
+      g_activation_interval = std::stoll(next());
     } else {
-      std::fprintf(stderr, "usage: %s [--seeds N] [--only REGEX] [--min-accuracy F] [--min-scenario-accuracy F] [--by-kind] [--verbose]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--seeds N] [--only REGEX] [--min-accuracy F] [--min-scenario-accuracy F] [--by-kind] [--verbose] [--interval N] [--activation-interval N]\n", argv[0]);
       return 2;
     }
   }

@@ -1829,3 +1829,92 @@ TEST_CASE("layer health and incidents print one line with the measured values", 
   CHECK(fmt::format("{}", i) ==
         R"(Incident(exploding_gradient at "enc\n\"x\"", steps 20-23, value 1.235e+04, threshold 100, confidence 0.95, rank 1))");
 }
+
+TEST_CASE("property: activation_interval judges gradients every step and forward outputs on its steps only",
+          "[health][attach]") {
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().activation_interval(0)),
+                    Catch::Contains("activation_interval") && Catch::Contains("0"));
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().interval(1 << 20).activation_interval(int64_t{1} << 50)),
+                    Catch::Contains("activation_interval") && Catch::Contains("overflows"));
+  {
+    torchdbg::HookManager hooks;
+    HealthMonitor m;
+    auto inst = m.install(hooks);
+    CHECK_FALSE(inst.activation_hook_id().has_value());  // the default: one hook, both directions
+    CHECK(hooks.hook_count() == 1);
+  }
+  std::mt19937_64 rng(20261206);
+  for (int trial = 0; trial < 12; ++trial) {
+    const int64_t interval = 1 + static_cast<int64_t>(rng() % 3);
+    const int64_t every = 2 + static_cast<int64_t>(rng() % 5);
+    const int64_t steps = 12 + static_cast<int64_t>(rng() % 20);
+    const int64_t width = 4 + static_cast<int64_t>(rng() % 12);
+    // A NaN weight before the forward of a step the monitor judges gradients on but not
+    // activations (none in the first steps, so the failure is the first thing judged wrong).
+    std::vector<int64_t> candidates;
+    for (int64_t s = 4; s < steps; ++s)
+      if (s % interval == 0 && s % (interval * every) != 0) candidates.push_back(s);
+    const bool inject = !candidates.empty() && rng() % 3 != 0;
+    const int64_t bad_step = inject ? candidates[rng() % candidates.size()] : -1;
+    INFO("trial " << trial << ": interval " << interval << ", activation_interval " << every << ", " << steps
+                  << " steps, width " << width << ", NaN at step " << bad_step);
+    torch::manual_seed(trial);
+    auto model = torch::nn::Sequential(torch::nn::Linear(6, width), torch::nn::ReLU(), torch::nn::Linear(width, 3));
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01));
+    torchdbg::HookManager hooks;
+    HealthMonitor m(HealthOptions().interval(interval).activation_interval(every).on_failure(torchdbg::OnFailure::Pause));
+    auto inst = m.install(hooks);
+    REQUIRE(inst.activation_hook_id().has_value());
+    CHECK(hooks.hook_count() == 2);
+    auto session = torchdbg::attach(*model, hooks);
+    int64_t judged_forward_steps = 0, judged_backward_steps = 0, ran = 0;
+    uint64_t forward_before = 0;
+    for (int64_t step = 0; step < steps && !hooks.is_paused(); ++step) {
+      hooks.set_step(step);
+      if (step == bad_step) {
+        torch::NoGradGuard no_grad;
+        model->ptr(0)->as<torch::nn::Linear>()->weight[0][0] = std::numeric_limits<float>::quiet_NaN();
+      }
+      opt.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(model->forward(torch::randn({5, 6})), torch::randint(0, 3, {5}));
+      loss.backward();
+      ++ran;
+      // The observer is registered on the steps whose forward outputs are judged, only.
+      const uint64_t forward_now = session.forward_deliveries();
+      CHECK((forward_now > forward_before) == (step % (interval * every) == 0));
+      forward_before = forward_now;
+      if (step % (interval * every) == 0) ++judged_forward_steps;
+      if (step % interval == 0) ++judged_backward_steps;
+      if (!hooks.is_paused()) opt.step();
+    }
+    const auto fwd = hooks.get_hook_stats(*inst.activation_hook_id());
+    const auto bwd = hooks.get_hook_stats(inst.hook_id());
+    REQUIRE(fwd.has_value());
+    REQUIRE(bwd.has_value());
+    // Three forward outputs a call (two Linears and the ReLU), four gradients a pass.
+    CHECK(fwd->executions == static_cast<uint64_t>(3 * judged_forward_steps));
+    CHECK(bwd->executions == static_cast<uint64_t>(4 * judged_backward_steps));
+    REQUIRE(m.layer("0").has_value());
+    CHECK(m.layer("0")->has_gradient);
+    if (inject) {
+      // Caught on its own step from the gradients, not at the next judged forward.
+      REQUIRE(hooks.is_paused());
+      REQUIRE(hooks.pause_info().has_value());
+      CHECK(hooks.pause_info()->step == bad_step);
+      CHECK(ran == bad_step + 1);
+    } else {
+      CHECK_FALSE(hooks.is_paused());
+      CHECK(ran == steps);
+    }
+  }
+  // remove() takes both hooks away.
+  torchdbg::HookManager hooks;
+  HealthMonitor m(HealthOptions().activation_interval(3));
+  {
+    auto inst = m.install(hooks);
+    CHECK(hooks.hook_count() == 2);
+  }
+  CHECK(hooks.hook_count() == 0);
+  auto again = m.install(hooks);  // and the monitor installs again
+  CHECK(hooks.hook_count() == 2);
+}

@@ -43,10 +43,12 @@ class HealthInstallation {
  public:
   HealthInstallation() = default;
   HealthInstallation(BasicHookManager<ManagerMutex>* mgr, BasicHealthMonitor<Mutex>* monitor,
-                     HookId hook, std::string callback, uint64_t listener, uint64_t pause_token)
+                     HookId hook, std::optional<HookId> activation_hook, std::string callback,
+                     uint64_t listener, uint64_t pause_token)
       : mgr_(mgr),
         monitor_(monitor),
         hook_(std::move(hook)),
+        activation_hook_(std::move(activation_hook)),
         callback_(std::move(callback)),
         listener_(listener),
         pause_token_(pause_token) {}
@@ -59,6 +61,7 @@ class HealthInstallation {
       mgr_ = o.mgr_;
       monitor_ = o.monitor_;
       hook_ = std::move(o.hook_);
+      activation_hook_ = std::move(o.activation_hook_);
       callback_ = std::move(o.callback_);
       listener_ = o.listener_;
       pause_token_ = o.pause_token_;
@@ -69,8 +72,15 @@ class HealthInstallation {
   }
   ~HealthInstallation() { remove(); }
 
-  /// The manager's hook that feeds the monitor.
+  /// The manager's hook that feeds the monitor (forward outputs too, unless
+  /// HealthOptions::activation_interval is above 1).
   [[nodiscard]] const HookId& hook_id() const noexcept { return hook_; }
+  /// With HealthOptions::activation_interval above 1, the hook that feeds forward outputs
+  /// ("torchdbg.health.activations", every `interval * activation_interval` steps) while
+  /// hook_id()'s feeds gradients only; otherwise empty.
+  [[nodiscard]] const std::optional<HookId>& activation_hook_id() const noexcept {
+    return activation_hook_;
+  }
   [[nodiscard]] bool installed() const noexcept { return mgr_ != nullptr; }
 
   void remove() noexcept;
@@ -84,6 +94,7 @@ class HealthInstallation {
   BasicHookManager<ManagerMutex>* mgr_ = nullptr;
   BasicHealthMonitor<Mutex>* monitor_ = nullptr;
   HookId hook_;
+  std::optional<HookId> activation_hook_;
   std::string callback_;
   uint64_t listener_ = 0;
   uint64_t pause_token_ = 0;
@@ -270,6 +281,7 @@ void HealthInstallation<Mutex, ManagerMutex>::remove() noexcept {
   try {
     mgr_->remove_listener(listener_);
     (void)mgr_->remove_hook(hook_);
+    if (activation_hook_) (void)mgr_->remove_hook(*activation_hook_);
     (void)mgr_->remove_callback(callback_);
     (void)mgr_->remove_prefetch(callback_ + ".units");
     (void)mgr_->remove_prefetch(callback_ + ".saturation");
@@ -297,8 +309,9 @@ auto HealthInstallation<Mutex, ManagerMutex>::connect(BasicHealthMonitor<Mutex>&
   // Queued device deliveries (attach's StatsBatching) bring the counts the judgement needs
   // in the step's one copy instead of a sync per layer.
   BasicHookManager<ManagerMutex>* owner = &hooks;
-  auto due = [signals, options, owner](std::string_view layer, bool is_forward) {
-    return is_forward && signals->watched(layer) && owner->step() % options->interval() == 0;
+  const int64_t forward_every = options->interval() * options->activation_interval();
+  auto due = [signals, owner, forward_every](std::string_view layer, bool is_forward) {
+    return is_forward && signals->watched(layer) && owner->step() % forward_every == 0;
   };
   hooks.add_prefetch(monitor.units_key_,
                      [signals, options, due](std::string_view layer, const at::Tensor& t, bool fwd,
@@ -319,9 +332,13 @@ auto HealthInstallation<Mutex, ManagerMutex>::connect(BasicHealthMonitor<Mutex>&
                        const auto [lo, hi] = signals->kinds().saturation_bounds(k.name, k.pre);
                        return detail::count_outside_on_device(t, lo, hi);
                      });
+  // One hook for both directions; with activation_interval above 1, gradients on this one
+  // and forward outputs on a second, so the forward's observer is needed on fewer steps.
+  const bool split = forward_every != options->interval();
   HookConfig config = HookConfig()
                           .name("torchdbg.health")
                           .trigger(HookTrigger::every_n_steps(options->interval()))
+                          .direction(split ? CallDirection::Backward : CallDirection::Both)
                           .actions({HookAction::custom_callback(cb)})
                           .layer_patterns(options->layers());
   BasicHookManager<ManagerMutex>* mgr = &hooks;
@@ -349,9 +366,18 @@ auto HealthInstallation<Mutex, ManagerMutex>::connect(BasicHealthMonitor<Mutex>&
       });
   monitor.set_step(hooks.step());
   HookId id;
+  std::optional<HookId> activation_id;
   try {
     id = hooks.register_hook(std::move(config));
+    if (split)
+      activation_id = hooks.register_hook(HookConfig()
+                                              .name("torchdbg.health.activations")
+                                              .trigger(HookTrigger::every_n_steps(forward_every))
+                                              .direction(CallDirection::Forward)
+                                              .actions({HookAction::custom_callback(cb)})
+                                              .layer_patterns(options->layers()));
   } catch (...) {
+    if (!id.is_nil()) (void)hooks.remove_hook(id);
     hooks.remove_listener(listener);
     (void)hooks.remove_callback(cb);
     (void)hooks.remove_prefetch(monitor.units_key_);
@@ -359,7 +385,7 @@ auto HealthInstallation<Mutex, ManagerMutex>::connect(BasicHealthMonitor<Mutex>&
     monitor.release_pause_callback(pause_token);
     throw;
   }
-  return HealthInstallation(mgr, m, id, cb, listener, pause_token);
+  return HealthInstallation(mgr, m, id, activation_id, cb, listener, pause_token);
 }
 
 template <typename Mutex>

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -151,6 +152,20 @@ using ExpectedFailures = std::vector<std::pair<std::string, FailureKind>>;
 struct HealthOptions {
   /// Evaluate every `interval` steps (the monitor's hook is every_n_steps(interval)).
   TORCH_ARG(int64_t, interval) = 1;
+  /// Of the steps the monitor evaluates, judge forward outputs (activations) on every
+  /// `activation_interval`-th: every `interval * activation_interval` steps. Gradients keep
+  /// `interval`, and the loss is judged at every `set_loss`. Above 1 the operator observer
+  /// attach needs for forward outputs is registered on those steps only: on a small model it
+  /// is most of the fixed cost per step (docs/performance.md, "Fixed cost per step"), while a
+  /// NaN, an explosion or a vanishing gradient is still caught on its step. What shows only
+  /// in activations (dead units, saturation, a layer's gain) is seen up to
+  /// `interval * activation_interval - 1` steps late, and the diagnosis may then rank a
+  /// gradient consequence ahead of it.
+  ///
+  /// ```cpp
+  /// HealthOptions().activation_interval(10)  // gradients every step, activations every 10th
+  /// ```
+  TORCH_ARG(int64_t, activation_interval) = 1;
   /// Regexes (searched in layer names) of the layers to watch; empty: all.
   TORCH_ARG(std::vector<std::string>, layers);
 
@@ -315,6 +330,10 @@ TORCHDBG_INLINE void validate(const HealthOptions& o) {
                   std::to_string(v));
   };
   detail::require_at_least<int64_t>(o.interval(), 1, "HealthOptions::interval");
+  detail::require_at_least<int64_t>(o.activation_interval(), 1, "HealthOptions::activation_interval");
+  if (o.activation_interval() > std::numeric_limits<int64_t>::max() / o.interval())
+    throw Error("torchdbg: HealthOptions::activation_interval " + std::to_string(o.activation_interval()) +
+                " times interval " + std::to_string(o.interval()) + " overflows int64");
   detail::require_at_least<int64_t>(o.dead_window_samples(), 1,
                                     "HealthOptions::dead_window_samples");
   detail::require_at_least<int64_t>(o.dead_window(), 1, "HealthOptions::dead_window");
