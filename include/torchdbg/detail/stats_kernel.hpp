@@ -1599,27 +1599,31 @@ inline double batch_spread_unscaled(const at::Tensor& t) {
 #else
       constexpr bool vector_floats = false;
 #endif
-      if constexpr (vector_floats) {
+      // s1, s2 at each position: the sums of the deviations of rows [from, rows) from
+      // `shift(i)` (`shift_floats` on the vector path) and of their squares.
+      auto sum_about = [&](int64_t from, [[maybe_unused]] auto shift, [[maybe_unused]] const float* shift_floats) {
+        if constexpr (vector_floats) {
 #if defined(TORCHDBG_HAVE_VECTOR_EXT)
-        // Rows in blocks: a pass over a block's rows at a few positions touches no more pages
-        // than the TLB holds, however tall the tensor. The first block sets the sums (rows >= 2).
-        constexpr int64_t kRowBlock = 32;
-        for (int64_t b = 1; b < rows; b += kRowBlock)
-          block_kernels().column_deviations(first, first + b * inner, std::min(kRowBlock, rows - b), inner, n,
-                                            /*fresh=*/b == 1, s1, s2);
+          // Rows in blocks: a pass over a block's rows at a few positions touches no more pages
+          // than the TLB holds, however tall the tensor. The first block sets the sums.
+          constexpr int64_t kRowBlock = 32;
+          for (int64_t b = from; b < rows; b += kRowBlock)
+            block_kernels().column_deviations(shift_floats, p + b * inner + lo, std::min(kRowBlock, rows - b),
+                                              inner, n, /*fresh=*/b == from, s1, s2);
 #endif
-      } else {
-        std::fill(s1, s1 + n, 0.0);
-        std::fill(s2, s2 + n, 0.0);
-        for (int64_t b = 1; b < rows; ++b) {
-          const T* q = p + b * inner + lo;
-          for (int64_t i = 0; i < n; ++i) {
-            const double d = as_double(q[i]) - as_double(first[i]);
-            s1[i] += d;
-            s2[i] += d * d;
+        } else {
+          std::fill(s1, s1 + n, 0.0);
+          std::fill(s2, s2 + n, 0.0);
+          for (int64_t b = from; b < rows; ++b) {
+            const T* q = p + b * inner + lo;
+            for (int64_t i = 0; i < n; ++i) {
+              const double d = as_double(q[i]) - shift(i);
+              s1[i] += d;
+              s2[i] += d * d;
+            }
           }
         }
-      }
+      };
       // Four running sums and no division: a loop bound by neither the adder's latency nor
       // the divider.
       const double inv_k = 1.0 / static_cast<double>(rows);
@@ -1628,49 +1632,37 @@ inline double batch_spread_unscaled(const at::Tensor& t) {
       // 1e-10 of it to rounding (sums of `rows` terms: about sqrt(rows) ulp), and the chunk is
       // summed again about its means.
       const double cancels = 9e5 / std::sqrt(static_cast<double>(rows));
-      double part[4] = {0.0, 0.0, 0.0, 0.0};
-      bool again = false;
-      for (int64_t i = 0; i < n; ++i) {
-        // a * inv_k first: a^2 / k is below s2, so it overflows only where s2 did (a^2 alone
-        // can overflow while the spread is finite).
-        const double a = s1[i];
-        const double w = s2[i] - a * inv_k * a;
-        again |= w * cancels < s2[i];
-        part[i & 3] += w < 0.0 ? 0.0 : w;  // rounding below 0 is none; NaN (from NaN/Inf) stays
-      }
-      if (again) {
+      double part[4];
+      auto reduce = [&] {  // the chunk's squared deviations from the means; whether it cancelled
+        part[0] = part[1] = part[2] = part[3] = 0.0;
+        bool cancelled = false;
+        for (int64_t i = 0; i < n; ++i) {
+          // a * inv_k first: a^2 / k is below s2, so it overflows only where s2 did (a^2 alone
+          // can overflow while the spread is finite).
+          const double a = s1[i];
+          const double w = s2[i] - a * inv_k * a;
+          cancelled |= w * cancels < s2[i];
+          part[i & 3] += w < 0.0 ? 0.0 : w;  // rounding below 0 is none; NaN (from NaN/Inf) stays
+        }
+        return cancelled;
+      };
+      // Row 0 is the shift, so rows from 1 (rows >= 2).
+      const float* first_floats = nullptr;
+      if constexpr (vector_floats) first_floats = first;
+      sum_about(1, [first](int64_t i) { return as_double(first[i]); }, first_floats);
+      if (reduce()) {
         if (!means) means.reset(new double[width]);
         double* const m = means.get();
         for (int64_t i = 0; i < n; ++i) m[i] = as_double(first[i]) + s1[i] * inv_k;
+        const float* mf = nullptr;
         if constexpr (vector_floats) {
-#if defined(TORCHDBG_HAVE_VECTOR_EXT)
           // The means rounded to float are a shift as good: the kernel again, every row.
           if (!float_means) float_means.reset(new float[width]);
-          float* const mf = float_means.get();
-          for (int64_t i = 0; i < n; ++i) mf[i] = static_cast<float>(m[i]);
-          constexpr int64_t kRowBlock = 32;
-          for (int64_t b = 0; b < rows; b += kRowBlock)
-            block_kernels().column_deviations(mf, p + b * inner + lo, std::min(kRowBlock, rows - b), inner, n,
-                                              /*fresh=*/b == 0, s1, s2);
-#endif
-        } else {
-          std::fill(s1, s1 + n, 0.0);
-          std::fill(s2, s2 + n, 0.0);
-          for (int64_t b = 0; b < rows; ++b) {
-            const T* q = p + b * inner + lo;
-            for (int64_t i = 0; i < n; ++i) {
-              const double d = as_double(q[i]) - m[i];
-              s1[i] += d;
-              s2[i] += d * d;
-            }
-          }
+          for (int64_t i = 0; i < n; ++i) float_means[i] = static_cast<float>(m[i]);
+          mf = float_means.get();
         }
-        part[0] = part[1] = part[2] = part[3] = 0.0;
-        for (int64_t i = 0; i < n; ++i) {
-          const double a = s1[i];
-          const double w = s2[i] - a * inv_k * a;
-          part[i & 3] += w < 0.0 ? 0.0 : w;
-        }
+        sum_about(0, [m](int64_t i) { return m[i]; }, mf);
+        (void)reduce();
       }
       within += (part[0] + part[1]) + (part[2] + part[3]);
     }

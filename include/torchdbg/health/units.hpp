@@ -81,6 +81,8 @@ struct UnitWindow {
  private:
   std::size_t index_of(int64_t number) const;  // the ring slot of held output `number`
   void mark_active(std::size_t slot, int64_t number);
+  /// last_active again from every held output, for the threshold `active_above`.
+  void rebuild(double active_above);
 };
 
 #if TORCHDBG_DEFINITIONS
@@ -180,14 +182,18 @@ TORCHDBG_INLINE void UnitWindow::push(std::vector<int64_t> counts, int64_t per_u
     unit_head = (unit_head + 1) % w;
   }
   ++pushed;
-  if (active_above != activity) {  // another threshold: every held output again
-    activity = active_above;
-    std::fill(last_active.begin(), last_active.end(), 0);
-    const int64_t held = static_cast<int64_t>(unit_ring.size());
-    for (int64_t n = pushed - held + 1; n <= pushed; ++n) mark_active(index_of(n), n);
+  if (active_above != activity) {
+    rebuild(active_above);
   } else {
     mark_active(slot, pushed);
   }
+}
+
+TORCHDBG_INLINE void UnitWindow::rebuild(double active_above) {
+  activity = active_above;
+  std::fill(last_active.begin(), last_active.end(), 0);
+  const int64_t held = static_cast<int64_t>(unit_ring.size());
+  for (int64_t n = pushed - held + 1; n <= pushed; ++n) mark_active(index_of(n), n);
 }
 
 TORCHDBG_INLINE std::size_t UnitWindow::index_of(int64_t number) const {
@@ -221,11 +227,7 @@ TORCHDBG_INLINE double UnitWindow::dead_fraction(int64_t window_samples, double 
     for (std::size_t u = 0; u < units; ++u) active[u] += unit_ring[i][u];
   }
   if (samples < window_samples) return detail::kNaN;
-  if (active_above != activity) {  // last_active follows another threshold
-    activity = active_above;
-    std::fill(last_active.begin(), last_active.end(), 0);
-    for (int64_t n = pushed - static_cast<int64_t>(held) + 1; n <= pushed; ++n) mark_active(index_of(n), n);
-  }
+  if (active_above != activity) rebuild(active_above);
   std::size_t dead = 0;
   int64_t newest_active = 0;  // the newest output in which a dead unit was active
   for (std::size_t u = 0; u < units; ++u) {
