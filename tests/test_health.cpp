@@ -1918,3 +1918,67 @@ TEST_CASE("property: activation_interval judges gradients every step and forward
   auto again = m.install(hooks);  // and the monitor installs again
   CHECK(hooks.hook_count() == 2);
 }
+
+namespace {
+// out = head(h) + gate(relu(branch(h))) with the gate zero-initialized on purpose: branch's
+// gradient is exactly 0 until the gate's weights move.
+struct ZeroGated : torch::nn::Module {
+  explicit ZeroGated(int64_t width)
+      : in(register_module("in", torch::nn::Linear(6, width))),
+        branch(register_module("branch", torch::nn::Linear(width, width))),
+        gate(register_module("gate", torch::nn::Linear(width, 3))),
+        head(register_module("head", torch::nn::Linear(width, 3))) {
+    torch::NoGradGuard no_grad;
+    gate->weight.zero_();
+    gate->bias.zero_();
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::relu(in(x));
+    return head(h) + gate(torch::relu(branch(h)));
+  }
+  torch::nn::Linear in, branch, gate, head;
+};
+}  // namespace
+
+TEST_CASE("a zero-initialized gate excuses the zero gradient behind it on steps whose outputs are not judged",
+          "[health][attach]") {
+  // Steps numbered from `first`, the learning rate 0 for the first `frozen` steps (a warm-up
+  // from 0): the gate stays at 0 and the branch's gradient exactly 0 on steps that
+  // activation_interval leaves unjudged in the forward.
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 8; ++trial) {
+    const int64_t first = static_cast<int64_t>(rng() % 3);
+    const int64_t frozen = static_cast<int64_t>(rng() % 5);
+    const int64_t width = 4 + static_cast<int64_t>(rng() % 8);
+    const int64_t interval = 1 + static_cast<int64_t>(rng() % 2);
+    const int64_t every = 2 + static_cast<int64_t>(rng() % 9);
+    INFO("trial " << trial << ": steps from " << first << ", lr 0 for " << frozen << " steps, width " << width
+                  << ", interval " << interval << ", activation_interval " << every);
+    for (const bool sparse : {false, true}) {
+      INFO((sparse ? "activation_interval" : "defaults"));
+      torch::manual_seed(100 + trial);
+      auto model = std::make_shared<ZeroGated>(width);
+      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05));
+      torchdbg::HookManager hooks;
+      HealthMonitor m(sparse ? HealthOptions().interval(interval).activation_interval(every) : HealthOptions());
+      auto inst = m.install(hooks);
+      auto session = torchdbg::attach(*model, hooks);
+      for (int64_t k = 0; k < 25; ++k) {
+        hooks.set_step(first + k);
+        for (auto& g : opt.param_groups()) g.options().set_lr(k < frozen ? 0.0 : 0.05);
+        opt.zero_grad();
+        auto loss = torch::nn::functional::cross_entropy(model->forward(torch::randn({8, 6})),
+                                                         torch::randint(0, 3, {8}));
+        hooks.set_loss(loss.item<double>());
+        loss.backward();
+        opt.step();
+      }
+      hooks.set_step(first + 25);
+      std::string found;
+      for (const auto& i : m.incidents())
+        found += std::string(torchdbg::to_string(i.kind)) + " at " + i.module + " step " + std::to_string(i.step) + "; ";
+      INFO(found);
+      CHECK(m.incidents().empty());
+    }
+  }
+}

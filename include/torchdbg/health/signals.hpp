@@ -54,8 +54,14 @@ class HealthSignals {
   /// Something non-finite came before the next outputs in this step's forward (the input).
   void mark_forward_non_finite() { fwd_nonfinite_ = true; }
   /// Whether a module zero-initialized on purpose (ActivationSignals::zero_initialized) has
-  /// produced an output in this step.
-  [[nodiscard]] bool zero_initialized_in_step() const noexcept { return zero_init_in_step_; }
+  /// produced an output in this step. With HealthOptions::activation_interval above 1, in a
+  /// step whose outputs were not measured: whether one had in the last step whose outputs
+  /// were, and before any was, yes (unknown: an exactly-zero gradient is not judged until the
+  /// forward has been).
+  [[nodiscard]] bool zero_initialized_in_step() const noexcept {
+    if (fwd_seq_ > 0 || options_.activation_interval() == 1) return zero_init_in_step_;
+    return measured_any_ ? zero_init_last_measured_ : true;
+  }
 
   /// Measures a forward output of `L` (its order, scale, gain, dead and saturated units,
   /// normalization internals); `new_step`: its first output in `step`.
@@ -101,6 +107,8 @@ class HealthSignals {
   std::optional<double> prev_rms_;
   bool fwd_nonfinite_ = false;
   bool zero_init_in_step_ = false;
+  bool zero_init_last_measured_ = false;  // zero_init_in_step_ of the last step with outputs
+  bool measured_any_ = false;             // an output has been measured
   std::vector<double> losses_;
   std::optional<double> first_loss_, last_loss_, step_loss_;
 };
@@ -174,6 +182,7 @@ TORCHDBG_INLINE auto HealthSignals::find(std::string_view name) const -> const L
 }
 
 TORCHDBG_INLINE void HealthSignals::begin_step() {
+  if (fwd_seq_ > 0) zero_init_last_measured_ = zero_init_in_step_;
   fwd_seq_ = 0;
   prev_rms_.reset();
   fwd_nonfinite_ = false;
@@ -195,6 +204,7 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
   // Forward order: the position of the layer's output within the step (the module of an
   // activation takes the position of its first output).
   const int64_t pos = fwd_seq_++;
+  measured_any_ = true;
   if (!L.order_from_forward || L.order != pos) {
     L.order = pos;
     L.order_from_forward = true;
@@ -397,6 +407,8 @@ TORCHDBG_INLINE void HealthSignals::clear() {
   prev_rms_.reset();
   fwd_nonfinite_ = false;
   zero_init_in_step_ = false;
+  zero_init_last_measured_ = false;
+  measured_any_ = false;
   losses_.clear();
   last_loss_.reset();
   first_loss_.reset();
