@@ -1982,3 +1982,74 @@ TEST_CASE("a zero-initialized gate excuses the zero gradient behind it on steps 
     }
   }
 }
+
+namespace {
+// out = head(h) + scale * post(relu(branch(h))): a branch whose gradient is exactly 0 without
+// any module zero-initialized, either because `scale` is 0 (then 1e-9: a vanishing gradient
+// throughout) or because its ReLU is dead (branch's bias far below 0).
+struct Branched : torch::nn::Module {
+  Branched(int64_t width, bool dead)
+      : in(register_module("in", torch::nn::Linear(6, width))),
+        branch(register_module("branch", torch::nn::Linear(width, width))),
+        post(register_module("post", torch::nn::Linear(width, 3))),
+        head(register_module("head", torch::nn::Linear(width, 3))) {
+    if (dead) {
+      torch::NoGradGuard no_grad;
+      branch->bias.fill_(-1e3);
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::relu(in(x));
+    return head(h) + scale * post(torch::relu(branch(h)));
+  }
+  torch::nn::Linear in, branch, post, head;
+  double scale = 1.0;
+};
+}  // namespace
+
+TEST_CASE("property: a branch whose gradient is exactly 0 with no zero-initialized module is a vanishing gradient, "
+          "found by the first judged forward whatever activation_interval",
+          "[health][attach]") {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 16; ++trial) {
+    const bool dead = trial % 2 == 1;
+    const int64_t first = std::array<int64_t, 4>{0, 1, 7, 1000001}[rng() % 4];
+    const int64_t interval = 1 + static_cast<int64_t>(rng() % 2);
+    const int64_t every = trial % 4 < 2 ? 1 : 2 + static_cast<int64_t>(rng() % 9);
+    const int64_t width = 4 + static_cast<int64_t>(rng() % 8);
+    const int64_t period = interval * every;
+    // The first step whose forward is judged, and the first after it whose gradients are.
+    int64_t judged = first;
+    while (judged % period != 0) ++judged;
+    INFO("trial " << trial << (dead ? ": dead ReLU" : ": branch scaled by 0, then 1e-9") << ", steps from " << first
+                  << ", interval " << interval << ", activation_interval " << every << ", width " << width
+                  << ", first judged forward " << judged);
+    torch::manual_seed(200 + trial);
+    auto model = std::make_shared<Branched>(width, dead);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05));
+    torchdbg::HookManager hooks;
+    HealthMonitor m(HealthOptions().interval(interval).activation_interval(every));
+    auto inst = m.install(hooks);
+    auto session = torchdbg::attach(*model, hooks);
+    std::optional<int64_t> found_at;
+    for (int64_t step = first; step < judged + 2 * period + 2; ++step) {
+      hooks.set_step(step);
+      if (!dead) model->scale = step < first + 5 ? 0.0 : 1e-9;
+      opt.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(model->forward(torch::randn({8, 6})), torch::randint(0, 3, {8}));
+      hooks.set_loss(loss.item<double>());
+      loss.backward();
+      opt.step();
+      for (const auto& i : m.incidents())
+        if (!found_at && i.kind == FailureKind::VanishingGradient && i.module == "branch") found_at = step;
+    }
+    REQUIRE(found_at.has_value());
+    // Every step's gradient is judged (interval 1 or 2): found on the first judged step from
+    // the first judged forward on (at once where every step's forward is judged).
+    int64_t due = judged;
+    if (every == 1) due = first % interval == 0 ? first : first + interval - first % interval;
+    CHECK(*found_at <= due);
+    const auto layer = m.layer("branch");
+    REQUIRE(layer.has_value());
+  }
+}

@@ -216,7 +216,9 @@ TORCHDBG_INLINE void HealthCore::gradients(Pauses& pauses) {
   const int64_t step = cur_step_;
   std::vector<Layer>& layers = signals_.records();
   GradientTracker::GradientPass pass = grads_.begin(layers, step);
-  pass.zero_initialized_in_step = signals_.zero_initialized_in_step();
+  const auto zero_init = signals_.zero_initialized_in_step(step);
+  pass.zero_initialized_in_step = zero_init == HealthSignals::ZeroInit::Yes;
+  pass.forward_unknown = zero_init == HealthSignals::ZeroInit::Unknown;
   for (std::size_t k = 0; k < pass.mods.size(); ++k) {
     Layer& L = layers[pass.mods[k]];
     const GradientTracker::GradientMeasure g = grads_.measure(layers, pass, k);

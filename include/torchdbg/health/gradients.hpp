@@ -30,7 +30,8 @@ class GradientTracker {
     std::vector<std::size_t> mods;
     double max_norm = 0.0;
     std::optional<std::size_t> nf_origin;  // the first non-finite gradient in backward order
-    bool zero_initialized_in_step = false;  // HealthSignals::zero_initialized_in_step
+    bool zero_initialized_in_step = false;  // HealthSignals::zero_initialized_in_step: Yes
+    bool forward_unknown = false;           // ... Unknown: no output measured yet
   };
   /// One module's gradient signals and the context its event and incident carry.
   struct GradientMeasure {
@@ -159,7 +160,9 @@ TORCHDBG_INLINE auto GradientTracker::measure(std::vector<HealthLayer>& layers,
   } else {
     L.zero_grad_since = -1;
   }
-  g.sig.zero_initialized_in_step = pass.zero_initialized_in_step;
+  // Unknown (outputs judged every few steps, none yet): an exactly-zero gradient is not judged,
+  // and is no evidence of a gate.
+  g.sig.zero_initialized_in_step = pass.zero_initialized_in_step || pass.forward_unknown;
   g.sig.gated = L.gated;
   g.sig.zero_since = L.zero_grad_since;
   return g;

@@ -226,7 +226,9 @@ struct GradientSignals {
   /// The first non-finite gradient in backward order: the backward origin.
   bool origin = false;
   /// A module zero-initialized on purpose (ActivationSignals::zero_initialized) produced an
-  /// output in this step: an exactly-zero gradient is its doing.
+  /// output in this step: an exactly-zero gradient is its doing. With
+  /// HealthOptions::activation_interval above 1, on a step whose outputs are not judged: one
+  /// was in its warm-up at the last judged forward, or no forward has been judged yet.
   bool zero_initialized_in_step = false;
   /// The module's gradient was once exactly 0 behind such a module: it sits behind a gate
   /// (LoRA's A, a residual branch, an adaLN-Zero block) and grows with the gate's weights, so a

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -54,13 +55,16 @@ class HealthSignals {
   /// Something non-finite came before the next outputs in this step's forward (the input).
   void mark_forward_non_finite() { fwd_nonfinite_ = true; }
   /// Whether a module zero-initialized on purpose (ActivationSignals::zero_initialized) has
-  /// produced an output in this step. With HealthOptions::activation_interval above 1, in a
-  /// step whose outputs were not measured: whether one had in the last step whose outputs
-  /// were, and before any was, yes (unknown: an exactly-zero gradient is not judged until the
-  /// forward has been).
-  [[nodiscard]] bool zero_initialized_in_step() const noexcept {
-    if (fwd_seq_ > 0 || options_.activation_interval() == 1) return zero_init_in_step_;
-    return measured_any_ ? zero_init_last_measured_ : true;
+  /// produced an output in `step`: Yes or No. With HealthOptions::activation_interval above 1,
+  /// in a step whose outputs were not measured: Yes while `step` is within the warm-up of a
+  /// module the last measured forward found zero-initialized, and Unknown before any output
+  /// was measured.
+  enum class ZeroInit { No, Yes, Unknown };
+  [[nodiscard]] ZeroInit zero_initialized_in_step(int64_t step) const noexcept {
+    if (fwd_seq_ > 0 || options_.activation_interval() == 1)
+      return zero_init_in_step_ ? ZeroInit::Yes : ZeroInit::No;
+    if (!measured_any_) return ZeroInit::Unknown;
+    return step < zero_init_until_carried_ ? ZeroInit::Yes : ZeroInit::No;
   }
 
   /// Measures a forward output of `L` (its order, scale, gain, dead and saturated units,
@@ -107,8 +111,11 @@ class HealthSignals {
   std::optional<double> prev_rms_;
   bool fwd_nonfinite_ = false;
   bool zero_init_in_step_ = false;
-  bool zero_init_last_measured_ = false;  // zero_init_in_step_ of the last step with outputs
-  bool measured_any_ = false;             // an output has been measured
+  // The step before which this step's zero-initialized modules are in their warm-up, and the
+  // same of the last step with measured outputs (activation_interval above 1).
+  int64_t zero_init_until_ = std::numeric_limits<int64_t>::min();
+  int64_t zero_init_until_carried_ = std::numeric_limits<int64_t>::min();
+  bool measured_any_ = false;  // an output has been measured
   std::vector<double> losses_;
   std::optional<double> first_loss_, last_loss_, step_loss_;
 };
@@ -182,7 +189,8 @@ TORCHDBG_INLINE auto HealthSignals::find(std::string_view name) const -> const L
 }
 
 TORCHDBG_INLINE void HealthSignals::begin_step() {
-  if (fwd_seq_ > 0) zero_init_last_measured_ = zero_init_in_step_;
+  if (fwd_seq_ > 0) zero_init_until_carried_ = zero_init_until_;
+  zero_init_until_ = std::numeric_limits<int64_t>::min();
   fwd_seq_ = 0;
   prev_rms_.reset();
   fwd_nonfinite_ = false;
@@ -344,20 +352,36 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
   }
   // Zero-initialized on purpose: exactly 0 since the first call (the output, or a
   // normalization's weight whose bias alone comes out), for the first `baseline_warmup` steps;
-  // an output that is 0 because its input is (nothing reaches it) is not.
+  // an output that is 0 because its input is (nothing reaches it) is not, nor a ReLU-family
+  // activation's all-zero output of a nonzero input (dead units: no weights of its own).
   sig.input_zero = info.input_rms && *info.input_rms == 0.0;
-  const bool zero =
-      ((L.rms == 0.0 && !L.output_nonzero) || sig.norm_weight_peak == 0.0) && !sig.input_zero;
+  const bool dead_capable_output = !L.pre_activation && detail::is_dead_capable(L.act_kind);
+  const bool zero = ((L.rms == 0.0 && !L.output_nonzero) || sig.norm_weight_peak == 0.0) &&
+                    !sig.input_zero && !dead_capable_output;
   if (L.rms > 0.0) L.output_nonzero = true;
   if (!zero) {
     L.zero_steps = 0;
   } else if (new_step) {
-    if (L.zero_steps++ == 0) L.zero_first = step;
+    if (L.zero_steps == 0) {
+      L.zero_first = step;
+      L.zero_steps = 1;
+    } else if (options_.activation_interval() > 1) {
+      // Outputs judged every few steps: the warm-up counts steps, not judged outputs.
+      L.zero_steps = std::max(L.zero_steps + 1, step - L.zero_first + 1);
+    } else {
+      ++L.zero_steps;
+    }
   }
   sig.zero_steps = L.zero_steps;
   sig.zero_since = L.zero_first;
   sig.zero_initialized = zero && L.zero_steps <= options_.baseline_warmup();
-  if (sig.zero_initialized) zero_init_in_step_ = true;
+  if (sig.zero_initialized) {
+    zero_init_in_step_ = true;
+    // Its warm-up ends baseline_warmup steps after its first zero output (as far as the
+    // steps seen tell).
+    const int64_t left = options_.baseline_warmup() - L.zero_steps;
+    zero_init_until_ = std::max(zero_init_until_, step + left + 1);
+  }
   return sig;
 }
 
@@ -407,7 +431,7 @@ TORCHDBG_INLINE void HealthSignals::clear() {
   prev_rms_.reset();
   fwd_nonfinite_ = false;
   zero_init_in_step_ = false;
-  zero_init_last_measured_ = false;
+  zero_init_until_ = zero_init_until_carried_ = std::numeric_limits<int64_t>::min();
   measured_any_ = false;
   losses_.clear();
   last_loss_.reset();
