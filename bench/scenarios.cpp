@@ -5,7 +5,8 @@
 // residual MLP, LayerNorm/GELU blocks, LSTM, self-attention) trained with SGD or Adam, each
 // either healthy or with one failure induced at a known step and layer. Every run is
 // diagnosed with attach + HealthMonitor + diagnose(); a failure run is a hit when the top
-// hypothesis names the induced kind at the induced module within two steps of the onset, and
+// hypothesis names the induced kind at the induced module within two steps of the onset (see
+// --window), and
 // a healthy run is a hit when it raised no incident at all.
 //
 // Each induced failure is first checked with plain torch on the onset step's own tensors (the
@@ -14,11 +15,16 @@
 //
 //   torchdbg_scenarios [--seeds N] [--only REGEX] [--min-accuracy F]
 //                      [--min-scenario-accuracy F] [--by-kind] [--verbose]
-//                      [--interval N] [--activation-interval N]
+//                      [--interval N] [--activation-interval N] [--alert-steps N]
+//                      [--late N] [--window N]
 //
 // --interval N and --activation-interval N run the monitor with HealthOptions().interval(N)
 // (everything judged every N-th step) and .activation_interval(N) (gradients judged every
-// step, forward outputs every N-th): what those options cost in accuracy.
+// step, forward outputs every N-th): what those options cost in accuracy; --alert-steps N sets
+// HealthOptions::alert_steps. --late N adds N healthy steps before every onset (baselines long
+// settled; with an activation interval, onsets at every phase of it). --window N (default 2)
+// counts a hit whose onset is up to N steps after the induced one, and runs N + 1 steps past
+// it: what a failure seen only on judged steps needs.
 //
 // Prints one row per scenario (a Markdown table; --by-kind: one row per failure, with its
 // scenarios' hits in one cell) and the totals. Exit status 1 when a ground
@@ -47,6 +53,9 @@ namespace {
 /// --activation-interval).
 int64_t g_interval = 1;
 int64_t g_activation_interval = 1;
+int64_t g_alert_steps = -1;  // -1: the option's default
+int64_t g_late = 0;          // steps added before every onset
+int64_t g_window = 2;        // a hit's onset is at most this many steps after the induced one
 
 using torchdbg::FailureKind;
 namespace F = torch::nn::functional;
@@ -779,13 +788,15 @@ RunResult run(const Scenario& sc, uint64_t seed, bool verbose) {
     opt = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
 
   torchdbg::HookManager hooks;
-  torchdbg::HealthMonitor health(torchdbg::HealthOptions().interval(g_interval).activation_interval(g_activation_interval));
+  auto health_options = torchdbg::HealthOptions().interval(g_interval).activation_interval(g_activation_interval);
+  if (g_alert_steps >= 0) health_options.alert_steps(g_alert_steps);
+  torchdbg::HealthMonitor health(health_options);
   auto installed = health.install(hooks);
   auto session = torchdbg::attach(*model, hooks);
 
   RunResult r;
-  const int64_t at = onset_step(seed) + sc.later;
-  const int64_t steps = sc.kind ? at + 3 : 60;
+  const int64_t at = onset_step(seed) + sc.later + g_late;
+  const int64_t steps = sc.kind ? at + g_window + 1 : 60;
   Onset onset;
   onset.model = model.get();
   std::map<std::string, double> prev_grads;
@@ -875,7 +886,7 @@ RunResult run(const Scenario& sc, uint64_t seed, bool verbose) {
     r.hit = r.incidents == 0;
   } else if (const auto* top = d.top()) {
     r.hit = (top->kind == *sc.kind || top->kind == sc.or_kind) && (sc.layer == "*" || top->layer == sc.layer) && top->step >= at &&
-            top->step <= at + 2;
+            top->step <= at + g_window;
   }
   if (verbose && !r.hit) {
     std::printf("  miss: %s seed %llu: %s\n", sc.name.c_str(), static_cast<unsigned long long>(seed),
@@ -923,15 +934,26 @@ int main(int argc, char** argv) {
       g_interval = std::stoll(next());
     } else if (a == "--activation-interval") {
       g_activation_interval = std::stoll(next());
+    } else if (a == "--alert-steps") {
+      g_alert_steps = std::stoll(next());
+    } else if (a == "--late") {
+      g_late = std::stoll(next());
+    } else if (a == "--window") {
+      g_window = std::stoll(next());
+      if (g_window < 2) {
+        std::fprintf(stderr, "--window needs at least 2\n");
+        return 2;
+      }
     } else {
-      std::fprintf(stderr, "usage: %s [--seeds N] [--only REGEX] [--min-accuracy F] [--min-scenario-accuracy F] [--by-kind] [--verbose] [--interval N] [--activation-interval N]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--seeds N] [--only REGEX] [--min-accuracy F] [--min-scenario-accuracy F] [--by-kind] [--verbose] [--interval N] [--activation-interval N] [--alert-steps N] [--late N] [--window N]\n", argv[0]);
       return 2;
     }
   }
   torch::set_num_threads(1);
   const std::regex filter(only.empty() ? std::string(".*") : only);
   if (!by_kind) {
-    std::printf("| scenario | induced at the onset (step 9 to 13) | expected top hypothesis | hits |\n");
+    std::printf("| scenario | induced at the onset (step %lld to %lld) | expected top hypothesis | hits |\n",
+                static_cast<long long>(9 + g_late), static_cast<long long>(13 + g_late));
     std::printf("|---|---|---|---|\n");
   }
   int64_t fail_hits = 0, fail_runs = 0, healthy_hits = 0, healthy_runs = 0, truth_failures = 0,
@@ -987,7 +1009,8 @@ int main(int argc, char** argv) {
     }
   }
   if (by_kind) {
-    std::printf("| induced at the onset (step 9 to 13) | expected top hypothesis | hits per scenario |\n");
+    std::printf("| induced at the onset (step %lld to %lld) | expected top hypothesis | hits per scenario |\n",
+                static_cast<long long>(9 + g_late), static_cast<long long>(13 + g_late));
     std::printf("|---|---|---|\n");
     for (const auto& g : groups)
       std::printf("| %s: %s | %s | %s |\n", g.c_str(), group_how[g].c_str(), group_expected[g].c_str(),

@@ -759,3 +759,115 @@ TEST_CASE("a diagnosis and its hypotheses print one line, best first", "[diagnos
   d.hypotheses[1].rank = 2;
   CHECK(fmt::format("{}", d.hypotheses[1]) == "Hypothesis(dead_units at \"fc1\" (observed \"fc1/relu\"), step 21, confidence 0.8, rank 2)");
 }
+
+TEST_CASE("outputs judged every few steps: a finding after unjudged steps is placed where the gradients or the loss "
+          "broke, unless an update there could have caused it; the input's scale whatever broke",
+          "[diagnosis]") {
+  using P = torchdbg::Phase;
+  auto unobserved = [](torchdbg::Incident i, int64_t from) {
+    i.details["unobserved_from"] = from;
+    return i;
+  };
+  const auto dead = unobserved(incident(FailureKind::DeadUnits, "fc2/relu", 12, P::Forward, 4), 11);
+  const auto vanish0 = incident(FailureKind::VanishingGradient, "fc0", 11, P::Backward, 0);
+  const auto vanish1 = incident(FailureKind::VanishingGradient, "fc1", 11, P::Backward, 2);
+  {  // dead units behind the vanishing gradients of step 11: the root, placed in step 11
+    torchdbg::HealthReport r;
+    r.step = 14;
+    r.incidents = {vanish0, vanish1, dead};
+    const auto d = torchdbg::diagnose(r);
+    REQUIRE(d.top() != nullptr);
+    CHECK(d.top()->kind == FailureKind::DeadUnits);
+    CHECK(d.top()->layer == "fc2");
+    CHECK(d.top()->step == 11);
+    CHECK(d.top()->causal_chain.size() == 3);
+    CHECK_THAT(d.top()->description, Catch::Contains("Seen at step 12"));
+    // The same report without the mark (outputs judged every step): seen at 12, a root of its own.
+    r.incidents[2].details.erase("unobserved_from");
+    const auto plain = torchdbg::diagnose(r);
+    REQUIRE(plain.top() != nullptr);
+    CHECK(plain.top()->kind == FailureKind::VanishingGradient);
+    CHECK(plain.top()->step == 11);
+  }
+  {  // an exploding gradient in step 11 could have made them dead through the update: not placed
+    torchdbg::HealthReport r;
+    r.step = 14;
+    r.incidents = {incident(FailureKind::ExplodingGradient, "fc3", 11, P::Backward, 6), dead};
+    const auto d = torchdbg::diagnose(r);
+    REQUIRE(d.top() != nullptr);
+    CHECK(d.top()->kind == FailureKind::ExplodingGradient);
+    CHECK(d.top()->step == 11);
+    for (const auto& h : d.hypotheses) CHECK(h.description.find("Seen at step") == std::string::npos);
+  }
+  const auto exploding = unobserved(incident(FailureKind::ExplodingActivation, "fc1", 12, P::Forward, 2), 10);
+  auto spike = incident(FailureKind::LossSpike, "loss", 11, P::Loss, 1 << 30);
+  const auto grads = incident(FailureKind::ExplodingGradient, "fc1", 11, P::Backward, 2);
+  for (const int64_t spike_until : {11, 12}) {
+    // A loss spike's update wrecks the weights whether or not the loss stays high after it
+    // (a loss scaled by mistake): the explosion seen at 12 is not placed before it.
+    spike.last_step = spike_until;
+    torchdbg::HealthReport r;
+    r.step = 14;
+    r.incidents = {spike, grads, exploding};
+    const auto d = torchdbg::diagnose(r);
+    REQUIRE(d.top() != nullptr);
+    CHECK(d.top()->kind == FailureKind::LossSpike);
+    CHECK(d.top()->step == 11);
+    for (const auto& h : d.hypotheses) CHECK(h.description.find("Seen at step") == std::string::npos);
+  }
+  {  // the input's scale is the data's: no update changes it, so it is placed whatever broke
+    auto scale = unobserved(incident(FailureKind::BadInput, "input", 12, P::Forward, -1), 10);
+    scale.details["ratio"] = 1e4;
+    scale.details["rms"] = 1e4;
+    scale.details["baseline_rms"] = 1.0;
+    torchdbg::HealthReport r;
+    r.step = 14;
+    r.incidents = {spike, grads, scale};
+    const auto d = torchdbg::diagnose(r);
+    REQUIRE(d.top() != nullptr);
+    CHECK(d.top()->kind == FailureKind::BadInput);
+    CHECK(d.top()->step == 11);
+    CHECK(d.top()->causal_chain.size() == 3);
+    CHECK_THAT(d.top()->description, Catch::Contains("Seen at step 12"));
+    // A batch with NaN in it is that batch: not placed.
+    r.incidents[2].details.erase("ratio");
+    r.incidents[2].details["nan"] = 3;
+    const auto nan_batch = torchdbg::diagnose(r);
+    REQUIRE(nan_batch.top() != nullptr);
+    for (const auto& h : nan_batch.hypotheses) CHECK(h.description.find("Seen at step") == std::string::npos);
+  }
+  {  // a non-finite output is not placed: after a non-finite update every layer is one
+    torchdbg::HealthReport r;
+    r.step = 14;
+    r.incidents = {incident(FailureKind::VanishingGradient, "fc3", 11, P::Backward, 6),
+                   unobserved(incident(FailureKind::NonFiniteOutput, "fc0", 12, P::Forward, 0), 11)};
+    const auto d = torchdbg::diagnose(r);
+    REQUIRE(d.top() != nullptr);
+    CHECK(d.top()->kind == FailureKind::NonFiniteOutput);  // the worse failure ranks first
+    CHECK(d.top()->step == 12);
+    CHECK(d.top()->description.find("Seen at step") == std::string::npos);
+  }
+}
+
+TEST_CASE("property: with activation_interval, dead units induced between judged steps are diagnosed at their layer",
+          "[diagnosis]") {
+  std::mt19937_64 rng(20261208);
+  for (int trial = 0; trial < 8; ++trial) {
+    const int64_t every = 3 + static_cast<int64_t>(rng() % 6);
+    int64_t onset = 20 + static_cast<int64_t>(rng() % 20);
+    if (onset % every == 0) ++onset;  // outputs not judged on the onset's step
+    const int64_t layer = 1 + static_cast<int64_t>(rng() % 2);
+    Scenario sc;
+    sc.seed = 300 + static_cast<uint64_t>(trial);
+    sc.width = 24 + static_cast<int64_t>(rng() % 24);
+    sc.depth = 4;
+    sc.onset = onset;
+    sc.steps = onset + 4;
+    sc.options = torchdbg::HealthOptions().activation_interval(every);
+    sc.induce = [layer](ScenarioNet& n) { n.fcs[static_cast<std::size_t>(layer)]->bias.fill_(-50.0); };
+    INFO("trial " << trial << ": activation_interval " << every << ", onset " << onset << ", layer fc" << layer
+                  << ", width " << sc.width);
+    const Outcome o = run(sc);
+    check_top(o, FailureKind::DeadUnits, "fc" + std::to_string(layer), sc.onset, 2);
+  }
+}

@@ -2053,3 +2053,112 @@ TEST_CASE("property: a branch whose gradient is exactly 0 with no zero-initializ
     REQUIRE(layer.has_value());
   }
 }
+
+TEST_CASE("property: after a finding, alert_steps judges forward outputs on every evaluated step that follows",
+          "[health][attach]") {
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().alert_steps(-1)),
+                    Catch::Contains("alert_steps") && Catch::Contains("-1"));
+  std::mt19937_64 rng(20261207);
+  for (int trial = 0; trial < 12; ++trial) {
+    const int64_t interval = 1 + static_cast<int64_t>(rng() % 2);
+    const int64_t every = 3 + static_cast<int64_t>(rng() % 6);
+    const int64_t alert = static_cast<int64_t>(rng() % 7);
+    const int64_t steps = 30 + static_cast<int64_t>(rng() % 12);
+    const int64_t width = 4 + static_cast<int64_t>(rng() % 12);
+    // A gradient 1e9 times too large on a step whose outputs are not judged (the update
+    // skipped: nothing else goes wrong after it).
+    std::vector<int64_t> candidates;
+    for (int64_t s = 8; s < steps - 4; ++s)
+      if (s % interval == 0 && s % (interval * every) != 0) candidates.push_back(s);
+    REQUIRE_FALSE(candidates.empty());
+    const int64_t bad_step = candidates[rng() % candidates.size()];
+    INFO("trial " << trial << ": interval " << interval << ", activation_interval " << every << ", alert_steps "
+                  << alert << ", " << steps << " steps, width " << width << ", exploding gradient at step "
+                  << bad_step);
+    torch::manual_seed(100 + trial);
+    auto model = torch::nn::Sequential(torch::nn::Linear(6, width), torch::nn::ReLU(), torch::nn::Linear(width, 3));
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01));
+    torchdbg::HookManager hooks;
+    HealthMonitor m(HealthOptions().interval(interval).activation_interval(every).alert_steps(alert));
+    auto inst = m.install(hooks);
+    auto session = torchdbg::attach(*model, hooks);
+    uint64_t forward_before = 0;
+    int64_t judged = 0;
+    const auto x = torch::randn({16, 6});
+    const auto y = torch::randint(0, 3, {16});
+    for (int64_t step = 0; step < steps; ++step) {
+      hooks.set_step(step);
+      opt.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);
+      (step == bad_step ? loss * 1e9 : loss).backward();
+      if (step != bad_step) opt.step();
+      const bool expected = step % (interval * every) == 0 ||
+                            (step % interval == 0 && step > bad_step && step <= bad_step + alert);
+      const uint64_t forward_now = session.forward_deliveries();
+      INFO("step " << step);
+      CHECK((forward_now > forward_before) == expected);
+      forward_before = forward_now;
+      judged += expected ? 1 : 0;
+    }
+    const auto fwd = hooks.get_hook_stats(*inst.activation_hook_id());
+    REQUIRE(fwd.has_value());
+    CHECK(fwd->executions == static_cast<uint64_t>(3 * judged));
+    // The one finding of the run: the explosion, on its own step.
+    const auto incidents = m.incidents();
+    REQUIRE_FALSE(incidents.empty());
+    for (const auto& i : incidents) {
+      INFO(i);
+      CHECK(i.kind == FailureKind::ExplodingGradient);
+      CHECK(i.step == bad_step);
+    }
+  }
+  // A lasting failure raises the alert when it begins, not on every step it is confirmed:
+  // units dead from the start leave the outputs judged on about one step in ten.
+  {
+    torch::manual_seed(7);
+    auto model = torch::nn::Sequential(torch::nn::Linear(6, 16), torch::nn::ReLU(), torch::nn::Linear(16, 16),
+                                       torch::nn::ReLU(), torch::nn::Linear(16, 3));
+    {
+      torch::NoGradGuard no_grad;
+      model->ptr(2)->as<torch::nn::Linear>()->bias.fill_(-50.0);
+    }
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01));
+    torchdbg::HookManager hooks;
+    HealthMonitor m(HealthOptions().activation_interval(10).alert_steps(5));
+    auto inst = m.install(hooks);
+    auto session = torchdbg::attach(*model, hooks);
+    uint64_t before = 0;
+    int64_t judged = 0;
+    for (int64_t step = 0; step < 100; ++step) {
+      hooks.set_step(step);
+      opt.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(model->forward(torch::randn({16, 6})), torch::randint(0, 3, {16}));
+      hooks.set_loss(loss.item<double>());
+      loss.backward();
+      opt.step();
+      judged += session.forward_deliveries() > before ? 1 : 0;
+      before = session.forward_deliveries();
+    }
+    const auto incidents = m.incidents();
+    INFO(incidents.size() << " incidents; " << judged << " judged forward steps");
+    REQUIRE_FALSE(incidents.empty());  // the dead units, and the vanishing gradient behind them
+    CHECK(judged >= 10);
+    CHECK(judged <= 10 + 5 * static_cast<int64_t>(incidents.size()));
+  }
+  // A finding on the last step there is opens no window that wraps around to the first ones.
+  {
+    torchdbg::HookManager hooks;
+    HealthMonitor m(HealthOptions().activation_interval(4));
+    auto inst = m.install(hooks);
+    const int64_t last = std::numeric_limits<int64_t>::max();
+    hooks.set_step(last - 1);
+    (void)hooks.execute_hooks("fc", torch::ones({4, 4}), false, {{"parameter", "weight"}});
+    hooks.set_step(last);
+    (void)hooks.execute_hooks("fc", torch::full({4, 4}, std::numeric_limits<float>::quiet_NaN()), false,
+                              {{"parameter", "weight"}});
+    hooks.set_step(0);
+    REQUIRE_FALSE(m.incidents().empty());
+    CHECK(m.incidents().back().step == last);
+    for (int64_t s = 1; s < 40; ++s) CHECK(hooks.may_fire(true, s) == (s % 4 == 0));
+  }
+}

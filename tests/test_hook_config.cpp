@@ -4,6 +4,8 @@
 
 #include <fmt/ranges.h>
 
+#include <atomic>
+#include <memory>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -63,11 +65,26 @@ TEST_CASE("triggers fire on their direction, interval, layers or condition", "[c
   CHECK(HookTrigger::once().kind() == HookTrigger::Kind::Once);
   CHECK(every3.describe() == "every 3 steps");
   CHECK(layers.describe() == "layers {fc1, conv2}");
+  // on_steps: whatever the predicate says of the step, in both directions, read each time.
+  auto until = std::make_shared<std::atomic<int64_t>>(-1);
+  const auto alert = HookTrigger::on_steps(
+      [until](int64_t s) { return s % 5 == 0 || s <= until->load(); }, "every 5 steps and while alert");
+  CHECK(alert.kind() == HookTrigger::Kind::OnSteps);
+  CHECK(alert.describe() == "on steps: every 5 steps and while alert");
+  for (int64_t s = 0; s < 12; ++s) {
+    CHECK(due(alert, "a", true, s) == (s % 5 == 0));
+    CHECK(due(alert, "a", false, s) == (s % 5 == 0));
+    CHECK(alert.accepts_step(s) == (s % 5 == 0));
+  }
+  until->store(7);
+  for (int64_t s = 0; s < 12; ++s) CHECK(due(alert, "a", true, s) == (s % 5 == 0 || s <= 7));
+  CHECK(every3.accepts_step(1));  // other kinds: no step predicate
 }
 
 TEST_CASE("invalid trigger and action arguments are rejected with the value named", "[config]") {
   CHECK_THROWS_WITH(HookTrigger::every_n_steps(0), Catch::Contains("got 0"));
   CHECK_THROWS_WITH(HookTrigger::every_n_steps(-4), Catch::Contains("got -4"));
+  CHECK_THROWS_WITH(HookTrigger::on_steps({}, "x"), Catch::Contains("on_steps") && Catch::Contains("empty"));
   CHECK_THROWS_AS(HookTrigger::layer_specific({}), torchdbg::Error);
   CHECK_THROWS_AS(HookAction::save_snapshot(""), torchdbg::Error);
   CHECK_THROWS_AS(HookAction::custom_callback(""), torchdbg::Error);

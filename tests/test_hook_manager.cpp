@@ -634,6 +634,46 @@ TEST_CASE("a hook's direction keeps it to forward or gradient calls, for its tri
   hooks.remove_hook(f);
   CHECK_FALSE(hooks.may_fire(true, 2));
   CHECK(hooks.may_fire(false, 2));
+  // An on_steps trigger is asked by may_fire (a condition would count as possibly due).
+  hooks.remove_hook(b);
+  std::atomic<bool> alert{false};
+  const auto a = hooks.register_hook(HookConfig()
+                                         .name("alert")
+                                         .trigger(torchdbg::HookTrigger::on_steps(
+                                             [&alert](int64_t s) { return s % 4 == 0 || alert.load(); }, "alert"))
+                                         .direction(torchdbg::CallDirection::Forward)
+                                         .actions({HookAction::custom_callback("fwd")}));
+  for (int64_t step = 0; step < 8; ++step) {
+    alert.store(step >= 5);
+    CHECK(hooks.may_fire(true, step) == (step % 4 == 0 || step >= 5));
+    CHECK_FALSE(hooks.may_fire(false, step));
+    hooks.set_step(step);
+    const auto r = hooks.execute_hooks("fc1", t, true);
+    REQUIRE(r.size() == 1);
+    CHECK(r[0].second.is_skipped() == !(step % 4 == 0 || step >= 5));
+  }
+  CHECK(hooks.get_hook_stats(a)->executions == 5);  // steps 0, 4, 5, 6, 7
+  // A predicate that throws: possibly due for may_fire (set_step does not throw), the hook's
+  // own error at the call, and the other hooks of the call still run.
+  const auto bad = hooks.register_hook(
+      HookConfig()
+          .name("throws")
+          .trigger(torchdbg::HookTrigger::on_steps([](int64_t) -> bool { throw std::runtime_error("pred boom"); },
+                                                   "throws"))
+          .actions({HookAction::alert("never", torchdbg::AlertSeverity::Info)}));
+  CHECK_NOTHROW(hooks.set_step(9));
+  CHECK(hooks.may_fire(false, 9));
+  std::vector<std::pair<torchdbg::HookId, torchdbg::HookResult>> r;
+  CHECK_NOTHROW(r = hooks.execute_hooks("fc1", t, true));
+  REQUIRE(r.size() == 2);
+  for (const auto& [id, res] : r) {
+    if (id == bad) {
+      CHECK(res.is_error());
+      CHECK_THAT(res.message(), Catch::Contains("pred boom"));
+    } else {
+      CHECK(res.ok());  // the hook of the flag: step 9 with the flag set
+    }
+  }
 }
 
 TEST_CASE("a moment reader before a full reader in one call computes the statistics once", "[manager]") {

@@ -27,6 +27,10 @@
 // (explosions, NaN) before persisting states (saturation, dead units), then onset (step,
 // phase, then forward order; backward order for gradients), then confidence. One sort and one sweep
 // with ordered lookups: O(E log E) for E incidents.
+// With forward outputs judged every few steps (HealthOptions::activation_interval), a layer's
+// finding after unjudged steps is first placed in the forward of the earliest of them where a
+// gradient or the loss broke, unless what broke there could have caused it through an update
+// (detail::place_unobserved_onsets).
 //
 // ```cpp
 // auto d = torchdbg::diagnose(health);
@@ -473,12 +477,59 @@ TORCHDBG_INLINE std::string describe_root(const Incident& i, std::size_t related
 TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report);
 
 #if TORCHDBG_DEFINITIONS
+namespace detail {
+/// Forward outputs judged every few steps (HealthOptions::activation_interval): a finding in
+/// them whose onset follows unjudged steps (`details["unobserved_from"]`) may have begun on any
+/// of those. When a gradient or the loss broke on one of them and nothing there could have
+/// caused the finding through an update (an exploding or non-finite gradient, a loss spike or
+/// divergence), the finding is placed in the forward of the first such step, where it comes
+/// before what it explains; `details["observed_step"]` keeps the step it was seen. The input's
+/// scale is the data's, which no update changes: it is placed whatever broke. Non-finite
+/// outputs and inputs stay where seen (after a non-finite update every layer is non-finite;
+/// a batch with NaN is that batch). Empty when nothing moves.
+TORCHDBG_INLINE std::vector<Incident> place_unobserved_onsets(const std::vector<Incident>& inc) {
+  using K = FailureKind;
+  std::vector<Incident> out;
+  // Gradient and loss incidents by step, with how many of them could act through an update.
+  std::vector<std::pair<int64_t, bool>> broke;
+  for (const Incident& y : inc)
+    if (y.phase != Phase::Forward)
+      broke.emplace_back(y.step, y.kind == K::ExplodingGradient || y.kind == K::NonFiniteGradient ||
+                                     y.kind == K::LossSpike || y.kind == K::LossDivergence);
+  std::sort(broke.begin(), broke.end());
+  std::vector<std::size_t> updates(broke.size() + 1, 0);  // prefix counts
+  for (std::size_t k = 0; k < broke.size(); ++k) updates[k + 1] = updates[k] + (broke[k].second ? 1 : 0);
+  const auto at_step = [&](int64_t step) {
+    return static_cast<std::size_t>(
+        std::lower_bound(broke.begin(), broke.end(), std::make_pair(step, false)) - broke.begin());
+  };
+  for (std::size_t i = 0; i < inc.size(); ++i) {
+    const Incident& x = inc[i];
+    const auto u = x.details.find("unobserved_from");
+    if (u == x.details.end() || !u->is_number_integer() || x.phase != Phase::Forward ||
+        x.kind == K::NonFiniteOutput || x.kind == K::Custom ||
+        (x.kind == K::BadInput && !x.details.contains("ratio")))
+      continue;
+    const std::size_t lo = at_step(u->get<int64_t>()), hi = at_step(x.step);
+    if (lo >= hi) continue;  // nothing broke in between
+    const bool update = updates[hi] > updates[lo];
+    if (update && x.kind != K::BadInput) continue;
+    const int64_t first_step = broke[lo].first;
+    if (out.empty()) out = inc;
+    out[i].details["observed_step"] = x.step;
+    out[i].step = first_step;
+  }
+  return out;
+}
+}  // namespace detail
+
 TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
   using K = FailureKind;
   Diagnosis d;
   d.step = report.step;
   d.layers_observed = report.layers.size();
-  const std::vector<Incident>& inc = report.incidents;
+  const std::vector<Incident> placed = detail::place_unobserved_onsets(report.incidents);
+  const std::vector<Incident>& inc = placed.empty() ? report.incidents : placed;
   auto link_of = [](const Incident& i) {
     return CausalLink{i.kind, i.layer, i.step, i.phase, i.rank, std::max(i.step, i.last_step), 1};
   };
@@ -824,6 +875,12 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
     h.step = r.step;
     h.rank = r.rank;
     h.description = detail::describe_root(s, related);
+    if (const auto observed_at = s.details.find("observed_step");
+        observed_at != s.details.end() && observed_at->is_number_integer())
+      h.description += " Seen at step " + std::to_string(observed_at->get<int64_t>()) +
+                       ", the first judged forward after what the gradients or the loss "
+                       "showed at step " + std::to_string(s.step) +
+                       " (outputs judged every few steps: HealthOptions::activation_interval).";
     // Confidence: the root's own evidence, raised a little by every consequence it explains.
     const double explained = static_cast<double>(group.size() - 1);
     h.confidence = detail::clamp01(1.0 - (1.0 - std::max(r.confidence, s.confidence)) *

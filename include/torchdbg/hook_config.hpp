@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <ostream>
 #include <random>
@@ -72,7 +73,15 @@ enum class CallDirection { Both, Forward, Backward };
 /// ```
 class HookTrigger {
  public:
-  enum class Kind { EveryForward, EveryBackward, EveryNSteps, Once, LayerSpecific, Conditional };
+  enum class Kind {
+    EveryForward,
+    EveryBackward,
+    EveryNSteps,
+    Once,
+    LayerSpecific,
+    Conditional,
+    OnSteps
+  };
 
   /// Every forward call (`is_forward == true`).
   static HookTrigger every_forward() { return HookTrigger(Kind::EveryForward); }
@@ -100,6 +109,24 @@ class HookTrigger {
     t.condition_ = std::move(condition);
     return t;
   }
+  /// Calls whose step `accepts` says yes to. Unlike a condition, it is judged from the step
+  /// alone, so HookManager::may_fire asks it too and an attached model's operator observer is
+  /// registered only on the steps it accepts. It is called from any thread, on every
+  /// set_step and every due check: keep it cheap (an atomic read) and thread-safe; an
+  /// exception from it propagates. `description` is what describe() shows.
+  ///
+  /// ```cpp
+  /// auto until = std::make_shared<std::atomic<int64_t>>(-1);
+  /// HookTrigger::on_steps([until](int64_t s) { return s % 100 == 0 || s <= until->load(); },
+  ///                       "every 100 steps and while alert");
+  /// ```
+  static HookTrigger on_steps(std::function<bool(int64_t)> accepts, std::string description) {
+    if (!accepts) throw Error("torchdbg: on_steps needs a callable, got an empty one");
+    HookTrigger t(Kind::OnSteps);
+    t.steps_ = std::make_shared<const std::function<bool(int64_t)>>(std::move(accepts));
+    t.description_ = std::move(description);
+    return t;
+  }
 
   [[nodiscard]] Kind kind() const noexcept { return kind_; }
   [[nodiscard]] int64_t interval() const noexcept { return interval_; }
@@ -121,8 +148,13 @@ class HookTrigger {
           if (l == ctx.layer_name()) return true;
         return false;
       case Kind::Conditional: return condition_->evaluate(ctx);
+      case Kind::OnSteps: return (*steps_)(ctx.step());
     }
     return false;
+  }
+  /// Whether an on_steps trigger accepts `step` (true for every other kind).
+  [[nodiscard]] bool accepts_step(int64_t step) const {
+    return kind_ != Kind::OnSteps || (*steps_)(step);
   }
 
   [[nodiscard]] std::string describe() const {
@@ -137,6 +169,7 @@ class HookTrigger {
         return s + "}";
       }
       case Kind::Conditional: return "when " + condition_->describe();
+      case Kind::OnSteps: return "on steps: " + description_;
     }
     return "?";
   }
@@ -147,6 +180,8 @@ class HookTrigger {
   int64_t interval_ = 0;
   std::vector<std::string> layers_;
   std::optional<HookCondition> condition_;
+  std::shared_ptr<const std::function<bool(int64_t)>> steps_;
+  std::string description_;
 };
 
 /// How serious an alert is.

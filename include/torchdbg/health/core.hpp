@@ -9,7 +9,12 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <atomic>
+#include <deque>
+#include <iterator>
 #include <cstdint>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -60,6 +65,14 @@ class HealthCore {
   void abandon_backward() { grads_.abandon(signals_.records()); }
   void loss(int64_t step, double loss, Pauses& pauses);
 
+  /// Whether forward outputs of `step` are judged beyond the fixed steps: with
+  /// HealthOptions::activation_interval above 1, within alert_steps after a finding. Any
+  /// thread, without the monitor's lock (set_step asks it through the monitor's hook).
+  [[nodiscard]] bool alert_covers(int64_t step) const noexcept {
+    return step >= alert_from_.load(std::memory_order_relaxed) &&
+           step <= alert_until_.load(std::memory_order_relaxed);
+  }
+
   // ---- rules
   void add_rule(HealthRulePtr rule) { rules_.push_back(std::move(rule)); }
   [[nodiscard]] const std::vector<HealthRulePtr>& rules() const noexcept { return rules_; }
@@ -76,6 +89,9 @@ class HealthCore {
   void clear();
 
  private:
+  void judge_activation(Layer& L, const at::Tensor& y, const TensorStats& s, int64_t step,
+                        const ActivationInfo& info, Pauses& pauses);
+
   /// The first finding of the rules for `sig` (`check` calls the rule's method for it). A rule
   /// that throws judges nothing and is counted in rule_errors().
   template <typename Signals, typename Check>
@@ -94,9 +110,37 @@ class HealthCore {
     return std::nullopt;
   }
 
+  /// A layer or the loss entered a failure state in the current step (not the same finding
+  /// confirmed again: a lasting one would judge every step): forward outputs are judged on the
+  /// next alert_steps.
+  void raise_alert(const std::optional<Finding>& found) noexcept {
+    if (!found || found->kind == FailureKind::LossPlateau || options_.activation_interval() == 1 ||
+        options_.alert_steps() == 0 || cur_step_ == std::numeric_limits<int64_t>::max())
+      return;
+    const int64_t until = cur_step_ > std::numeric_limits<int64_t>::max() - options_.alert_steps()
+                              ? std::numeric_limits<int64_t>::max()
+                              : cur_step_ + options_.alert_steps();
+    // A window reaching this step goes on; otherwise one starts after this step (this step's
+    // forward is over or already due: a step's due calls do not change within it). `from`
+    // first: a reader between the two stores sees no step covered.
+    const int64_t from = alert_from_.load(std::memory_order_relaxed);
+    const int64_t last = alert_until_.load(std::memory_order_relaxed);
+    if (!(from <= cur_step_ + 1 && last >= cur_step_)) {
+      alert_from_.store(cur_step_ + 1, std::memory_order_relaxed);
+      alert_until_.store(until, std::memory_order_relaxed);
+    } else {
+      alert_until_.store(std::max(until, last), std::memory_order_relaxed);
+    }
+  }
+
   const HealthOptions& options_;
   std::vector<HealthRulePtr> rules_;
   uint64_t rule_errors_ = 0;
+  // The last steps whose outputs were judged, oldest first (activation_interval above 1).
+  static constexpr std::size_t kForwardSteps = 64;
+  std::deque<int64_t> fwd_steps_;
+  std::atomic<int64_t> alert_from_{std::numeric_limits<int64_t>::max()};
+  std::atomic<int64_t> alert_until_{std::numeric_limits<int64_t>::min()};
   HealthSignals signals_;
   GradientTracker grads_;
   HealthLedger ledger_;
@@ -140,6 +184,30 @@ TORCHDBG_INLINE void HealthCore::begin_step(int64_t step) {
 TORCHDBG_INLINE void HealthCore::activation(Layer& L, const at::Tensor& y, const TensorStats& s,
                                             int64_t step, const ActivationInfo& info,
                                             Pauses& pauses) {
+  if (options_.activation_interval() == 1) return judge_activation(L, y, s, step, info, pauses);
+  if (fwd_steps_.empty() || fwd_steps_.back() != step) {
+    if (!fwd_steps_.empty() && step < fwd_steps_.back()) fwd_steps_.clear();  // steps restarted
+    fwd_steps_.push_back(step);
+    if (fwd_steps_.size() > kForwardSteps) fwd_steps_.pop_front();
+  }
+  const std::size_t known = ledger_.incidents().size();
+  judge_activation(L, y, s, step, info, pauses);
+  // Outputs judged every few steps: what this forward finds may have begun on any step since
+  // the outputs before its onset were judged (diagnose() weighs that against what gradients
+  // and the loss showed in between).
+  for (std::size_t i = known; i < ledger_.incidents().size(); ++i) {
+    Incident& inc = ledger_.incident(i);
+    if (inc.phase != Phase::Forward) continue;
+    auto it = std::lower_bound(fwd_steps_.begin(), fwd_steps_.end(), inc.step);
+    if (it == fwd_steps_.begin()) continue;  // nothing judged before it that we remember
+    const int64_t before = *std::prev(it);
+    if (inc.step - before > options_.interval()) inc.details["unobserved_from"] = before + 1;
+  }
+}
+
+TORCHDBG_INLINE void HealthCore::judge_activation(Layer& L, const at::Tensor& y,
+                                                  const TensorStats& s, int64_t step,
+                                                  const ActivationInfo& info, Pauses& pauses) {
   // The model's input as attach saw it with this output: NaN/Inf there is the data's failure,
   // and no output after it in the step is an origin.
   if (info.input_observed && input_.observe(L.name, step, info, ledger_, pauses))
@@ -189,6 +257,7 @@ TORCHDBG_INLINE void HealthCore::activation(Layer& L, const at::Tensor& y, const
   const bool same = !first && state == before &&
                     (!found || !L.act_found || one_failure(*L.act_found, found->kind));
   if (!ledger_.advance(L.act_track, same, found, step, new_step)) return;
+  raise_alert(found);
   L.act = state;
   L.act_found = found ? std::optional<FailureKind>(found->kind) : std::nullopt;
   if (state == ActivationHealth::Normal && first) return;  // a healthy start is no event
@@ -247,6 +316,7 @@ TORCHDBG_INLINE void HealthCore::gradients(Pauses& pauses) {
     const bool first = !L.seen_bwd;
     L.seen_bwd = true;
     if (!ledger_.advance(L.grad_track, !first && state == before, found, step)) continue;
+    raise_alert(found);
     L.grad = state;
     if (state == GradientHealth::Healthy && first) continue;
     const EventType type = state == GradientHealth::Healthy     ? EventType::GradientRecovered
@@ -297,6 +367,7 @@ TORCHDBG_INLINE void HealthCore::loss(int64_t step, double loss, Pauses& pauses)
   }
   const LossHealth before = loss_state_;
   if (!ledger_.advance(loss_track_, state == before, found, step)) return;
+  raise_alert(found);
   loss_state_ = state;
   const EventType type = state == LossHealth::Healthy     ? EventType::LossRecovered
                          : state == LossHealth::Diverging ? EventType::LossDiverged
@@ -343,6 +414,9 @@ TORCHDBG_INLINE void HealthCore::clear() {
   loss_state_ = LossHealth::Healthy;
   loss_track_ = Track{};
   have_step_ = false;
+  alert_from_.store(std::numeric_limits<int64_t>::max());
+  alert_until_.store(std::numeric_limits<int64_t>::min());
+  fwd_steps_.clear();
 }
 
 #endif  // TORCHDBG_DEFINITIONS

@@ -309,9 +309,16 @@ auto HealthInstallation<Mutex, ManagerMutex>::connect(BasicHealthMonitor<Mutex>&
   // Queued device deliveries (attach's StatsBatching) bring the counts the judgement needs
   // in the step's one copy instead of a sync per layer.
   BasicHookManager<ManagerMutex>* owner = &hooks;
-  const int64_t forward_every = options->interval() * options->activation_interval();
-  auto due = [signals, owner, forward_every](std::string_view layer, bool is_forward) {
-    return is_forward && signals->watched(layer) && owner->step() % forward_every == 0;
+  const int64_t every = options->interval();
+  const int64_t forward_every = every * options->activation_interval();
+  // Forward outputs are judged every `forward_every` steps, and on every evaluated step while
+  // a finding keeps the monitor alert (HealthOptions::alert_steps).
+  const detail::HealthCore* const core = &monitor.core_;
+  auto forward_step = [core, every, forward_every](int64_t s) {
+    return s % forward_every == 0 || (s % every == 0 && core->alert_covers(s));
+  };
+  auto due = [signals, owner, forward_step](std::string_view layer, bool is_forward) {
+    return is_forward && signals->watched(layer) && forward_step(owner->step());
   };
   hooks.add_prefetch(monitor.units_key_,
                      [signals, options, due](std::string_view layer, const at::Tensor& t, bool fwd,
@@ -372,7 +379,12 @@ auto HealthInstallation<Mutex, ManagerMutex>::connect(BasicHealthMonitor<Mutex>&
     if (split)
       activation_id = hooks.register_hook(HookConfig()
                                               .name("torchdbg.health.activations")
-                                              .trigger(HookTrigger::every_n_steps(forward_every))
+                                              .trigger(HookTrigger::on_steps(
+                                                  forward_step,
+                                                  "every " + std::to_string(forward_every) +
+                                                      (options->alert_steps() > 0
+                                                           ? " steps, and while alert"
+                                                           : " steps")))
                                               .direction(CallDirection::Forward)
                                               .actions({HookAction::custom_callback(cb)})
                                               .layer_patterns(options->layers()));

@@ -159,13 +159,19 @@ struct HealthOptions {
   /// is most of the fixed cost per step (docs/performance.md, "Fixed cost per step"), while a
   /// NaN, an explosion or a vanishing gradient is still caught on its step. What shows only
   /// in activations (dead units, saturation, a layer's gain) is seen up to
-  /// `interval * activation_interval - 1` steps late, and the diagnosis may then rank a
-  /// gradient consequence ahead of it.
+  /// `interval * activation_interval - 1` steps late, or the step after a gradient or the
+  /// loss showed it (`alert_steps`); diagnose() then places it where they did, unless an
+  /// update there could have caused it (docs/health.md, "Judging less often").
   ///
   /// ```cpp
   /// HealthOptions().activation_interval(10)  // gradients every step, activations every 10th
   /// ```
   TORCH_ARG(int64_t, activation_interval) = 1;
+  /// With `activation_interval` above 1: after a step where a rule found something (a
+  /// gradient, the loss or an output; a plateau aside), forward outputs are judged on every
+  /// evaluated step of the next `alert_steps`, so what a gradient or the loss shows first is
+  /// followed into the activations the step after. 0: only on the fixed steps.
+  TORCH_ARG(int64_t, alert_steps) = 10;
   /// Regexes (searched in layer names) of the layers to watch; empty: all.
   TORCH_ARG(std::vector<std::string>, layers);
 
@@ -334,6 +340,7 @@ TORCHDBG_INLINE void validate(const HealthOptions& o) {
   if (o.activation_interval() > std::numeric_limits<int64_t>::max() / o.interval())
     throw Error("torchdbg: HealthOptions::activation_interval " + std::to_string(o.activation_interval()) +
                 " times interval " + std::to_string(o.interval()) + " overflows int64");
+  detail::require_at_least<int64_t>(o.alert_steps(), 0, "HealthOptions::alert_steps");
   detail::require_at_least<int64_t>(o.dead_window_samples(), 1,
                                     "HealthOptions::dead_window_samples");
   detail::require_at_least<int64_t>(o.dead_window(), 1, "HealthOptions::dead_window");

@@ -26,7 +26,8 @@ inline bool direction_matches(const HookConfig& c, bool is_forward) noexcept {
 }
 
 /// Whether `t` could fire for a call in this direction at `step`, judged without a tensor:
-/// conditional, layer-specific and once triggers count as possibly due.
+/// on_steps asks its predicate (one that throws: possibly due); conditional, layer-specific
+/// and once triggers count as possibly due.
 inline bool trigger_may_fire(const HookTrigger& t, bool is_forward, int64_t step) {
   switch (t.kind()) {
     case HookTrigger::Kind::EveryForward:
@@ -35,6 +36,14 @@ inline bool trigger_may_fire(const HookTrigger& t, bool is_forward, int64_t step
       return !is_forward;
     case HookTrigger::Kind::EveryNSteps:
       return step % t.interval() == 0;
+    case HookTrigger::Kind::OnSteps:
+      // A predicate that throws counts as possibly due: the call's own check (execute_hooks)
+      // turns the exception into the hook's error result.
+      try {
+        return t.accepts_step(step);
+      } catch (...) {
+        return true;
+      }
     default:
       return true;
   }
