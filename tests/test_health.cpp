@@ -2161,4 +2161,20 @@ TEST_CASE("property: after a finding, alert_steps judges forward outputs on ever
     CHECK(m.incidents().back().step == last);
     for (int64_t s = 1; s < 40; ++s) CHECK(hooks.may_fire(true, s) == (s % 4 == 0));
   }
+  // Steps counted again from 0 (an epoch): the last epoch's alert does not carry over.
+  {
+    torchdbg::HookManager hooks;
+    HealthMonitor m(HealthOptions().activation_interval(4).alert_steps(10));
+    auto inst = m.install(hooks);
+    hooks.set_step(20);
+    (void)hooks.execute_hooks("fc", torch::ones({4, 4}), false, {{"parameter", "weight"}});
+    hooks.set_step(21);
+    (void)hooks.execute_hooks("fc", torch::full({4, 4}, std::numeric_limits<float>::quiet_NaN()), false,
+                              {{"parameter", "weight"}});
+    hooks.set_step(22);
+    CHECK(hooks.may_fire(true, 22));  // alert from 22 to 31
+    CHECK(hooks.may_fire(true, 25));
+    hooks.set_step(0);
+    for (int64_t s = 0; s < 40; ++s) CHECK(hooks.may_fire(true, s) == (s % 4 == 0));
+  }
 }

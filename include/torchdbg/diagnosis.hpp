@@ -480,20 +480,20 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report);
 namespace detail {
 /// Forward outputs judged every few steps (HealthOptions::activation_interval): a finding in
 /// them whose onset follows unjudged steps (`details["unobserved_from"]`) may have begun on any
-/// of those. When a gradient or the loss broke on one of them and nothing there could have
-/// caused the finding through an update (an exploding or non-finite gradient, a loss spike or
-/// divergence), the finding is placed in the forward of the first such step, where it comes
-/// before what it explains; `details["observed_step"]` keeps the step it was seen. The input's
-/// scale is the data's, which no update changes: it is placed whatever broke. Non-finite
-/// outputs and inputs stay where seen (after a non-finite update every layer is non-finite;
-/// a batch with NaN is that batch). Empty when nothing moves.
+/// of those. When a gradient or the loss broke on one of them (a plateau, a long-window
+/// statistic, and a user rule's finding aside) and nothing there could have caused the finding
+/// through an update (an exploding or non-finite gradient, a loss spike or divergence), the
+/// finding is placed in the forward of the first such step, where it comes before what it
+/// explains; `details["observed_step"]` keeps the step it was seen. Non-finite outputs stay
+/// where seen (after a non-finite update every layer is non-finite), and so does the input (a
+/// batch is that batch). Empty when nothing moves.
 TORCHDBG_INLINE std::vector<Incident> place_unobserved_onsets(const std::vector<Incident>& inc) {
   using K = FailureKind;
   std::vector<Incident> out;
   // Gradient and loss incidents by step, with how many of them could act through an update.
   std::vector<std::pair<int64_t, bool>> broke;
   for (const Incident& y : inc)
-    if (y.phase != Phase::Forward)
+    if (y.phase != Phase::Forward && y.kind != K::LossPlateau && y.kind != K::Custom)
       broke.emplace_back(y.step, y.kind == K::ExplodingGradient || y.kind == K::NonFiniteGradient ||
                                      y.kind == K::LossSpike || y.kind == K::LossDivergence);
   std::sort(broke.begin(), broke.end());
@@ -507,13 +507,11 @@ TORCHDBG_INLINE std::vector<Incident> place_unobserved_onsets(const std::vector<
     const Incident& x = inc[i];
     const auto u = x.details.find("unobserved_from");
     if (u == x.details.end() || !u->is_number_integer() || x.phase != Phase::Forward ||
-        x.kind == K::NonFiniteOutput || x.kind == K::Custom ||
-        (x.kind == K::BadInput && !x.details.contains("ratio")))
+        x.kind == K::NonFiniteOutput || x.kind == K::Custom || x.kind == K::BadInput)
       continue;
     const std::size_t lo = at_step(u->get<int64_t>()), hi = at_step(x.step);
     if (lo >= hi) continue;  // nothing broke in between
-    const bool update = updates[hi] > updates[lo];
-    if (update && x.kind != K::BadInput) continue;
+    if (updates[hi] > updates[lo]) continue;  // an update in between could have caused it
     const int64_t first_step = broke[lo].first;
     if (out.empty()) out = inc;
     out[i].details["observed_step"] = x.step;

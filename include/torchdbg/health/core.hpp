@@ -175,6 +175,10 @@ TORCHDBG_INLINE HealthCore::HealthCore(const HealthOptions& options)
 }
 
 TORCHDBG_INLINE void HealthCore::begin_step(int64_t step) {
+  if (step < cur_step_) {  // steps restarted (an epoch counted from 0): no alert carries over
+    alert_from_.store(std::numeric_limits<int64_t>::max(), std::memory_order_relaxed);
+    alert_until_.store(std::numeric_limits<int64_t>::min(), std::memory_order_relaxed);
+  }
   have_step_ = true;
   cur_step_ = step;
   signals_.begin_step();
