@@ -7,7 +7,7 @@
 //
 //   torchdbg_bench [--threads N] [--rounds R] [--steps S] [--rss-steps N] [--json FILE] [--models
 //   mlp,scripted,cnn,transformer,gru,tiny,one] [--modes
-//   detached,full,sampled,every10,act10,idle,observer,reporter,live]
+//   detached,full,sampled,every10,act10,budget10,idle,observer,reporter,live]
 //   [--sample K] [--no-health] [--device cpu|cuda] [--default-malloc] [--count-ops]
 //   torchdbg_bench --models MODEL --train-only MODE [--steps N] [--warmup W]
 //
@@ -46,7 +46,9 @@
 // `tiny` is the MLP at 16 features: it prints what one delivery costs outside the kernel.
 // `one` is a single Linear with the README's quick start: what torchdbg costs per step.
 // `act10` (`one` only) is the quick start with HealthOptions().activation_interval(10):
-// gradients judged every step, forward outputs every 10th.
+// gradients judged every step, forward outputs every 10th. `budget10` (`one` only) is the
+// quick start with HealthOptions().activation_budget(0.1): forward outputs judged as often as
+// keeps their measured cost within 10% of a step (the interval chosen is printed).
 //
 // With --device cuda the models train on the GPU, each timed step ends with a device
 // synchronize, and the run also prints how many copies brought statistics to the host per
@@ -325,8 +327,8 @@ Args parse(int argc, char** argv) {
       a.warmup = std::stoi(next("--warmup"));
     else if (!std::strcmp(argv[i], "--train-only")) {
       a.train_only = next("--train-only");
-      if (!model_listed("plain,detached,full,sampled,every10,act10,idle,observer", a.train_only))
-        throw std::runtime_error("--train-only: expected plain, detached, full, sampled, every10, act10, idle or observer, got '" +
+      if (!model_listed("plain,detached,full,sampled,every10,act10,budget10,idle,observer", a.train_only))
+        throw std::runtime_error("--train-only: expected plain, detached, full, sampled, every10, act10, budget10, idle or observer, got '" +
                                  a.train_only + "'");
     }
     else
@@ -472,12 +474,17 @@ struct Monitor {
   /// `sample_stride` > 1: statistics of large tensors from a sample (StatsSampling).
   /// `activation_interval` > 1: the health monitor judges forward outputs every that many
   /// steps, gradients every step (HealthOptions::activation_interval; the quick start's `act10`).
+  /// `activation_budget` > 0: as often as keeps their cost within that share of a step
+  /// (HealthOptions::activation_budget; `budget10`).
   Monitor(bool every10, bool with_health = true, bool quick_start = false, bool with_reporter = false,
-          int64_t sample_stride = 1, int64_t activation_interval = 1)
+          int64_t sample_stride = 1, int64_t activation_interval = 1, double activation_budget = 0.0)
       : hooks(torchdbg::HookManagerOptions()
                   .inspector(torchdbg::InspectorOptions().sample_rate(0.0))
                   .sampling(torchdbg::StatsSampling().stride(sample_stride))),
-        health(torchdbg::HealthOptions().interval(every10 ? 10 : 1).activation_interval(activation_interval)) {
+        health(torchdbg::HealthOptions()
+                   .interval(every10 ? 10 : 1)
+                   .activation_interval(activation_interval)
+                   .activation_budget(activation_budget)) {
     if (with_health) fed = health.install(hooks);
     if (with_reporter) reported = reporter.install(hooks, &health);
     if (quick_start) return;
@@ -551,7 +558,7 @@ void train_only(std::vector<int64_t> shape, int64_t batch, const Args& a, bool q
   const std::string& mode = a.train_only;
   Trainer<Model> tr(shape, batch, torch::Device(a.device));
   Monitor monitor(mode == "every10", a.health && mode != "idle", quick_start, false,
-                  mode == "sampled" ? a.sample : 1, mode == "act10" ? 10 : 1);
+                  mode == "sampled" ? a.sample : 1, mode == "act10" ? 10 : 1, mode == "budget10" ? 0.1 : 0.0);
   if (mode == "idle") monitor.hooks.clear_hooks();
   std::optional<torchdbg::AttachSession> session;
   std::optional<BareObserver> bare;
@@ -730,16 +737,16 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
   // "idle": attached to a manager with no hook at all, so nothing is ever due: what merely
   // having tensor hooks on the parameters does to LibTorch's step.
   for (const std::string mode :
-       {"detached", "full", "sampled", "every10", "act10", "idle", "observer", "reporter", "live"}) {
+       {"detached", "full", "sampled", "every10", "act10", "budget10", "idle", "observer", "reporter", "live"}) {
     if (!model_listed(a.modes, mode)) continue;
-    if (mode == "act10" && !quick_start) continue;  // the quick start's option (`one` only)
+    if ((mode == "act10" || mode == "budget10") && !quick_start) continue;  // the quick start's options (`one`)
     std::vector<double> base, mon;
     uint64_t copies = 0, deliveries = 0;
     // One monitor per mode, kept across rounds (its per-layer state is built once, as in a
     // real run); only the attachment comes and goes, so baseline steps run detached.
     const bool reporting = mode == "reporter" || mode == "live";
     Monitor monitor(mode == "every10", a.health && mode != "idle", quick_start, reporting && a.health,
-                    mode == "sampled" ? a.sample : 1, mode == "act10" ? 10 : 1);
+                    mode == "sampled" ? a.sample : 1, mode == "act10" ? 10 : 1, mode == "budget10" ? 0.1 : 0.0);
     if (mode == "idle") monitor.hooks.clear_hooks();
     PageReader page(mode == "live" ? &monitor : nullptr);
     for (int r = 0; r < a.rounds; ++r) {
@@ -770,7 +777,7 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
     // one step of ten, which a median of steps hides: there the headline is the paired
     // estimate over windows of ten steps (one due step each), which a burst of load on shared
     // cores moves far less than a mean of all steps would.
-    const bool sparse = mode == "every10" || mode == "act10";
+    const bool sparse = mode == "every10" || mode == "act10" || mode == "budget10";
     const Paired paired = paired_overhead(base, mon, a.steps, sparse ? 10 : 1);
     const double median_steps = 100.0 * (m - b) / b;
     const double overhead = sparse ? paired.percent : median_steps;
@@ -810,6 +817,11 @@ nlohmann::json bench_model(const std::string& name, std::vector<int64_t> shape, 
                  {"monitored_median_us", m},
                  {"host_copies_per_step", copies_per_step},
                  {"deliveries_per_step", static_cast<double>(deliveries) / static_cast<double>(mon.size())}};
+    if (mode == "budget10") {  // what the monitor measured and chose
+      const auto rep = monitor.health.report();
+      out[mode]["activation_interval"] = rep.activation_interval;
+      out[mode]["activation_cost"] = rep.activation_cost ? nlohmann::json(*rep.activation_cost) : nlohmann::json();
+    }
   }
   if (a.count_ops) {
     // One baseline step and one monitored (full) step, with the operators each dispatched.
@@ -878,33 +890,44 @@ nlohmann::json bench_delivery(const Args& a) {
 /// operator observer costs over the same window (`observer`: LibTorch's price of watching).
 nlohmann::json bench_fixed(const Args& a) {
   Args one = a;
-  one.modes = "full,every10,act10,idle,observer";
+  one.modes = "full,every10,act10,budget10,idle,observer";
   one.steps = 50;  // ~30 us steps: more per round for the same share of round overhead
   one.rounds = std::max(a.rounds, 40);
   const nlohmann::json r = bench_model<OneLinear>("one", {16}, 32, one, /*print=*/false, /*quick_start=*/true);
   nlohmann::json out;
-  for (const std::string mode : {"full", "every10", "act10", "idle", "observer"}) {
+  for (const std::string mode : {"full", "every10", "act10", "budget10", "idle", "observer"}) {
     const auto& m = r[mode];
     // every10's and act10's extra cost sits in one step of ten: their mean over paired
     // windows, not a median step
-    const double us = mode == "every10" || mode == "act10"
+    const double us = mode == "every10" || mode == "act10" || mode == "budget10"
                           ? m["paired_difference_us_per_step"].get<double>()
                           : m["monitored_median_us"].get<double>() - m["baseline_median_us"].get<double>();
     const char* what = mode == "full"      ? ", the quick start's health monitor"
                        : mode == "every10" ? ", the quick start with HealthOptions().interval(10), mean per step"
                        : mode == "act10"   ? ", the quick start with HealthOptions().activation_interval(10) "
                                              "(gradients every step, activations every 10th), mean per step"
+                       : mode == "budget10"
+                           ? ", the quick start with HealthOptions().activation_budget(0.1) (gradients every step, "
+                             "activations as often as keeps them within 10% of a step), mean per step"
                        : mode == "idle"    ? ", attached, no hook"
                                            : ", no torchdbg: a RecordFunction callback boxing the operators' inputs "
                                              "and outputs over the quick start's window, deciding nothing";
     const auto& interval = m["paired_difference_us_per_step_interval"];
-    fmt::print("fixed cost per step {}: {:.1f} us (one Linear 16->10, batch 32: {:.1f} us step, {:+.1f}%){}{}\n",
-               mode, us, m["baseline_median_us"].get<double>(), m["overhead_percent"].get<double>(), what,
+    std::string chose;
+    if (mode == "budget10" && m.contains("activation_interval"))
+      chose = m["activation_cost"].is_number()
+                  ? fmt::format(" (it measured activations at {:.0f}% of a step and judged them every {} steps)",
+                                100.0 * m["activation_cost"].get<double>(), m["activation_interval"].get<int64_t>())
+                  : std::string(" (still measuring)");
+    fmt::print("fixed cost per step {}: {:.1f} us (one Linear 16->10, batch 32: {:.1f} us step, {:+.1f}%){}{}{}\n",
+               mode, us, m["baseline_median_us"].get<double>(), m["overhead_percent"].get<double>(), what, chose,
                interval.is_array() ? fmt::format("; paired windows {:.1f} us, 95% interval {:.1f} to {:.1f} us",
                                                  m["paired_difference_us_per_step"].get<double>(),
                                                  interval[0].get<double>(), interval[1].get<double>())
                                    : std::string());
     out[mode] = {{"us_per_step", us},
+                 {"activation_interval", m.value("activation_interval", nlohmann::json())},
+                 {"activation_cost", m.value("activation_cost", nlohmann::json())},
                  {"paired_difference_us_per_step", m["paired_difference_us_per_step"]},
                  {"paired_difference_us_per_step_interval", interval},
                  {"baseline_median_us", m["baseline_median_us"]},

@@ -16,12 +16,15 @@
 //   torchdbg_scenarios [--seeds N] [--only REGEX] [--min-accuracy F]
 //                      [--min-scenario-accuracy F] [--by-kind] [--verbose]
 //                      [--interval N] [--activation-interval N] [--alert-steps N]
-//                      [--late N] [--window N]
+//                      [--activation-budget F] [--late N] [--window N]
 //
 // --interval N and --activation-interval N run the monitor with HealthOptions().interval(N)
 // (everything judged every N-th step) and .activation_interval(N) (gradients judged every
 // step, forward outputs every N-th): what those options cost in accuracy; --alert-steps N sets
-// HealthOptions::alert_steps. --late N adds N healthy steps before every onset (baselines long
+// HealthOptions::alert_steps. --activation-budget F runs with HealthOptions().activation_budget(F)
+// (forward outputs judged as often as keeps their measured cost within F of a step: the
+// interval each run chose is counted at the end; it measures on steps 10 to 29, so onsets after
+// it need --late). --late N adds N healthy steps before every onset (baselines long
 // settled; with an activation interval, onsets at every phase of it). --window N (default 2)
 // counts a hit whose onset is up to N steps after the induced one, and runs N + 1 steps past
 // it: what a failure seen only on judged steps needs.
@@ -54,6 +57,8 @@ namespace {
 int64_t g_interval = 1;
 int64_t g_activation_interval = 1;
 int64_t g_alert_steps = -1;  // -1: the option's default
+double g_activation_budget = 0.0;
+std::map<int64_t, int64_t> g_chosen;  // activation_budget's interval -> runs
 int64_t g_late = 0;          // steps added before every onset
 int64_t g_window = 2;        // a hit's onset is at most this many steps after the induced one
 
@@ -790,6 +795,7 @@ RunResult run(const Scenario& sc, uint64_t seed, bool verbose) {
   torchdbg::HookManager hooks;
   auto health_options = torchdbg::HealthOptions().interval(g_interval).activation_interval(g_activation_interval);
   if (g_alert_steps >= 0) health_options.alert_steps(g_alert_steps);
+  health_options.activation_budget(g_activation_budget);
   torchdbg::HealthMonitor health(health_options);
   auto installed = health.install(hooks);
   auto session = torchdbg::attach(*model, hooks);
@@ -876,6 +882,7 @@ RunResult run(const Scenario& sc, uint64_t seed, bool verbose) {
     }
   }
   hooks.set_step(steps);
+  if (g_activation_budget > 0.0) ++g_chosen[health.report().activation_interval];
   const auto d = torchdbg::diagnose(health);
   r.incidents = health.incidents().size();
   if (const auto* top = d.top()) {
@@ -936,6 +943,8 @@ int main(int argc, char** argv) {
       g_activation_interval = std::stoll(next());
     } else if (a == "--alert-steps") {
       g_alert_steps = std::stoll(next());
+    } else if (a == "--activation-budget") {
+      g_activation_budget = std::stod(next());
     } else if (a == "--late") {
       g_late = std::stoll(next());
     } else if (a == "--window") {
@@ -945,7 +954,7 @@ int main(int argc, char** argv) {
         return 2;
       }
     } else {
-      std::fprintf(stderr, "usage: %s [--seeds N] [--only REGEX] [--min-accuracy F] [--min-scenario-accuracy F] [--by-kind] [--verbose] [--interval N] [--activation-interval N] [--alert-steps N] [--late N] [--window N]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--seeds N] [--only REGEX] [--min-accuracy F] [--min-scenario-accuracy F] [--by-kind] [--verbose] [--interval N] [--activation-interval N] [--alert-steps N] [--activation-budget F] [--late N] [--window N]\n", argv[0]);
       return 2;
     }
   }
@@ -1021,6 +1030,12 @@ int main(int argc, char** argv) {
               static_cast<long long>(fail_hits), static_cast<long long>(fail_runs), 100.0 * acc,
               static_cast<long long>(healthy_hits), static_cast<long long>(healthy_runs),
               static_cast<long long>(truth_failures));
+  if (g_activation_budget > 0.0) {
+    std::printf("activation_budget %.3g chose:", g_activation_budget);
+    for (const auto& [n, runs] : g_chosen)
+      std::printf(" every %lld step(s) in %lld run(s);", static_cast<long long>(n), static_cast<long long>(runs));
+    std::printf("\n");
+  }
   if (weak_scenarios > 0)
     std::printf("%lld scenario(s) below --min-scenario-accuracy %.2f\n", static_cast<long long>(weak_scenarios), min_scenario);
   const bool ok = truth_failures == 0 && healthy_hits == healthy_runs && acc >= min_accuracy && weak_scenarios == 0;

@@ -1,6 +1,8 @@
 // torchdbg — module hooks and a training debugger for LibTorch.
 // SPDX-License-Identifier: MIT
 #include <array>
+#include <chrono>
+#include <cmath>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -2176,5 +2178,184 @@ TEST_CASE("property: after a finding, alert_steps judges forward outputs on ever
     CHECK(hooks.may_fire(true, 25));
     hooks.set_step(0);
     for (int64_t s = 0; s < 40; ++s) CHECK(hooks.may_fire(true, s) == (s % 4 == 0));
+  }
+}
+
+TEST_CASE("activation_budget: the interval for a measured cost, and the steps it judges, against a simulated clock",
+          "[health]") {
+  using torchdbg::detail::ForwardBudget;
+  CHECK(ForwardBudget::interval_for(0.05, 0.1) == 1);
+  CHECK(ForwardBudget::interval_for(0.1, 0.1) == 1);
+  CHECK(ForwardBudget::interval_for(0.11, 0.1) == 2);
+  CHECK(ForwardBudget::interval_for(0.35, 0.1) == 4);
+  CHECK(ForwardBudget::interval_for(0.99, 0.5) == 2);
+  CHECK(ForwardBudget::interval_for(50.0, 0.1) == ForwardBudget::kMaxInterval);
+  CHECK(ForwardBudget::interval_for(-0.3, 0.1) == 1);
+  CHECK(ForwardBudget::interval_for(std::nan(""), 0.1) == 1);
+  {
+    ForwardBudget off(0.0);
+    CHECK_FALSE(off.enabled());
+    CHECK_FALSE(off.begin_step(0, 0));
+    for (int64_t s = 0; s < 50; ++s) CHECK(off.forward_due(s));
+  }
+  {
+    // Steps at the end of int64 (no overflow; too few to measure: every step judged), and
+    // steps that never follow each other (nothing measured).
+    constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+    ForwardBudget end(0.1);
+    CHECK(end.forward_due(kMax));
+    // The window moves back to fit: kMax - 20 to kMax - 1, chosen at kMax (every step costs
+    // the same: interval 1).
+    for (int64_t s = kMax - 25; s != kMax; ++s) {
+      CHECK_FALSE(end.begin_step(s, (s - (kMax - 25)) * 1000));
+      CHECK(end.forward_due(s) == (s < kMax - 20 || (kMax - s) % 2 == 0));
+    }
+    CHECK(end.begin_step(kMax, 25000));
+    CHECK(end.interval() == 1);
+    CHECK(end.forward_due(kMax));
+    CHECK(end.forward_due(std::numeric_limits<int64_t>::min()));
+    ForwardBudget by_two(0.1);
+    for (int64_t s = 0; s < 400; s += 2) {
+      by_two.begin_step(s, s * 1000);
+      CHECK(by_two.forward_due(s));
+    }
+    CHECK_FALSE(by_two.decided());
+  }
+  std::mt19937_64 rng(20261206);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  for (int trial = 0; trial < 200; ++trial) {
+    const double budget = 0.01 + 0.9 * unit(rng);
+    const double cost = 3.0 * unit(rng);  // what judging forward outputs adds, relative
+    const double step_ns = std::floor(2e4 + 2e6 * unit(rng));  // whole ns, as a clock gives
+    const int64_t first = static_cast<int64_t>(rng() % 1000) - 100;
+    // Steps skipped or restarted inside the first window: it is measured again.
+    const int disturb = static_cast<int>(rng() % 3);  // 0 none, 1 a skip, 2 a restart
+    const int64_t disturb_at = first + ForwardBudget::kSkip + 3 + static_cast<int64_t>(rng() % 15);
+    INFO("trial " << trial << ": budget " << budget << ", cost " << cost << ", first step " << first
+                  << ", disturbance " << disturb << " at " << disturb_at);
+    ForwardBudget b(budget);
+    REQUIRE(b.enabled());
+    int64_t t = static_cast<int64_t>(rng() % 1000000);
+    int64_t step = first;
+    int64_t window = first + ForwardBudget::kSkip;  // where the measuring window starts
+    std::optional<int64_t> chose_at;
+    bool disturbed = false;
+    for (int k = 0; k < 120; ++k) {
+      const bool chose = b.begin_step(step, t);
+      if (chose) {
+        REQUIRE_FALSE(chose_at.has_value());
+        chose_at = step;
+      }
+      // Before the choice: judged on every step but the odd ones of the window.
+      if (!chose_at) {
+        const bool in_window = step >= window && step < window + 2 * ForwardBudget::kSamples;
+        CHECK(b.forward_due(step) == (!in_window || (step - window) % 2 == 0));
+        CHECK(b.interval() == 0);
+        CHECK_FALSE(b.measured_share().has_value());
+      }
+      const bool due = b.forward_due(step);
+      t += static_cast<int64_t>(due ? std::round(step_ns * (1.0 + cost)) : step_ns);
+      // The next step.
+      if (!disturbed && disturb != 0 && step == disturb_at) {
+        disturbed = true;
+        if (disturb == 1) {
+          step += 3;  // three steps skipped: the window goes on, those times are missing
+          if (step >= window + 2 * ForwardBudget::kSamples) window = step;  // too few: again
+        } else {
+          step -= 7;  // an epoch restarted: measured again after kSkip steps
+          window = step + ForwardBudget::kSkip;
+        }
+        continue;
+      }
+      ++step;
+    }
+    REQUIRE(chose_at.has_value());
+    if (disturb != 1) CHECK(*chose_at == window + 2 * ForwardBudget::kSamples);
+    const int64_t n = b.interval();
+    REQUIRE(b.measured_share().has_value());
+    CHECK(*b.measured_share() == Approx(cost).margin(1e-4));  // the on steps' times rounded to ns
+    CHECK(n == ForwardBudget::interval_for(*b.measured_share(), budget));
+    REQUIRE(b.step_ns().has_value());
+    CHECK(*b.step_ns() == step_ns);
+    for (int64_t s = *chose_at; s < *chose_at + 40; ++s) CHECK(b.forward_due(s) == (s % n == 0));
+    // Steps restarting after the choice keep it; reset measures again.
+    b.begin_step(0, t + 1);
+    CHECK(b.interval() == n);
+    b.reset();
+    CHECK(b.interval() == 0);
+    CHECK_FALSE(b.measured_share().has_value());
+    CHECK(b.forward_due(5));
+  }
+}
+
+TEST_CASE("activation_budget judges forward outputs as often as their measured cost allows", "[health][attach]") {
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().activation_budget(-0.1)),
+                    Catch::Contains("activation_budget") && Catch::Contains("-0.1"));
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().activation_budget(1.0)), Catch::Contains("activation_budget"));
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().activation_budget(std::nan(""))),
+                    Catch::Contains("activation_budget"));
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().activation_budget(0.1).activation_interval(3)),
+                    Catch::Contains("activation_budget") && Catch::Contains("activation_interval 1"));
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().activation_budget(0.1).interval(2)),
+                    Catch::Contains("activation_budget") && Catch::Contains("interval 1"));
+  // A model this small spends far more than 1% of its step on judged forward outputs (the
+  // operator observer alone); with a step padded by 3 ms of other work, far less than 50%.
+  for (const bool padded : {false, true}) {
+    INFO((padded ? "steps padded by 3 ms" : "a tiny model's steps"));
+    const double budget = padded ? 0.5 : 0.01;
+    torch::manual_seed(7);
+    auto model = torch::nn::Sequential(torch::nn::Linear(6, 12), torch::nn::ReLU(), torch::nn::Linear(12, 3));
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01));
+    torchdbg::HookManager hooks;
+    HealthMonitor m(HealthOptions().activation_budget(budget));
+    auto inst = m.install(hooks);
+    REQUIRE(inst.activation_hook_id().has_value());
+    auto session = torchdbg::attach(*model, hooks);
+    const auto x = torch::randn({16, 6});
+    const auto y = torch::randint(0, 3, {16});
+    const int64_t window = torchdbg::detail::ForwardBudget::kSkip;
+    const int64_t chosen = window + 2 * torchdbg::detail::ForwardBudget::kSamples;
+    uint64_t forward_before = 0;
+    for (int64_t step = 0; step < chosen + 30; ++step) {
+      hooks.set_step(step);
+      opt.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);
+      hooks.set_loss(loss.item<double>());
+      loss.backward();
+      opt.step();
+      if (padded) std::this_thread::sleep_for(std::chrono::milliseconds(3));
+      const uint64_t forward_now = session.forward_deliveries();
+      const bool delivered = forward_now > forward_before;
+      forward_before = forward_now;
+      INFO("step " << step);
+      if (step < window) {
+        CHECK(delivered);
+        CHECK(m.report().activation_interval == 0);
+      } else if (step < chosen) {
+        CHECK(delivered == ((step - window) % 2 == 0));
+      } else if (step > chosen) {
+        const int64_t n = m.report().activation_interval;
+        CHECK(delivered == (step % n == 0));
+      }
+    }
+    const auto r = m.report();
+    REQUIRE(r.activation_cost.has_value());
+    INFO("measured cost " << *r.activation_cost << ", interval " << r.activation_interval);
+    if (padded) {
+      CHECK(*r.activation_cost < budget);
+      CHECK(r.activation_interval == 1);
+    } else {
+      CHECK(*r.activation_cost > budget);
+      CHECK(r.activation_interval >= 2);
+      CHECK(r.activation_interval == torchdbg::detail::ForwardBudget::interval_for(*r.activation_cost, budget));
+    }
+    // A healthy run: nothing found, gradients judged on every step.
+    CHECK(m.incidents().empty());
+    const auto grads = hooks.get_hook_stats(inst.hook_id());
+    REQUIRE(grads.has_value());
+    CHECK(grads->executions == static_cast<uint64_t>(4 * (chosen + 30)));
+    m.reset();
+    CHECK(m.report().activation_interval == 0);
+    CHECK_FALSE(m.report().activation_cost.has_value());
   }
 }

@@ -878,7 +878,8 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
       h.description += " Seen at step " + std::to_string(observed_at->get<int64_t>()) +
                        ", the first judged forward after what the gradients or the loss "
                        "showed at step " + std::to_string(s.step) +
-                       " (outputs judged every few steps: HealthOptions::activation_interval).";
+                       " (outputs judged every few steps: HealthOptions::activation_interval or "
+                       "activation_budget).";
     // Confidence: the root's own evidence, raised a little by every consequence it explains.
     const double explained = static_cast<double>(group.size() - 1);
     h.confidence = detail::clamp01(1.0 - (1.0 - std::max(r.confidence, s.confidence)) *

@@ -11,9 +11,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <deque>
 #include <iterator>
-#include <cstdint>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "torchdbg/detail/compiled.hpp"
+#include "torchdbg/health/budget.hpp"
 #include "torchdbg/health/gradients.hpp"
 #include "torchdbg/health/input_watch.hpp"
 #include "torchdbg/health/ledger.hpp"
@@ -72,6 +74,17 @@ class HealthCore {
     return step >= alert_from_.load(std::memory_order_relaxed) &&
            step <= alert_until_.load(std::memory_order_relaxed);
   }
+  /// Whether forward outputs of `step` are judged: on the steps of interval *
+  /// activation_interval (or those HealthOptions::activation_budget chose), and on the
+  /// evaluated steps alert_covers. Any thread, without the monitor's lock.
+  [[nodiscard]] bool forward_due(int64_t step) const noexcept {
+    const int64_t every = options_.interval();
+    if (budget_.enabled()) return budget_.forward_due(step) || alert_covers(step);
+    return step % (every * options_.activation_interval()) == 0 || (step % every == 0 && alert_covers(step));
+  }
+  /// Whether forward outputs may go unjudged on some evaluated steps (activation_interval
+  /// above 1, or activation_budget while it measures or once it chose more than 1).
+  [[nodiscard]] bool sparse_forward() const noexcept { return sparse_forward_; }
 
   // ---- rules
   void add_rule(HealthRulePtr rule) { rules_.push_back(std::move(rule)); }
@@ -114,7 +127,7 @@ class HealthCore {
   /// confirmed again: a lasting one would judge every step): forward outputs are judged on the
   /// next alert_steps.
   void raise_alert(const std::optional<Finding>& found) noexcept {
-    if (!found || found->kind == FailureKind::LossPlateau || options_.activation_interval() == 1 ||
+    if (!found || found->kind == FailureKind::LossPlateau || !sparse_forward_ ||
         options_.alert_steps() == 0 || cur_step_ == std::numeric_limits<int64_t>::max())
       return;
     const int64_t until = cur_step_ > std::numeric_limits<int64_t>::max() - options_.alert_steps()
@@ -133,9 +146,17 @@ class HealthCore {
     }
   }
 
+  /// Tells the signals and this core whether forward outputs may go unjudged (sparse_forward).
+  void set_sparse_forward(bool sparse) {
+    sparse_forward_ = sparse;
+    signals_.set_sparse_forward(sparse);
+  }
+
   const HealthOptions& options_;
   std::vector<HealthRulePtr> rules_;
   uint64_t rule_errors_ = 0;
+  ForwardBudget budget_;
+  bool sparse_forward_ = false;
   // The last steps whose outputs were judged, oldest first (activation_interval above 1).
   static constexpr std::size_t kForwardSteps = 64;
   std::deque<int64_t> fwd_steps_;
@@ -163,10 +184,12 @@ TORCHDBG_INLINE const HealthOptions& validated(const HealthOptions& o) {
 TORCHDBG_INLINE HealthCore::HealthCore(const HealthOptions& options)
     : options_(health_core::validated(options)),
       rules_(builtin_health_rules(options_)),
+      budget_(options_.activation_budget()),
       signals_(options_),
       grads_(options_),
       ledger_(options_, [this] { return report(); }),
       input_(options_) {
+  set_sparse_forward(options_.activation_interval() > 1 || budget_.enabled());
   for (std::size_t i = 0; i < options_.rules().size(); ++i) {
     if (!options_.rules()[i])
       throw Error("torchdbg: HealthOptions::rules[" + std::to_string(i) + "] is null");
@@ -179,6 +202,11 @@ TORCHDBG_INLINE void HealthCore::begin_step(int64_t step) {
     alert_from_.store(std::numeric_limits<int64_t>::max(), std::memory_order_relaxed);
     alert_until_.store(std::numeric_limits<int64_t>::min(), std::memory_order_relaxed);
   }
+  if (budget_.enabled()) {
+    const auto now = std::chrono::steady_clock::now().time_since_epoch();
+    if (budget_.begin_step(step, std::chrono::duration_cast<std::chrono::nanoseconds>(now).count()))
+      set_sparse_forward(budget_.interval() > 1);
+  }
   have_step_ = true;
   cur_step_ = step;
   signals_.begin_step();
@@ -188,7 +216,7 @@ TORCHDBG_INLINE void HealthCore::begin_step(int64_t step) {
 TORCHDBG_INLINE void HealthCore::activation(Layer& L, const at::Tensor& y, const TensorStats& s,
                                             int64_t step, const ActivationInfo& info,
                                             Pauses& pauses) {
-  if (options_.activation_interval() == 1) return judge_activation(L, y, s, step, info, pauses);
+  if (!sparse_forward_) return judge_activation(L, y, s, step, info, pauses);
   if (fwd_steps_.empty() || fwd_steps_.back() != step) {
     if (!fwd_steps_.empty() && step < fwd_steps_.back()) fwd_steps_.clear();  // steps restarted
     fwd_steps_.push_back(step);
@@ -406,6 +434,8 @@ TORCHDBG_INLINE HealthReport HealthCore::report() const {
   r.events_total = ledger_.event_count();
   r.loss = loss_state_;
   r.last_loss = signals_.last_loss();
+  r.activation_interval = budget_.enabled() ? budget_.interval() : options_.activation_interval();
+  r.activation_cost = budget_.measured_share();
   return r;
 }
 
@@ -421,6 +451,8 @@ TORCHDBG_INLINE void HealthCore::clear() {
   alert_from_.store(std::numeric_limits<int64_t>::max());
   alert_until_.store(std::numeric_limits<int64_t>::min());
   fwd_steps_.clear();
+  budget_.reset();
+  set_sparse_forward(options_.activation_interval() > 1 || budget_.enabled());
 }
 
 #endif  // TORCHDBG_DEFINITIONS

@@ -73,11 +73,12 @@ class HealthInstallation {
   ~HealthInstallation() { remove(); }
 
   /// The manager's hook that feeds the monitor (forward outputs too, unless
-  /// HealthOptions::activation_interval is above 1).
+  /// HealthOptions::activation_interval is above 1 or activation_budget is set).
   [[nodiscard]] const HookId& hook_id() const noexcept { return hook_; }
-  /// With HealthOptions::activation_interval above 1, the hook that feeds forward outputs
-  /// ("torchdbg.health.activations", every `interval * activation_interval` steps) while
-  /// hook_id()'s feeds gradients only; otherwise empty.
+  /// With HealthOptions::activation_interval above 1 or activation_budget, the hook that feeds
+  /// forward outputs ("torchdbg.health.activations", every `interval * activation_interval`
+  /// steps, or on those the budget chooses) while hook_id()'s feeds gradients only; otherwise
+  /// empty.
   [[nodiscard]] const std::optional<HookId>& activation_hook_id() const noexcept {
     return activation_hook_;
   }
@@ -309,14 +310,12 @@ auto HealthInstallation<Mutex, ManagerMutex>::connect(BasicHealthMonitor<Mutex>&
   // Queued device deliveries (attach's StatsBatching) bring the counts the judgement needs
   // in the step's one copy instead of a sync per layer.
   BasicHookManager<ManagerMutex>* owner = &hooks;
-  const int64_t every = options->interval();
-  const int64_t forward_every = every * options->activation_interval();
-  // Forward outputs are judged every `forward_every` steps, and on every evaluated step while
-  // a finding keeps the monitor alert (HealthOptions::alert_steps).
+  const int64_t forward_every = options->interval() * options->activation_interval();
+  // Forward outputs are judged every `forward_every` steps (or on those activation_budget
+  // chooses), and on every evaluated step while a finding keeps the monitor alert
+  // (HealthOptions::alert_steps).
   const detail::HealthCore* const core = &monitor.core_;
-  auto forward_step = [core, every, forward_every](int64_t s) {
-    return s % forward_every == 0 || (s % every == 0 && core->alert_covers(s));
-  };
+  auto forward_step = [core](int64_t s) { return core->forward_due(s); };
   auto due = [signals, owner, forward_step](std::string_view layer, bool is_forward) {
     return is_forward && signals->watched(layer) && forward_step(owner->step());
   };
@@ -341,7 +340,8 @@ auto HealthInstallation<Mutex, ManagerMutex>::connect(BasicHealthMonitor<Mutex>&
                      });
   // One hook for both directions; with activation_interval above 1, gradients on this one
   // and forward outputs on a second, so the forward's observer is needed on fewer steps.
-  const bool split = forward_every != options->interval();
+  const bool budget = options->activation_budget() > 0.0;
+  const bool split = forward_every != options->interval() || budget;
   HookConfig config = HookConfig()
                           .name("torchdbg.health")
                           .trigger(HookTrigger::every_n_steps(options->interval()))
@@ -381,10 +381,9 @@ auto HealthInstallation<Mutex, ManagerMutex>::connect(BasicHealthMonitor<Mutex>&
                                               .name("torchdbg.health.activations")
                                               .trigger(HookTrigger::on_steps(
                                                   forward_step,
-                                                  "every " + std::to_string(forward_every) +
-                                                      (options->alert_steps() > 0
-                                                           ? " steps, and while alert"
-                                                           : " steps")))
+                                                  (budget ? std::string("as activation_budget chooses")
+                                                          : "every " + std::to_string(forward_every) + " steps") +
+                                                      (options->alert_steps() > 0 ? ", and while alert" : "")))
                                               .direction(CallDirection::Forward)
                                               .actions({HookAction::custom_callback(cb)})
                                               .layer_patterns(options->layers()));

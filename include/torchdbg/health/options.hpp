@@ -172,6 +172,19 @@ struct HealthOptions {
   /// evaluated step of the next `alert_steps`, so what a gradient or the loss shows first is
   /// followed into the activations the step after. 0: only on the fixed steps.
   TORCH_ARG(int64_t, alert_steps) = 10;
+  /// Judge forward outputs on as many steps as keeps what they add to a step within this share
+  /// of it (0 < share < 1; 0: off). The monitor measures that in the run: from its 10th step,
+  /// 20 steps with forward outputs judged on every other one give the median step time with
+  /// and without them; from then on they are judged every n-th step, n the smallest that
+  /// brings their cost per step within the budget (1 where they cost less, at most 10).
+  /// Gradients and the loss are judged on every step, and `alert_steps` applies as with
+  /// `activation_interval`. HealthReport::activation_interval and activation_cost say what was
+  /// chosen and measured. Needs `interval` and `activation_interval` at 1.
+  ///
+  /// ```cpp
+  /// HealthOptions().activation_budget(0.1)  // activations may add 10% to a step
+  /// ```
+  TORCH_ARG(double, activation_budget) = 0.0;
   /// Regexes (searched in layer names) of the layers to watch; empty: all.
   TORCH_ARG(std::vector<std::string>, layers);
 
@@ -341,6 +354,14 @@ TORCHDBG_INLINE void validate(const HealthOptions& o) {
     throw Error("torchdbg: HealthOptions::activation_interval " + std::to_string(o.activation_interval()) +
                 " times interval " + std::to_string(o.interval()) + " overflows int64");
   detail::require_at_least<int64_t>(o.alert_steps(), 0, "HealthOptions::alert_steps");
+  if (!(o.activation_budget() >= 0.0 && o.activation_budget() < 1.0))
+    throw Error("torchdbg: HealthOptions::activation_budget must be in [0, 1), got " +
+                std::to_string(o.activation_budget()));
+  if (o.activation_budget() > 0.0 && (o.interval() != 1 || o.activation_interval() != 1))
+    throw Error("torchdbg: HealthOptions::activation_budget " + std::to_string(o.activation_budget()) +
+                " chooses how often forward outputs are judged: it needs interval 1 and "
+                "activation_interval 1, got " + std::to_string(o.interval()) + " and " +
+                std::to_string(o.activation_interval()));
   detail::require_at_least<int64_t>(o.dead_window_samples(), 1,
                                     "HealthOptions::dead_window_samples");
   detail::require_at_least<int64_t>(o.dead_window(), 1, "HealthOptions::dead_window");

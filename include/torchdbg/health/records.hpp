@@ -260,6 +260,12 @@ struct HealthReport {
   LossHealth loss = LossHealth::Healthy;
   std::optional<double> last_loss;
   int rank = -1;
+  /// Forward outputs are judged on every this-many evaluated steps
+  /// (HealthOptions::activation_interval, or what activation_budget chose; 0 while it measures).
+  int64_t activation_interval = 1;
+  /// With HealthOptions::activation_budget, once measured: what judging forward outputs added
+  /// to a step, relative to a step without them (0.4: 40%).
+  std::optional<double> activation_cost;
 };
 
 /// What the monitor hands its step sinks when a step ends: the layers it observed in that step

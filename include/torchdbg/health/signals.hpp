@@ -54,14 +54,17 @@ class HealthSignals {
   void begin_step();
   /// Something non-finite came before the next outputs in this step's forward (the input).
   void mark_forward_non_finite() { fwd_nonfinite_ = true; }
+  /// Whether forward outputs may go unjudged on some evaluated steps (HealthCore::sparse_forward).
+  void set_sparse_forward(bool sparse) noexcept { sparse_forward_ = sparse; }
   /// Whether a module zero-initialized on purpose (ActivationSignals::zero_initialized) has
-  /// produced an output in `step`: Yes or No. With HealthOptions::activation_interval above 1,
-  /// in a step whose outputs were not measured: Yes while `step` is within the warm-up of a
+  /// produced an output in `step`: Yes or No. With forward outputs judged every few steps
+  /// (HealthOptions::activation_interval, activation_budget), in a step whose outputs were not
+  /// measured: Yes while `step` is within the warm-up of a
   /// module the last measured forward found zero-initialized, and Unknown before any output
   /// was measured.
   enum class ZeroInit { No, Yes, Unknown };
   [[nodiscard]] ZeroInit zero_initialized_in_step(int64_t step) const noexcept {
-    if (fwd_seq_ > 0 || options_.activation_interval() == 1)
+    if (fwd_seq_ > 0 || !sparse_forward_)
       return zero_init_in_step_ ? ZeroInit::Yes : ZeroInit::No;
     if (!measured_any_) return ZeroInit::Unknown;
     return step < zero_init_until_carried_ ? ZeroInit::Yes : ZeroInit::No;
@@ -108,6 +111,7 @@ class HealthSignals {
   std::size_t last_rec_ = 0;  // layer_rec's guess
   uint64_t ignored_ = 0;
   int64_t fwd_seq_ = 0;
+  bool sparse_forward_ = false;
   std::optional<double> prev_rms_;
   bool fwd_nonfinite_ = false;
   bool zero_init_in_step_ = false;
@@ -365,7 +369,7 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
     if (L.zero_steps == 0) {
       L.zero_first = step;
       L.zero_steps = 1;
-    } else if (options_.activation_interval() > 1) {
+    } else if (sparse_forward_) {
       // Outputs judged every few steps: the warm-up counts steps, not judged outputs.
       L.zero_steps = std::max(L.zero_steps + 1, step - L.zero_first + 1);
     } else {
