@@ -2195,92 +2195,126 @@ TEST_CASE("activation_budget: the interval for a measured cost, and the steps it
   {
     ForwardBudget off(0.0);
     CHECK_FALSE(off.enabled());
-    CHECK_FALSE(off.begin_step(0, 0));
+    CHECK_FALSE(off.begin_step(0, 0, true));
     for (int64_t s = 0; s < 50; ++s) CHECK(off.forward_due(s));
   }
-  {
-    // Steps at the end of int64 (no overflow; too few to measure: every step judged), and
-    // steps that never follow each other (nothing measured).
-    constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
-    ForwardBudget end(0.1);
-    CHECK(end.forward_due(kMax));
-    // The window moves back to fit: kMax - 20 to kMax - 1, chosen at kMax (every step costs
-    // the same: interval 1).
-    for (int64_t s = kMax - 25; s != kMax; ++s) {
-      CHECK_FALSE(end.begin_step(s, (s - (kMax - 25)) * 1000));
-      CHECK(end.forward_due(s) == (s < kMax - 20 || (kMax - s) % 2 == 0));
-    }
-    CHECK(end.begin_step(kMax, 25000));
-    CHECK(end.interval() == 1);
-    CHECK(end.forward_due(kMax));
-    CHECK(end.forward_due(std::numeric_limits<int64_t>::min()));
-    ForwardBudget by_two(0.1);
-    for (int64_t s = 0; s < 400; s += 2) {
-      by_two.begin_step(s, s * 1000);
-      CHECK(by_two.forward_due(s));
-    }
-    CHECK_FALSE(by_two.decided());
-  }
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  constexpr int64_t kMin = std::numeric_limits<int64_t>::min();
+  constexpr int64_t kWindow = ForwardBudget::kWindow;
+  // The window's plan by position: with, without (positions 7 to 12), with.
+  static_assert(ForwardBudget::kWindow == 20 && ForwardBudget::kOffFrom == 7 && ForwardBudget::kOff == 6);
+  const auto planned = [](int64_t pos) { return pos < 7 || pos >= 13; };
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 == 1 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  };
   std::mt19937_64 rng(20261206);
   std::uniform_real_distribution<double> unit(0.0, 1.0);
-  for (int trial = 0; trial < 200; ++trial) {
+  for (int trial = 0; trial < 400; ++trial) {
     const double budget = 0.01 + 0.9 * unit(rng);
-    const double cost = 3.0 * unit(rng);  // what judging forward outputs adds, relative
-    const double step_ns = std::floor(2e4 + 2e6 * unit(rng));  // whole ns, as a clock gives
-    const int64_t first = static_cast<int64_t>(rng() % 1000) - 100;
-    // Steps skipped or restarted inside the first window: it is measured again.
-    const int disturb = static_cast<int>(rng() % 3);  // 0 none, 1 a skip, 2 a restart
-    const int64_t disturb_at = first + ForwardBudget::kSkip + 3 + static_cast<int64_t>(rng() % 15);
-    INFO("trial " << trial << ": budget " << budget << ", cost " << cost << ", first step " << first
-                  << ", disturbance " << disturb << " at " << disturb_at);
+    const double light = std::floor(2e4 + 2e6 * unit(rng));  // a step's ns without judged outputs
+    const double cost = std::floor(3.0 * light * unit(rng));  // what judged outputs add, in ns
+    // Work on every p-th step (0: none), 5 times a step's.
+    const int64_t period = std::array<int64_t, 6>{0, 0, 2, 3, 4, 5}[rng() % 6];
+    // How steps are numbered: 0 one by one, 1 in strides, 2 in epochs restarting at 0,
+    // 3 with a jump forward (a resumed run) and a step told twice; near int64's ends.
+    const int ends = static_cast<int>(rng() % 8);  // 0: start near kMin, 1: end at kMax
+    const int numbering = static_cast<int>(rng() % (ends <= 1 ? 2 : 4));
+    const int64_t stride = 2 + static_cast<int64_t>(rng() % 3);
+    const int64_t epoch = 5 + static_cast<int64_t>(rng() % 30);
+    const int64_t jump_at = static_cast<int64_t>(rng() % 25);
+    const int64_t first = ends == 0 ? kMin + static_cast<int64_t>(rng() % 5)
+                          : ends == 1 ? kMax - 40 * stride
+                                      : static_cast<int64_t>(rng() % 1000) - 100;
+    // Up to 3 steps in the window judged though not planned (an alert).
+    std::vector<int64_t> alerts;
+    const int n_alerts = static_cast<int>(rng() % 4);
+    for (int i = 0; i < n_alerts; ++i) alerts.push_back(static_cast<int64_t>(rng() % kWindow));
+    INFO("trial " << trial << ": budget " << budget << ", light " << light << " ns, cost " << cost << " ns, period "
+                  << period << ", numbering " << numbering << " (stride " << stride << ", epoch " << epoch
+                  << ", jump at call " << jump_at << "), first step " << first << ", " << n_alerts << " alerts");
     ForwardBudget b(budget);
-    REQUIRE(b.enabled());
     int64_t t = static_cast<int64_t>(rng() % 1000000);
     int64_t step = first;
-    int64_t window = first + ForwardBudget::kSkip;  // where the measuring window starts
+    int64_t pos = -ForwardBudget::kSkip;  // the reference's position of the step told
+    bool judged_prev = false;
+    std::vector<double> with, without;  // the reference's times
     std::optional<int64_t> chose_at;
-    bool disturbed = false;
-    for (int k = 0; k < 120; ++k) {
-      const bool chose = b.begin_step(step, t);
+    bool exact = true;  // whether the times are as clean as the closed forms below assume
+    for (int64_t call = 0; call < 60; ++call) {
+      const bool due_before = b.forward_due(step);  // asked before the step is told
+      const bool chose = b.begin_step(step, t, judged_prev);
       if (chose) {
         REQUIRE_FALSE(chose_at.has_value());
-        chose_at = step;
+        chose_at = call;
       }
-      // Before the choice: judged on every step but the odd ones of the window.
+      bool judged = b.forward_due(step);
+      CHECK(judged == due_before);
       if (!chose_at) {
-        const bool in_window = step >= window && step < window + 2 * ForwardBudget::kSamples;
-        CHECK(b.forward_due(step) == (!in_window || (step - window) % 2 == 0));
         CHECK(b.interval() == 0);
-        CHECK_FALSE(b.measured_share().has_value());
+        CHECK(judged == planned(pos));
+        if (pos >= 0 && std::find(alerts.begin(), alerts.end(), pos) != alerts.end()) judged = true;
       }
-      const bool due = b.forward_due(step);
-      t += static_cast<int64_t>(due ? std::round(step_ns * (1.0 + cost)) : step_ns);
+      const bool heavy = period > 0 && call % period == 0;
+      const double took = light + (heavy ? 5.0 * light : 0.0) + (judged ? cost : 0.0);
       // The next step.
-      if (!disturbed && disturb != 0 && step == disturb_at) {
-        disturbed = true;
-        if (disturb == 1) {
-          step += 3;  // three steps skipped: the window goes on, those times are missing
-          if (step >= window + 2 * ForwardBudget::kSamples) window = step;  // too few: again
-        } else {
-          step -= 7;  // an epoch restarted: measured again after kSkip steps
-          window = step + ForwardBudget::kSkip;
-        }
-        continue;
+      int64_t next = step;
+      bool forward = true;
+      if (numbering == 1) {
+        next = step + stride;
+      } else if (numbering == 2 && (call + 1) % epoch == 0) {
+        next = first;  // a new epoch
+        forward = false;
+        exact = false;  // a time lost in each half, maybe
+      } else if (numbering == 3 && call == jump_at) {
+        next = step + 1000;
+      } else {
+        next = step + 1;
       }
-      ++step;
+      if (ends == 1 && next > kMax - stride) next = kMax;  // the last steps: no overflow anywhere
+      if (next == step) forward = false;
+      if (!chose_at && pos >= 0 && pos < kWindow && forward) (judged ? with : without).push_back(took);
+      t += static_cast<int64_t>(took);
+      if (numbering == 3 && call == jump_at + 2) {  // the step told twice: no time, no position
+        CHECK_FALSE(b.begin_step(next, t, judged));
+        t += 5;
+        CHECK(b.interval() == (chose_at ? b.interval() : 0));
+      }
+      if (next != step) ++pos;
+      judged_prev = judged;
+      step = next;
+      if (!chose_at && pos == kWindow && (with.size() < 3 || without.size() < 3)) {
+        pos = 0;  // measured again
+        with.clear();
+        without.clear();
+      }
+      if (step == kMax) break;
     }
+    if (ends == 1) continue;  // ran out of steps: the rest needs a whole window
     REQUIRE(chose_at.has_value());
-    if (disturb != 1) CHECK(*chose_at == window + 2 * ForwardBudget::kSamples);
-    const int64_t n = b.interval();
     REQUIRE(b.measured_share().has_value());
-    CHECK(*b.measured_share() == Approx(cost).margin(1e-4));  // the on steps' times rounded to ns
+    REQUIRE_FALSE(with.empty());
+    const double on = median(with), off = median(without);
+    CHECK(*b.measured_share() == Approx(std::max(0.0, (on - off) / off)).margin(1e-9));
+    CHECK(*b.step_ns() == off);
+    const int64_t n = b.interval();
     CHECK(n == ForwardBudget::interval_for(*b.measured_share(), budget));
-    REQUIRE(b.step_ns().has_value());
-    CHECK(*b.step_ns() == step_ns);
-    for (int64_t s = *chose_at; s < *chose_at + 40; ++s) CHECK(b.forward_due(s) == (s % n == 0));
-    // Steps restarting after the choice keep it; reset measures again.
-    b.begin_step(0, t + 1);
-    CHECK(b.interval() == n);
+    // The plan keeps work every 2 to 5 steps out of the measure: what judged outputs add,
+    // relative to a step without them (every other step has the work at period 2).
+    if (exact && n_alerts == 0 && numbering != 3) {
+      const double typical = period == 2 ? 3.5 * light : light;
+      CHECK(*b.measured_share() == Approx(cost / typical).margin(1e-4));
+    }
+    // From the choice on, every n-th step told is judged, whatever the numbers (positions
+    // from the window's end), asked before or after it is told.
+    for (int64_t k = 0; k < 40; ++k) {
+      const int64_t s = numbering == 1 ? step + k * stride : step + 1000 + k % 7;  // strides, or epochs of 7
+      const bool due = (pos + k - kWindow) % n == 0;
+      CHECK(b.forward_due(s) == due);
+      b.begin_step(s, t + k, due);
+      CHECK(b.forward_due(s) == due);
+      CHECK(b.interval() == n);
+    }
     b.reset();
     CHECK(b.interval() == 0);
     CHECK_FALSE(b.measured_share().has_value());
@@ -2299,10 +2333,14 @@ TEST_CASE("activation_budget judges forward outputs as often as their measured c
   CHECK_THROWS_WITH(HealthMonitor(HealthOptions().activation_budget(0.1).interval(2)),
                     Catch::Contains("activation_budget") && Catch::Contains("interval 1"));
   // A model this small spends far more than 1% of its step on judged forward outputs (the
-  // operator observer alone); with a step padded by 3 ms of other work, far less than 50%.
-  for (const bool padded : {false, true}) {
-    INFO((padded ? "steps padded by 3 ms" : "a tiny model's steps"));
-    const double budget = padded ? 0.5 : 0.01;
+  // operator observer alone); with 3 ms of other work on every step, or on every other one
+  // (a gradient accumulation's update), far less than 50%. Steps counted in epochs of 25 still
+  // measure, one position a step.
+  enum class Run { Tiny, Padded, EveryOther, Epochs };
+  for (const Run run : {Run::Tiny, Run::Padded, Run::EveryOther, Run::Epochs}) {
+    const bool slow = run == Run::Padded || run == Run::EveryOther;
+    INFO("run " << static_cast<int>(run));
+    const double budget = slow ? 0.5 : 0.01;
     torch::manual_seed(7);
     auto model = torch::nn::Sequential(torch::nn::Linear(6, 12), torch::nn::ReLU(), torch::nn::Linear(12, 3));
     torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01));
@@ -2313,35 +2351,40 @@ TEST_CASE("activation_budget judges forward outputs as often as their measured c
     auto session = torchdbg::attach(*model, hooks);
     const auto x = torch::randn({16, 6});
     const auto y = torch::randint(0, 3, {16});
-    const int64_t window = torchdbg::detail::ForwardBudget::kSkip;
-    const int64_t chosen = window + 2 * torchdbg::detail::ForwardBudget::kSamples;
+    using torchdbg::detail::ForwardBudget;
+    const int64_t skip = ForwardBudget::kSkip;
+    const int64_t chosen = skip + ForwardBudget::kWindow;  // the call that chooses
     uint64_t forward_before = 0;
-    for (int64_t step = 0; step < chosen + 30; ++step) {
+    const int64_t calls = chosen + 30;
+    for (int64_t call = 0; call < calls; ++call) {
+      const int64_t step = run == Run::Epochs ? call % 25 : call;
       hooks.set_step(step);
       opt.zero_grad();
       auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);
       hooks.set_loss(loss.item<double>());
       loss.backward();
       opt.step();
-      if (padded) std::this_thread::sleep_for(std::chrono::milliseconds(3));
+      if (run == Run::Padded || (run == Run::EveryOther && call % 2 == 0))
+        std::this_thread::sleep_for(std::chrono::milliseconds(3));
       const uint64_t forward_now = session.forward_deliveries();
       const bool delivered = forward_now > forward_before;
       forward_before = forward_now;
-      INFO("step " << step);
-      if (step < window) {
+      INFO("call " << call << ", step " << step);
+      const int64_t pos = call - skip;
+      if (pos < 0) {
         CHECK(delivered);
         CHECK(m.report().activation_interval == 0);
-      } else if (step < chosen) {
-        CHECK(delivered == ((step - window) % 2 == 0));
-      } else if (step > chosen) {
+      } else if (call < chosen) {
+        CHECK(delivered == (pos < ForwardBudget::kOffFrom || pos >= ForwardBudget::kOffFrom + ForwardBudget::kOff));
+      } else {
         const int64_t n = m.report().activation_interval;
-        CHECK(delivered == (step % n == 0));
+        CHECK(delivered == ((call - chosen) % n == 0));  // every n-th step from the choice
       }
     }
     const auto r = m.report();
     REQUIRE(r.activation_cost.has_value());
     INFO("measured cost " << *r.activation_cost << ", interval " << r.activation_interval);
-    if (padded) {
+    if (slow) {
       CHECK(*r.activation_cost < budget);
       CHECK(r.activation_interval == 1);
     } else {
@@ -2353,7 +2396,7 @@ TEST_CASE("activation_budget judges forward outputs as often as their measured c
     CHECK(m.incidents().empty());
     const auto grads = hooks.get_hook_stats(inst.hook_id());
     REQUIRE(grads.has_value());
-    CHECK(grads->executions == static_cast<uint64_t>(4 * (chosen + 30)));
+    CHECK(grads->executions == static_cast<uint64_t>(4 * calls));
     m.reset();
     CHECK(m.report().activation_interval == 0);
     CHECK_FALSE(m.report().activation_cost.has_value());

@@ -16,22 +16,28 @@
 namespace torchdbg::detail {
 
 /// Measures what judging forward outputs adds to a step and picks the interval that keeps it
-/// within a share of the step. From the first step it is told of, `kSkip` steps judge forward
-/// outputs as usual (first calls allocate; baselines warm up); the next `2 * kSamples` steps
-/// judge them on every other step, and the step times (from one `begin_step` to the next, of
-/// consecutive steps) give the medians with (`on`) and without (`off`). At the step after,
-/// forward outputs are judged every `n`-th step: 1 when (on - off) / off is within the budget,
-/// else the smallest n that brings that cost per step within it, at most kMaxInterval. A
-/// window with fewer than 3 times of either kind (steps skipped, restarted) measures again.
-/// Steps are counted one by one (as HookTrigger::every_n_steps counts them): where they never
-/// follow each other, nothing is measured and forward outputs are judged on every step.
+/// within a share of the step. Each step told (`begin_step` with a new step number) takes the
+/// next position, whatever the numbers (epochs restarting, strides, a resumed run): the first
+/// `kSkip` judge forward outputs as usual (first calls allocate; baselines warm up), the next
+/// `kWindow` form the measuring window, whose middle `kOff` skip them (with, without, with:
+/// work that recurs every few steps, such as a gradient accumulation's update, falls in both
+/// groups alike, and slow drift cancels). A step's time runs from its `begin_step` to the next
+/// one's, counted when steps went forward; it joins the times with or without forward outputs
+/// by whether they were judged in it (an alert judges steps the window did not plan). At the
+/// end of the window forward outputs are judged on every `n`-th position from there: 1 when
+/// the median with is within the budget of the median without, else the smallest n that
+/// brings their cost per step within it, at most kMaxInterval. A window with fewer than 3
+/// times of either kind measures again.
 ///
-/// Thread safety: begin_step from one thread at a time (the monitor's lock); forward_due and
-/// interval from any thread, lock-free.
+/// Thread safety: begin_step and reset from one thread at a time (the monitor's lock, on the
+/// thread that calls set_step); forward_due and interval from any thread, lock-free. A step's
+/// answer is the same asked before its begin_step (as the next step) or after it.
 class ForwardBudget {
  public:
   static constexpr int64_t kSkip = 10;
-  static constexpr int64_t kSamples = 10;
+  static constexpr int64_t kWindow = 20;
+  static constexpr int64_t kOffFrom = 7;  // positions [kOffFrom, kOffFrom + kOff) of the window skip
+  static constexpr int64_t kOff = 6;
   static constexpr int64_t kMaxInterval = 10;
 
   /// `share` in (0, 1): what judging forward outputs may add to a step, relative to a step
@@ -40,50 +46,67 @@ class ForwardBudget {
 
   [[nodiscard]] bool enabled() const noexcept { return share_ > 0.0; }
 
-  /// Step `step` begins at `now_ns` (a steady clock's nanoseconds). Returns true when this
-  /// call chose the interval.
-  bool begin_step(int64_t step, int64_t now_ns) {
+  /// Whether the window plans forward outputs at `pos` (negative: before it).
+  [[nodiscard]] static bool planned(int64_t pos) noexcept {
+    return pos < kOffFrom || pos >= kOffFrom + kOff;
+  }
+
+  /// Step `step` begins at `now_ns` (a steady clock's nanoseconds); `judged`: whether forward
+  /// outputs were judged in the step told before. Returns true when this call chose the
+  /// interval.
+  bool begin_step(int64_t step, int64_t now_ns, bool judged) {
     if (!enabled()) return false;
-    const bool consecutive =
-        have_last_ && last_step_ < std::numeric_limits<int64_t>::max() && step == last_step_ + 1;
-    if (!consecutive && have_last_ && step < last_step_ && !decided()) window_at(step, kSkip);  // restarted
-    if (!have_last_) window_at(step, kSkip);
+    if (!told_.load(std::memory_order_relaxed)) {
+      pos_.store(-kSkip, std::memory_order_relaxed);
+      last_step_.store(step, std::memory_order_relaxed);
+      told_.store(true, std::memory_order_release);
+      last_ns_ = now_ns;
+      return false;
+    }
+    const int64_t last = last_step_.load(std::memory_order_relaxed);
+    if (step == last) {  // the same step told again: it begins now
+      last_ns_ = now_ns;
+      return false;
+    }
+    int64_t pos = pos_.load(std::memory_order_relaxed);
     bool chose = false;
-    const int64_t from = from_.load(std::memory_order_relaxed);
     if (!decided()) {
-      // The step that just ended: last_step_, measured if it lay in the window.
-      if (consecutive && last_step_ >= from && last_step_ < from + 2 * kSamples)
-        ((last_step_ - from) % 2 == 0 ? on_ : off_).push_back(static_cast<double>(now_ns - last_ns_));
-      if (step >= from + 2 * kSamples) {
+      if (step > last && pos >= 0 && pos < kWindow)
+        (judged ? on_ : off_).push_back(static_cast<double>(now_ns - last_ns_));
+      if (pos + 1 >= kWindow) {
         if (on_.size() >= 3 && off_.size() >= 3) {
-          choose();
+          choose(pos + 1);
           chose = true;
         } else {
-          window_at(step, 0);  // too few times: measure from this step again
+          pos = -1;  // too few times of one kind: this step starts the window again
+          on_.clear();
+          off_.clear();
         }
       }
     }
-    have_last_ = true;
-    last_step_ = step;
+    // (A due check on another thread while set_step runs may see the old step or the new.)
+    last_step_.store(step, std::memory_order_relaxed);
+    pos_.store(pos + 1, std::memory_order_relaxed);
     last_ns_ = now_ns;
     return chose;
   }
 
-  /// Whether forward outputs of `step` are judged (alerts aside).
+  /// Whether forward outputs of `step` are due (alerts aside): `step` is the step told last,
+  /// or the next one to be told.
   [[nodiscard]] bool forward_due(int64_t step) const noexcept {
-    if (!enabled()) return true;
+    if (!enabled() || !told_.load(std::memory_order_acquire)) return true;
+    int64_t pos = pos_.load(std::memory_order_relaxed);
+    if (step != last_step_.load(std::memory_order_relaxed)) ++pos;
     const int64_t n = interval_.load(std::memory_order_relaxed);
-    if (n > 0) return step % n == 0;
-    const int64_t from = from_.load(std::memory_order_relaxed);
-    if (step < from || step - from >= 2 * kSamples) return true;
-    return (step - from) % 2 == 0;
+    if (n > 0) return pos >= chosen_at_.load(std::memory_order_relaxed) &&
+                      (pos - chosen_at_.load(std::memory_order_relaxed)) % n == 0;
+    return pos < 0 || pos >= kWindow || planned(pos);
   }
 
-  /// The interval chosen; 0 while measuring (forward outputs judged on every other step of
-  /// the window, every step before it).
+  /// The interval chosen; 0 while measuring.
   [[nodiscard]] int64_t interval() const noexcept { return interval_.load(std::memory_order_relaxed); }
   [[nodiscard]] bool decided() const noexcept { return interval() > 0; }
-  /// (on - off) / off as measured; nullopt until chosen.
+  /// (with - without) / without as measured (at least 0); nullopt until chosen.
   [[nodiscard]] std::optional<double> measured_share() const { return measured_; }
   /// The median step time without forward outputs judged, in ns; nullopt until chosen.
   [[nodiscard]] std::optional<double> step_ns() const { return step_ns_; }
@@ -91,8 +114,7 @@ class ForwardBudget {
   /// Measures again from the next step told (HealthMonitor::reset).
   void reset() {
     interval_.store(0, std::memory_order_relaxed);
-    from_.store(std::numeric_limits<int64_t>::max(), std::memory_order_relaxed);
-    have_last_ = false;
+    told_.store(false, std::memory_order_relaxed);
     on_.clear();
     off_.clear();
     measured_.reset();
@@ -108,33 +130,29 @@ class ForwardBudget {
   }
 
  private:
-  void window_at(int64_t step, int64_t skip) {
-    const int64_t from = step > std::numeric_limits<int64_t>::max() - skip - 2 * kSamples
-                             ? std::numeric_limits<int64_t>::max() - 2 * kSamples
-                             : step + skip;
-    from_.store(from, std::memory_order_relaxed);
-    on_.clear();
-    off_.clear();
-  }
-
   static double median(std::vector<double> v) {
     std::sort(v.begin(), v.end());
     const std::size_t k = v.size() / 2;
     return v.size() % 2 == 1 ? v[k] : 0.5 * (v[k - 1] + v[k]);
   }
 
-  void choose() {
+  /// Chooses the interval, counted from position `at` (judged there).
+  void choose(int64_t at) {
     const double on = median(on_), off = median(off_);
-    measured_ = off > 0.0 ? (on - off) / off : std::numeric_limits<double>::quiet_NaN();
+    measured_ = off > 0.0 ? std::max(0.0, (on - off) / off) : std::numeric_limits<double>::quiet_NaN();
     step_ns_ = off;
+    chosen_at_.store(at, std::memory_order_relaxed);
     interval_.store(interval_for(*measured_, share_), std::memory_order_relaxed);
+    on_.clear();
+    off_.clear();
   }
 
   double share_;
   std::atomic<int64_t> interval_{0};
-  std::atomic<int64_t> from_{std::numeric_limits<int64_t>::max()};
-  bool have_last_ = false;
-  int64_t last_step_ = 0;
+  std::atomic<int64_t> chosen_at_{0};  // the position the interval counts from
+  std::atomic<bool> told_{false};      // a step was told since construction or reset
+  std::atomic<int64_t> pos_{0};        // the position of the step told last
+  std::atomic<int64_t> last_step_{0};  // the step told last
   int64_t last_ns_ = 0;
   std::vector<double> on_, off_;
   std::optional<double> measured_, step_ns_;

@@ -157,6 +157,8 @@ class HealthCore {
   uint64_t rule_errors_ = 0;
   ForwardBudget budget_;
   bool sparse_forward_ = false;
+  bool have_judged_ = false;  // a forward output was judged, in judged_step_ the last time
+  int64_t judged_step_ = 0;
   // The last steps whose outputs were judged, oldest first (activation_interval above 1).
   static constexpr std::size_t kForwardSteps = 64;
   std::deque<int64_t> fwd_steps_;
@@ -204,7 +206,8 @@ TORCHDBG_INLINE void HealthCore::begin_step(int64_t step) {
   }
   if (budget_.enabled()) {
     const auto now = std::chrono::steady_clock::now().time_since_epoch();
-    if (budget_.begin_step(step, std::chrono::duration_cast<std::chrono::nanoseconds>(now).count()))
+    const bool judged = have_judged_ && judged_step_ == cur_step_;  // in the step before
+    if (budget_.begin_step(step, std::chrono::duration_cast<std::chrono::nanoseconds>(now).count(), judged))
       set_sparse_forward(budget_.interval() > 1);
   }
   have_step_ = true;
@@ -216,6 +219,8 @@ TORCHDBG_INLINE void HealthCore::begin_step(int64_t step) {
 TORCHDBG_INLINE void HealthCore::activation(Layer& L, const at::Tensor& y, const TensorStats& s,
                                             int64_t step, const ActivationInfo& info,
                                             Pauses& pauses) {
+  have_judged_ = true;
+  judged_step_ = step;
   if (!sparse_forward_) return judge_activation(L, y, s, step, info, pauses);
   if (fwd_steps_.empty() || fwd_steps_.back() != step) {
     if (!fwd_steps_.empty() && step < fwd_steps_.back()) fwd_steps_.clear();  // steps restarted
@@ -452,6 +457,7 @@ TORCHDBG_INLINE void HealthCore::clear() {
   alert_until_.store(std::numeric_limits<int64_t>::min());
   fwd_steps_.clear();
   budget_.reset();
+  have_judged_ = false;
   set_sparse_forward(options_.activation_interval() > 1 || budget_.enabled());
 }
 

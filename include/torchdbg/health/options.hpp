@@ -173,13 +173,14 @@ struct HealthOptions {
   /// followed into the activations the step after. 0: only on the fixed steps.
   TORCH_ARG(int64_t, alert_steps) = 10;
   /// Judge forward outputs on as many steps as keeps what they add to a step within this share
-  /// of it (0 < share < 1; 0: off). The monitor measures that in the run: from its 10th step,
-  /// 20 steps with forward outputs judged on every other one give the median step time with
-  /// and without them; from then on they are judged every n-th step, n the smallest that
-  /// brings their cost per step within the budget (1 where they cost less, at most 10).
-  /// Gradients and the loss are judged on every step, and `alert_steps` applies as with
-  /// `activation_interval`. HealthReport::activation_interval and activation_cost say what was
-  /// chosen and measured. Needs `interval` and `activation_interval` at 1.
+  /// of it (0 < share < 1; 0: off). The monitor measures that in the run: after its first 10
+  /// steps, 20 steps skip forward outputs on 6 in their middle, and the median time of the
+  /// steps whose outputs were judged is set against that of the others; from then on outputs
+  /// are judged on every n-th step, n the smallest that brings their cost per step within the
+  /// budget (1 where they cost less, at most 10). Steps count as `set_step` calls with a new
+  /// step number. Gradients and the loss are judged on every step, and `alert_steps` applies as
+  /// with `activation_interval`. HealthReport::activation_interval and activation_cost say what
+  /// was chosen and measured. Needs `interval` and `activation_interval` at 1.
   ///
   /// ```cpp
   /// HealthOptions().activation_budget(0.1)  // activations may add 10% to a step
