@@ -2198,6 +2198,20 @@ TEST_CASE("activation_budget: the interval for a measured cost, and the steps it
     CHECK_FALSE(off.begin_step(0, 0, true));
     for (int64_t s = 0; s < 50; ++s) CHECK(off.forward_due(s));
   }
+  {
+    // Steps told before any forward output was judged (installed at the manager's step 0, a
+    // run starting at 1000) do not count toward the warm-up.
+    ForwardBudget wait(0.2);
+    wait.begin_step(0, 0, false);
+    wait.begin_step(1000, 10, false);
+    wait.begin_step(1001, 20, false);  // nothing judged in 1000 either: the warm-up starts at 1001
+    for (int64_t s = 1002; s < 1001 + ForwardBudget::kSkip + 7; ++s) {  // up to the window's position 6
+      CHECK(wait.forward_due(s - 1));
+      wait.begin_step(s, (s - 1000) * 10, true);
+    }
+    CHECK(wait.forward_due(1001 + ForwardBudget::kSkip + 6));
+    CHECK_FALSE(wait.forward_due(1001 + ForwardBudget::kSkip + 7));  // the window's first skipped step
+  }
   constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
   constexpr int64_t kMin = std::numeric_limits<int64_t>::min();
   constexpr int64_t kWindow = ForwardBudget::kWindow;
@@ -2336,8 +2350,10 @@ TEST_CASE("activation_budget judges forward outputs as often as their measured c
   // operator observer alone); with 3 ms of other work on every step, or on every other one
   // (a gradient accumulation's update), far less than 50%. Steps counted in epochs of 25 still
   // measure, one position a step.
-  enum class Run { Tiny, Padded, EveryOther, Epochs };
-  for (const Run run : {Run::Tiny, Run::Padded, Run::EveryOther, Run::Epochs}) {
+  // Epochs of 3 steps, and a run resumed at step 1000 with the monitor installed at the
+  // manager's step 0, measure alike.
+  enum class Run { Tiny, Padded, EveryOther, Epochs, ShortEpochs, Resumed };
+  for (const Run run : {Run::Tiny, Run::Padded, Run::EveryOther, Run::Epochs, Run::ShortEpochs, Run::Resumed}) {
     const bool slow = run == Run::Padded || run == Run::EveryOther;
     INFO("run " << static_cast<int>(run));
     const double budget = slow ? 0.5 : 0.01;
@@ -2357,7 +2373,10 @@ TEST_CASE("activation_budget judges forward outputs as often as their measured c
     uint64_t forward_before = 0;
     const int64_t calls = chosen + 30;
     for (int64_t call = 0; call < calls; ++call) {
-      const int64_t step = run == Run::Epochs ? call % 25 : call;
+      const int64_t step = run == Run::Epochs        ? call % 25
+                           : run == Run::ShortEpochs ? call % 3
+                           : run == Run::Resumed     ? 1000 + call
+                                                     : call;
       hooks.set_step(step);
       opt.zero_grad();
       auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);

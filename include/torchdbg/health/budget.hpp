@@ -17,7 +17,8 @@ namespace torchdbg::detail {
 
 /// Measures what judging forward outputs adds to a step and picks the interval that keeps it
 /// within a share of the step. Each step told (`begin_step` with a new step number) takes the
-/// next position, whatever the numbers (epochs restarting, strides, a resumed run): the first
+/// next position, whatever the numbers (epochs restarting, strides, a resumed run), once a
+/// step had forward outputs judged (the first positions wait for one): the first
 /// `kSkip` judge forward outputs as usual (first calls allocate; baselines warm up), the next
 /// `kWindow` form the measuring window, whose middle `kOff` skip them (with, without, with:
 /// work that recurs every few steps, such as a gradient accumulation's update, falls in both
@@ -69,6 +70,13 @@ class ForwardBudget {
       return false;
     }
     int64_t pos = pos_.load(std::memory_order_relaxed);
+    if (pos == -kSkip && !judged) {
+      // Nothing judged since the first step told (installed at the manager's step before a
+      // run starting elsewhere, or no watched output yet): the warm-up starts here.
+      last_step_.store(step, std::memory_order_relaxed);
+      last_ns_ = now_ns;
+      return false;
+    }
     bool chose = false;
     if (!decided()) {
       if (step > last && pos >= 0 && pos < kWindow)

@@ -157,8 +157,11 @@ class HealthCore {
   uint64_t rule_errors_ = 0;
   ForwardBudget budget_;
   bool sparse_forward_ = false;
-  bool have_judged_ = false;  // a forward output was judged, in judged_step_ the last time
-  int64_t judged_step_ = 0;
+  // begin_step calls (each a new step: the monitor calls it once a step), and the one a forward
+  // output was judged in last (activation_budget's times are grouped by it).
+  uint64_t step_seq_ = 0;
+  uint64_t judged_seq_ = 0;
+  bool have_judged_ = false;
   // The last steps whose outputs were judged, oldest first (activation_interval above 1).
   static constexpr std::size_t kForwardSteps = 64;
   std::deque<int64_t> fwd_steps_;
@@ -206,10 +209,11 @@ TORCHDBG_INLINE void HealthCore::begin_step(int64_t step) {
   }
   if (budget_.enabled()) {
     const auto now = std::chrono::steady_clock::now().time_since_epoch();
-    const bool judged = have_judged_ && judged_step_ == cur_step_;  // in the step before
+    const bool judged = have_judged_ && judged_seq_ == step_seq_;  // in the step before
     if (budget_.begin_step(step, std::chrono::duration_cast<std::chrono::nanoseconds>(now).count(), judged))
       set_sparse_forward(budget_.interval() > 1);
   }
+  ++step_seq_;
   have_step_ = true;
   cur_step_ = step;
   signals_.begin_step();
@@ -220,7 +224,7 @@ TORCHDBG_INLINE void HealthCore::activation(Layer& L, const at::Tensor& y, const
                                             int64_t step, const ActivationInfo& info,
                                             Pauses& pauses) {
   have_judged_ = true;
-  judged_step_ = step;
+  judged_seq_ = step_seq_;
   if (!sparse_forward_) return judge_activation(L, y, s, step, info, pauses);
   if (fwd_steps_.empty() || fwd_steps_.back() != step) {
     if (!fwd_steps_.empty() && step < fwd_steps_.back()) fwd_steps_.clear();  // steps restarted
