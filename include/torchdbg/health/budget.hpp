@@ -47,7 +47,7 @@ class ForwardBudget {
 
   [[nodiscard]] bool enabled() const noexcept { return share_ > 0.0; }
 
-  /// Whether the window plans forward outputs at `pos` (negative: before it).
+  /// Whether the window plans forward outputs at `pos` (true before it and after it).
   [[nodiscard]] static bool planned(int64_t pos) noexcept {
     return pos < kOffFrom || pos >= kOffFrom + kOff;
   }
@@ -108,7 +108,7 @@ class ForwardBudget {
     const int64_t n = interval_.load(std::memory_order_relaxed);
     if (n > 0) return pos >= chosen_at_.load(std::memory_order_relaxed) &&
                       (pos - chosen_at_.load(std::memory_order_relaxed)) % n == 0;
-    return pos < 0 || pos >= kWindow || planned(pos);
+    return planned(pos);  // before the window and after it too
   }
 
   /// The interval chosen; 0 while measuring.
