@@ -6,6 +6,10 @@
 #include <sstream>
 #include <fmt/ranges.h>
 #include <torchdbg/tensor_stats.hpp>
+#if defined(__unix__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 #include "helpers.hpp"
 
@@ -1905,4 +1909,83 @@ TEST_CASE("compute_stats with sampling: large float32 tensors estimated, the res
                     Catch::Contains("stride must be at least 1, got 0"));
   CHECK_THROWS_WITH(torchdbg::compute_stats(big, StatsOptions().sampling(StatsSampling().stride(4).above(-5))),
                     Catch::Contains("above must be at least 0, got -5"));
+}
+
+TEST_CASE("data that ends where an unreadable page begins is read to its end and not beyond", "[stats]") {
+#if defined(__unix__)
+  namespace d = torchdbg::detail;
+  // 512 KiB of data followed by 64 KiB nobody may read: every kernel, on every vector width,
+  // must stop at the data's end (its read-ahead may only prefetch, which never faults).
+  const std::size_t data_bytes = std::size_t{512} << 10, guard_bytes = std::size_t{64} << 10;
+  REQUIRE(data_bytes % static_cast<std::size_t>(sysconf(_SC_PAGESIZE)) == 0);
+  void* base = mmap(nullptr, data_bytes + guard_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  REQUIRE(base != MAP_FAILED);
+  struct Unmap {
+    void* p;
+    std::size_t n;
+    ~Unmap() { munmap(p, n); }
+  } unmap{base, data_bytes + guard_bytes};
+  REQUIRE(mprotect(static_cast<char*>(base) + data_bytes, guard_bytes, PROT_NONE) == 0);
+  float* const end = reinterpret_cast<float*>(static_cast<char*>(base) + data_bytes);
+  torchdbg_test::SeededRng rng(31);
+  for (int64_t n : {1, 15, 16, 31, 33, 2047, 2048, 2049, 4103, 70001, 131072}) {
+    for (bool relu : {false, true}) {
+      INFO("n " << n << (relu ? " relu" : ""));
+      float* const p = end - n;
+      torch::Tensor src = torch::randn({n});
+      if (relu) src = torch::relu(src);
+      std::memcpy(p, src.data_ptr<float>(), static_cast<std::size_t>(n) * sizeof(float));
+      const torch::Tensor view = torch::from_blob(p, {n});
+      check_summary(torchdbg::compute_stats(view), src);
+      const auto moments = torchdbg::compute_stats(view, torchdbg::StatsOptions().sign_counts(false));
+      CHECK(moments.finite_count == n);
+      CHECK(moments.max == src.max().item<float>());
+      const auto sampled = torchdbg::compute_stats(
+          view, torchdbg::StatsOptions().sampling(torchdbg::StatsSampling().stride(2).above(0)));
+      CHECK((sampled.sampled_count > 0) == (n >= 16 * 2 * d::kFloatBlock));
+      CHECK(sampled.finite_count == n);
+      CHECK_CLOSE(sampled.std, src.std(false).item<double>(), 1e-6);
+      const Reference r = reference(src);
+      for (const auto& k : d::block_kernel_variants()) {
+        INFO("variant " << k.name);
+        const int64_t len = std::min<int64_t>(n, d::kFloatBlock);
+        const float* q = end - len;  // the last block, ending at the guard
+        const torch::Tensor last = src.narrow(0, n - len, len);
+        const Reference rl = reference(last);
+        d::FloatBlock b;
+        CHECK(k.finite(q, len, q[0], b));
+        CHECK(b.finite == len);
+        CHECK(b.zeros == rl.zeros);
+        CHECK(b.min == rl.min);
+        CHECK(b.max == rl.max);
+        CHECK(k.finite_moments(q, len, q[0], b));
+        CHECK(b.max == rl.max);
+        const bool accepted = k.finite_non_negative(q, len, q[0], b);  // refuses negatives in its vectors
+        if (relu) CHECK(accepted);
+        if (!relu && len >= 2047) CHECK(!accepted);
+        if (accepted) {
+          CHECK(b.zeros == rl.zeros);
+          CHECK(b.negatives == rl.neg);
+        }
+        CHECK(k.finite_sums(q, len, q[0], b));
+        k.exact(q, len, q[0], b);
+        CHECK(b.finite == len);
+        CHECK(b.negatives == rl.neg);
+        CHECK(k.count_above(p, n, 0.0f) == r.pos);
+      }
+    }
+  }
+  // Per-unit counts of an [N, C, H, W] output ending at the guard.
+  const int64_t n = 8 * 4 * 64 * 64;
+  float* const p = end - n;
+  const torch::Tensor src = torch::relu(torch::randn({8, 4, 64, 64}));
+  std::memcpy(p, src.data_ptr<float>(), static_cast<std::size_t>(n) * sizeof(float));
+  int64_t per_unit = 0;
+  const auto counts = d::count_above_per_unit(torch::from_blob(p, {8, 4, 64, 64}), 1, 0.0, per_unit);
+  const torch::Tensor ref = (src > 0).sum({0, 2, 3});
+  CHECK(per_unit == 8 * 64 * 64);
+  for (int64_t u = 0; u < 4; ++u) CHECK(counts[static_cast<std::size_t>(u)] == ref[u].item<int64_t>());
+#else
+  SUCCEED("no mmap here");
+#endif
 }
