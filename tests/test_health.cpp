@@ -2422,3 +2422,51 @@ TEST_CASE("activation_budget judges forward outputs as often as their measured c
     CHECK_FALSE(m.report().activation_cost.has_value());
   }
 }
+
+TEST_CASE("property: dead units judged through a hook call, counted with the output's statistics, are the monitor's own count",
+          "[health]") {
+  std::mt19937_64 gen(4242);
+  const auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(gen); };
+  torch::manual_seed(4242);
+  for (int trial = 0; trial < 24; ++trial) {
+    // [N, C, H, W] planes of 64 values and more (read with the statistics in one pass), a
+    // plane below that, [N, C, L] and [N, F] (counted apart): the same judgement everywhere.
+    const int64_t kind = trial % 4;
+    const int64_t n = pick(1, 6), c = pick(1, 9);
+    std::vector<int64_t> shape = kind == 0   ? std::vector<int64_t>{n, c, pick(8, 33), pick(8, 33)}
+                                 : kind == 1 ? std::vector<int64_t>{n, c, 5, 7}
+                                 : kind == 2 ? std::vector<int64_t>{n, c, pick(64, 300)}
+                                             : std::vector<int64_t>{n * 8, c * 7};
+    const bool inspector = pick(0, 1) == 1;  // a later hook reads every count: the shared read has them
+    INFO("trial " << trial << " shape " << c10::IntArrayRef(shape) << (inspector ? " with an inspector" : ""));
+    torchdbg::HookManager hooks;
+    HealthMonitor through_hooks(HealthOptions().dead_window_samples(64));
+    auto fed = through_hooks.install(hooks);
+    if (inspector)
+      hooks.register_hook(torchdbg::HookConfig().name("inspect").trigger(torchdbg::HookTrigger::every_forward())
+                              .actions({torchdbg::HookAction::inspect_tensor()}));
+    HealthMonitor direct(HealthOptions().dead_window_samples(64));
+    // Units dead from a random step on, one reviving later; the rest active now and then.
+    const int64_t units = shape[1];
+    const auto dead = torch::rand({units}) < 0.5;
+    const int64_t dies_at = pick(0, 12), revives_at = pick(14, 24);
+    const torchdbg::Metadata md{{"activation", "relu"}};
+    for (int64_t s = 0; s < 30; ++s) {
+      auto pre = torch::randn(shape);
+      auto off = (dead & (s >= dies_at)).to(torch::kFloat) * -50.0f;
+      if (s >= revives_at) off.index_put_({0}, 0.0f);
+      std::vector<int64_t> view(shape.size(), 1);
+      view[1] = units;
+      const auto y = torch::relu(pre + off.view(view));
+      hooks.set_step(s);
+      for (const auto& r : hooks.execute_hooks("conv/relu", y, true, md)) CHECK_FALSE(r.second.is_error());
+      direct.observe_activation("conv/relu", y, s, act("relu"));
+      const auto a = through_hooks.layer("conv/relu"), b = direct.layer("conv/relu");
+      REQUIRE(a);
+      REQUIRE(b);
+      CHECK(torchdbg_test::near(a->dead_fraction, b->dead_fraction, 0.0));
+      CHECK(a->activation == b->activation);
+      CHECK(a->activation_since == b->activation_since);
+    }
+  }
+}

@@ -1,6 +1,8 @@
 // torchdbg — module hooks and a training debugger for LibTorch.
 // SPDX-License-Identifier: MIT
+#include <random>
 #include <torchdbg/hook_context.hpp>
+#include <torchdbg/hook_manager.hpp>
 
 #include "helpers.hpp"
 
@@ -84,4 +86,106 @@ TEST_CASE("moment statistics skip the sign counts until a reader of stats() need
     CHECK(d.zero_count == ref.zero_count);
     CHECK(d.sparsity == ref.sparsity);
   }
+}
+
+namespace {
+
+/// Per index along `dim`, values above 0: a torch reference.
+std::vector<int64_t> units_reference(const torch::Tensor& t, int64_t dim) {
+  const int64_t d = dim < 0 ? dim + t.dim() : dim;
+  std::vector<int64_t> others;
+  for (int64_t i = 0; i < t.dim(); ++i)
+    if (i != d) others.push_back(i);
+  const torch::Tensor above = t.to(torch::kDouble) > 0;
+  const torch::Tensor c = (others.empty() ? above.to(torch::kLong) : above.sum(others)).to(torch::kLong).contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+}
+
+void check_same_stats(const torchdbg::TensorStats& a, const torchdbg::TensorStats& b) {
+  CHECK(a.sign_counts == b.sign_counts);
+  CHECK(a.numel == b.numel);
+  CHECK(a.finite_count == b.finite_count);
+  CHECK(a.nan_count == b.nan_count);
+  CHECK(a.pos_inf_count == b.pos_inf_count);
+  CHECK(a.neg_inf_count == b.neg_inf_count);
+  CHECK(a.zero_count == b.zero_count);
+  CHECK(a.negative_count == b.negative_count);
+  CHECK(torchdbg_test::near(a.mean, b.mean, 0.0));
+  CHECK(torchdbg_test::near(a.std, b.std, 0.0));
+  CHECK(torchdbg_test::near(a.min, b.min, 0.0));
+  CHECK(torchdbg_test::near(a.max, b.max, 0.0));
+  CHECK(torchdbg_test::near(a.l2_norm, b.l2_norm, 0.0));
+  CHECK(torchdbg_test::near(a.l1_norm, b.l1_norm, 0.0));
+}
+
+}  // namespace
+
+TEST_CASE("property: per-unit counts above 0 are a torch reference's, and the statistics read with them compute_stats', bit for bit",
+          "[context]") {
+  torchdbg_test::SeededRng rng(77);
+  std::mt19937_64 gen(77);
+  const auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(gen); };
+  for (int trial = 0; trial < 300; ++trial) {
+    const int64_t rank = pick(1, 4);
+    std::vector<int64_t> shape;
+    for (int64_t i = 0; i < rank; ++i) shape.push_back(i + 2 >= rank ? pick(1, 40) : pick(1, 6));
+    torch::Tensor t = torch::randn(shape) * std::pow(10.0, static_cast<double>(pick(-3, 3)));
+    if (pick(0, 2) == 0) t = torch::relu(t);  // a ReLU's output: the kernel's non-negative path
+    auto flat = t.view(-1);
+    for (int64_t k = pick(0, 3); k > 0; --k) {  // NaN, +-Inf and zeros anywhere
+      const int64_t at = pick(0, t.numel() - 1);
+      const int64_t what = pick(0, 3);
+      flat[at] = what == 0 ? std::nan("") : what == 1 ? INFINITY : what == 2 ? -INFINITY : 0.0;
+    }
+    const int64_t layout = pick(0, 4);  // 0-2 contiguous, 3 transposed, 4 half
+    if (layout == 3 && rank >= 2) t = t.transpose(0, rank - 1);
+    if (layout == 4) t = t.to(torch::kHalf);
+    const int64_t dim = pick(-rank, rank - 1);
+    const bool with_signs = pick(0, 1) == 1;  // a later hook reads stats(): the fused read counts signs
+    INFO("trial " << trial << " shape " << t.sizes() << " dim " << dim << " dtype " << t.scalar_type()
+                  << (with_signs ? " with an inspector" : ""));
+    torchdbg::HookManager hooks;
+    std::vector<int64_t> got;
+    torchdbg::TensorStats moments;
+    hooks.register_callback(
+        "units",
+        [&](const torchdbg::HookContext& ctx) {
+          got = ctx.units_above_zero(dim);
+          CHECK(&ctx.units_above_zero(dim) == &ctx.units_above_zero(dim));  // computed once
+          moments = ctx.moment_stats();
+        },
+        torchdbg::CallbackStats::Moments);
+    hooks.register_hook(torchdbg::HookConfig().name("units").trigger(torchdbg::HookTrigger::every_forward())
+                            .actions({torchdbg::HookAction::custom_callback("units")}));
+    if (with_signs)
+      hooks.register_hook(torchdbg::HookConfig().name("inspect").trigger(torchdbg::HookTrigger::every_forward())
+                              .actions({torchdbg::HookAction::inspect_tensor()}));
+    const auto results = hooks.execute_hooks("layer", t, true);
+    for (const auto& r : results) CHECK_FALSE(r.second.is_error());
+    CHECK(got == units_reference(t, dim));
+    check_same_stats(moments, torchdbg::compute_stats(t, torchdbg::StatsOptions().sign_counts(with_signs)));
+  }
+}
+
+TEST_CASE("per-unit counts: a missing dimension is named, other dimensions recount, statistics at hand are kept",
+          "[context]") {
+  torchdbg::Metadata md;
+  const auto scalar = torch::tensor(1.0f);
+  torchdbg::HookContext zero_d("fc", true, torchdbg::TrainingState{}, md, scalar);
+  CHECK_THROWS_WITH(zero_d.units_above_zero(0), Catch::Contains("0-d tensor has no unit dimension"));
+  const auto t = torch::relu(torch::randn({4, 3, 16, 16}));
+  torchdbg::HookContext ctx("conv", true, torchdbg::TrainingState{}, md, t);
+  CHECK_THROWS_WITH(ctx.units_above_zero(4), Catch::Contains("unit dimension 4 out of range for a 4-d tensor"));
+  CHECK(ctx.units_above_zero(1) == units_reference(t, 1));
+  const auto* first = &ctx.moment_stats();  // read with the counts
+  check_same_stats(*first, torchdbg::compute_stats(t, torchdbg::StatsOptions().sign_counts(false)));
+  CHECK(ctx.units_above_zero(-1) == units_reference(t, 3));  // another dimension: counted again
+  CHECK(ctx.units_above_zero(1) == units_reference(t, 1));
+  CHECK(&ctx.moment_stats() == first);  // the statistics are not read again
+  // The caller's statistics stand: the counts are read on their own.
+  torchdbg::TensorStats given = torchdbg::compute_stats(t);
+  given.mean = 42.0;
+  torchdbg::HookContext with_given("conv", true, torchdbg::TrainingState{}, md, t, &given);
+  CHECK(with_given.units_above_zero(1) == units_reference(t, 1));
+  CHECK(&with_given.moment_stats() == &given);
 }

@@ -120,6 +120,35 @@ class HookContext {
     return *stats_;
   }
 
+  /// For each index along `dim` (a unit: a feature, a channel), how many of the tensor's
+  /// values are above 0 (NaN never is), computed on first use. When the statistics are not
+  /// computed yet and the tensor is a contiguous float32 CPU one whose units hold runs of 64
+  /// values or more ([N, C, H, W] outputs), the counts and moment_stats() come from one pass
+  /// over the data: a hook that reads both asks for these first. Throws torchdbg::Error when
+  /// `dim` does not exist.
+  ///
+  /// ```cpp
+  /// const auto& active = ctx.units_above_zero(1);  // per channel of a ReLU's output
+  /// const double rms = ctx.moment_stats().l2_norm;  // from the same read
+  /// ```
+  [[nodiscard]] const std::vector<int64_t>& units_above_zero(int64_t dim) const {
+    const int64_t d = detail::unit_dim_of(tensor_, dim);
+    if (units_ && units_dim_ == d) return *units_;
+    std::vector<int64_t> counts;
+    const bool have_moments =
+        stats_ || (precomputed_ != nullptr && (precomputed_->sign_counts || !sign_counts_wanted_));
+    if (!have_moments && sampling_.stride() <= 1 && detail::units_fusable(tensor_, d)) {
+      stats_ = stats_from_moments(detail::compute_moments_with_units(tensor_, sign_counts_wanted_, d, counts),
+                                  tensor_);
+    } else {
+      int64_t per_unit = 0;
+      counts = detail::count_above_per_unit(tensor_, d, 0.0, per_unit);
+    }
+    units_ = std::move(counts);
+    units_dim_ = d;
+    return *units_;
+  }
+
   /// Statistics with the distribution part, computed on first use (reusing the summary when
   /// it read every value).
   [[nodiscard]] const TensorStats& stats_with_distribution(int64_t histogram_bins) const {
@@ -149,6 +178,8 @@ class HookContext {
   const TensorStats* precomputed_;  // the caller's, valid during the call
   mutable std::optional<TensorStats> stats_;
   mutable int64_t distribution_bins_ = 0;
+  mutable std::optional<std::vector<int64_t>> units_;  // units_above_zero(units_dim_)
+  mutable int64_t units_dim_ = -1;
   bool sign_counts_wanted_ = false;  // a later hook will read stats(): moment_stats() computes them
   StatsSampling sampling_;           // the manager's
 };

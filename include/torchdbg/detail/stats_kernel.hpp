@@ -1567,6 +1567,62 @@ inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t di
   return finish();
 }
 
+/// Units (along `dim`) whose values lie in runs shorter than this are counted apart from the
+/// statistics: a call per run would cost more than the second read it saves.
+constexpr int64_t kFusedUnitRun = 64;
+
+/// Whether compute_moments_with_units reads `t` in one pass: a contiguous float32 CPU tensor
+/// that compute_moments reads whole on one thread, each unit's values along `dim` in runs of
+/// at least kFusedUnitRun ([N, C, H, W] with H * W >= 64).
+inline bool units_fusable(const at::Tensor& t, int64_t dim) {
+  if (!t.defined() || !t.device().is_cpu() || t.scalar_type() != at::kFloat || t.layout() != at::kStrided ||
+      !t.is_contiguous() || t.is_neg() || t._is_zerotensor() || t.numel() == 0 || t.data_ptr() == nullptr)
+    return false;
+  const int64_t d = unit_dim_of(t, dim);
+  int64_t inner = 1;
+  for (int64_t i = d + 1; i < t.dim(); ++i) inner *= t.size(i);
+  const bool split = t.numel() >= 2 * kParallelGrain && at::get_num_threads() > 1 && !at::in_parallel_region();
+  return inner >= kFusedUnitRun && !split;
+}
+
+/// compute_moments(t, signs) of a tensor units_fusable(t, dim) accepts, and in the same pass,
+/// per index along `dim`, how many values are above 0 (`counts`, resized to t.size(dim)): the
+/// count_above_per_unit(t, dim, 0.0) of each block taken right after its statistics, while it
+/// is in the first-level cache, so data that comes from memory comes once. The blocks are
+/// compute_moments' own: the moments are the same, bit for bit.
+inline Moments compute_moments_with_units(const at::Tensor& t, bool signs, int64_t dim,
+                                          std::vector<int64_t>& counts) {
+  if (!units_fusable(t, dim))
+    throw Error("torchdbg: compute_moments_with_units needs a contiguous float32 CPU tensor with runs of " +
+                std::to_string(kFusedUnitRun) + " values per unit");
+  const int64_t d = unit_dim_of(t, dim);
+  const int64_t units = t.size(d);
+  int64_t inner = 1;
+  for (int64_t i = d + 1; i < t.dim(); ++i) inner *= t.size(i);
+  counts.assign(static_cast<std::size_t>(units), 0);
+  const float* p = static_cast<const float*>(t.data_ptr());
+  const int64_t n = t.numel();
+  Moments total;
+  bool non_negative = false;
+  for (int64_t b = 0; b < n; b += kFloatBlock) {
+    const int64_t len = std::min(kFloatBlock, n - b);
+    total.merge(float_block_moments(p + b, len, signs, non_negative));
+    for (int64_t i = b; i < b + len;) {  // the block's runs, unit by unit
+      const int64_t run = i / inner;
+      const int64_t end = std::min((run + 1) * inner, b + len);
+#if defined(TORCHDBG_HAVE_VECTOR_EXT)
+      const int64_t above = block_kernels().count_above(p + i, end - i, 0.0f);
+#else
+      int64_t above = 0;
+      for (int64_t j = i; j < end; ++j) above += p[j] > 0.0f ? 1 : 0;
+#endif
+      counts[static_cast<std::size_t>(run % units)] += above;
+      i = end;
+    }
+  }
+  return total;
+}
+
 /// The spread of `t` across its first dimension (the batch): the population standard
 /// deviation of `t[b, ...] - mean_b t[:, ...]` over all elements, i.e. what is left of
 /// `std(t)` once every position's mean over the batch is taken out. A bias, or any output

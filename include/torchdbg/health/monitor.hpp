@@ -555,7 +555,20 @@ void BasicHealthMonitor<Mutex>::on_hook(const HookContext& ctx) {
     ActivationInfo info = detail::activation_info(ctx.metadata());
     info.unit_counts = ctx.prefetched(units_key_);
     info.saturated_count = ctx.prefetched(saturation_key_);
-    observe_activation(ctx.layer_name(), ctx.tensor(), ctx.step(), info, &ctx.moment_stats());
+    // A dead-capable output's per-unit activity read with its statistics, in one pass.
+    const at::Tensor& y = ctx.tensor();
+    if (info.unit_counts == nullptr && y.defined() && y.dim() > 0 && y.device().is_cpu() &&
+        core_.signals().watched(ctx.layer_name())) {
+      const auto k = core_.signals().kinds().kind_of(ctx.layer_name(), info);
+      if (k.known && detail::is_dead_capable(k.name)) {
+        try {
+          info.units_above_zero = &ctx.units_above_zero(y.dim() == 1 ? 0 : options_.unit_dim());
+        } catch (const Error&) {
+          // no such unit dimension: the monitor finds that out itself
+        }
+      }
+    }
+    observe_activation(ctx.layer_name(), y, ctx.step(), info, &ctx.moment_stats());
   } else {
     observe_gradient(ctx.layer_name(), ctx.metadata_value("parameter").value_or(std::string_view{}),
                      ctx.tensor(), ctx.step(), &ctx.moment_stats());

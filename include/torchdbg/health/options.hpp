@@ -132,6 +132,9 @@ struct ActivationInfo {
   /// Elements above 0 per index of the unit dimension, reduced where the tensor lives when
   /// attach queued it (`install`'s prefetch); null: the monitor counts them itself.
   const std::vector<double>* unit_counts = nullptr;
+  /// The same counts read by the hook call with the output's statistics
+  /// (HookContext::units_above_zero); null: counted here.
+  const std::vector<int64_t>* units_above_zero = nullptr;
   /// Elements outside the saturation bounds, prefetched the same way; null: counted here.
   const std::vector<double>* saturated_count = nullptr;
 };

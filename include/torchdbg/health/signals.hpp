@@ -269,6 +269,10 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
         counts.reserve(info.unit_counts->size());
         for (double c : *info.unit_counts) counts.push_back(static_cast<int64_t>(c));
         per_unit = units == 0 ? 0 : y.numel() / units;
+      } else if (info.units_above_zero != nullptr &&
+                 static_cast<int64_t>(info.units_above_zero->size()) == units) {
+        counts = *info.units_above_zero;
+        per_unit = units == 0 ? 0 : y.numel() / units;
       } else {
         counts = detail::count_above_per_unit(y, dim, 0.0, per_unit);
       }
