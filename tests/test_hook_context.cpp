@@ -126,9 +126,11 @@ TEST_CASE("property: per-unit counts above 0 are a torch reference's, and the st
   std::mt19937_64 gen(77);
   const auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(gen); };
   for (int trial = 0; trial < 300; ++trial) {
-    const int64_t rank = pick(1, 4);
+    // Every third trial an output large enough to be read in one pass with its counts.
+    const int64_t rank = trial % 3 == 0 ? 4 : pick(1, 4);
     std::vector<int64_t> shape;
     for (int64_t i = 0; i < rank; ++i) shape.push_back(i + 2 >= rank ? pick(1, 40) : pick(1, 6));
+    if (trial % 3 == 0) shape = {8, pick(32, 63), 32, 32};  // 2^18 to 2^19 values
     torch::Tensor t = torch::randn(shape) * std::pow(10.0, static_cast<double>(pick(-3, 3)));
     if (pick(0, 2) == 0) t = torch::relu(t);  // a ReLU's output: the kernel's non-negative path
     auto flat = t.view(-1);
@@ -172,15 +174,25 @@ TEST_CASE("per-unit counts: a missing dimension is named, other dimensions recou
   torchdbg::Metadata md;
   const auto scalar = torch::tensor(1.0f);
   torchdbg::HookContext zero_d("fc", true, torchdbg::TrainingState{}, md, scalar);
-  CHECK_THROWS_WITH(zero_d.units_above_zero(0), Catch::Contains("0-d tensor has no unit dimension"));
-  const auto t = torch::relu(torch::randn({4, 3, 16, 16}));
+  CHECK_THROWS_WITH(zero_d.units_above_zero(0),
+                    Catch::Contains("0-d tensor has no unit dimension (dimension 0 asked)"));
+  const torch::Tensor undefined;
+  torchdbg::HookContext none("fc", true, torchdbg::TrainingState{}, md, undefined);
+  CHECK_THROWS_WITH(none.units_above_zero(1), Catch::Contains("undefined tensor"));
+  const auto meta = torch::empty({2, 3}, torch::TensorOptions().device(torch::kMeta));
+  torchdbg::HookContext no_data("fc", true, torchdbg::TrainingState{}, md, meta);
+  CHECK_THROWS_AS(no_data.units_above_zero(1), torchdbg::Error);
+  const auto t = torch::relu(torch::randn({8, 32, 32, 32}));  // read with its counts in one pass
   torchdbg::HookContext ctx("conv", true, torchdbg::TrainingState{}, md, t);
   CHECK_THROWS_WITH(ctx.units_above_zero(4), Catch::Contains("unit dimension 4 out of range for a 4-d tensor"));
-  CHECK(ctx.units_above_zero(1) == units_reference(t, 1));
+  const auto& channels = ctx.units_above_zero(1);
+  CHECK(channels == units_reference(t, 1));
   const auto* first = &ctx.moment_stats();  // read with the counts
   check_same_stats(*first, torchdbg::compute_stats(t, torchdbg::StatsOptions().sign_counts(false)));
   CHECK(ctx.units_above_zero(-1) == units_reference(t, 3));  // another dimension: counted again
-  CHECK(ctx.units_above_zero(1) == units_reference(t, 1));
+  CHECK(ctx.units_above_zero(0) == units_reference(t, 0));
+  CHECK(channels == units_reference(t, 1));  // still the channels' counts
+  CHECK(&ctx.units_above_zero(1) == &channels);
   CHECK(&ctx.moment_stats() == first);  // the statistics are not read again
   // The caller's statistics stand: the counts are read on their own.
   torchdbg::TensorStats given = torchdbg::compute_stats(t);

@@ -121,19 +121,22 @@ class HookContext {
   }
 
   /// For each index along `dim` (a unit: a feature, a channel), how many of the tensor's
-  /// values are above 0 (NaN never is), computed on first use. When the statistics are not
-  /// computed yet and the tensor is a contiguous float32 CPU one whose units hold runs of 64
-  /// values or more ([N, C, H, W] outputs), the counts and moment_stats() come from one pass
-  /// over the data: a hook that reads both asks for these first. Throws torchdbg::Error when
-  /// `dim` does not exist.
+  /// values are above 0 (NaN never is), computed on first use for each `dim`; the vector lives
+  /// as long as the context. When the statistics are not computed yet, the manager does not
+  /// sample (HookManagerOptions::sampling), and the tensor is a contiguous float32 CPU one of
+  /// 2^18 values or more, read by one thread (below 2^19 values, or one intra-op thread), whose
+  /// units hold runs of 64 values or more ([N, C, H, W] outputs with H * W >= 64), the counts
+  /// and moment_stats() come from one pass over the data: a hook that reads both asks for
+  /// these first. Throws torchdbg::Error when `dim` does not exist or the tensor has no data.
   ///
   /// ```cpp
   /// const auto& active = ctx.units_above_zero(1);  // per channel of a ReLU's output
   /// const double rms = ctx.moment_stats().l2_norm;  // from the same read
   /// ```
   [[nodiscard]] const std::vector<int64_t>& units_above_zero(int64_t dim) const {
+    if (!tensor_.defined()) throw Error("torchdbg: cannot count values of an undefined tensor");
     const int64_t d = detail::unit_dim_of(tensor_, dim);
-    if (units_ && units_dim_ == d) return *units_;
+    if (auto it = units_.find(d); it != units_.end()) return it->second;
     std::vector<int64_t> counts;
     const bool have_moments =
         stats_ || (precomputed_ != nullptr && (precomputed_->sign_counts || !sign_counts_wanted_));
@@ -144,9 +147,7 @@ class HookContext {
       int64_t per_unit = 0;
       counts = detail::count_above_per_unit(tensor_, d, 0.0, per_unit);
     }
-    units_ = std::move(counts);
-    units_dim_ = d;
-    return *units_;
+    return units_.emplace(d, std::move(counts)).first->second;
   }
 
   /// Statistics with the distribution part, computed on first use (reusing the summary when
@@ -178,8 +179,7 @@ class HookContext {
   const TensorStats* precomputed_;  // the caller's, valid during the call
   mutable std::optional<TensorStats> stats_;
   mutable int64_t distribution_bins_ = 0;
-  mutable std::optional<std::vector<int64_t>> units_;  // units_above_zero(units_dim_)
-  mutable int64_t units_dim_ = -1;
+  mutable std::map<int64_t, std::vector<int64_t>> units_;  // units_above_zero, by dimension
   bool sign_counts_wanted_ = false;  // a later hook will read stats(): moment_stats() computes them
   StatsSampling sampling_;           // the manager's
 };
