@@ -702,12 +702,22 @@ inline Moments float_block_moments(const float* q, int64_t len, bool signs, bool
 
 /// Moments of contiguous float32 data, block by block. `signs` false: zero/negative/positive
 /// counts and the absolute sum may be skipped (Moments::signs says whether they were).
-inline Moments accumulate_float(const float* p, int64_t n, bool signs = true) {
+/// `after_block(begin, length)` runs after each block's statistics, while the block is still
+/// in the first-level cache (compute_moments_with_units counts it there).
+template <typename AfterBlock>
+Moments accumulate_float(const float* p, int64_t n, bool signs, AfterBlock&& after_block) {
   Moments total;
   bool non_negative = false;
-  for (int64_t b = 0; b < n; b += kFloatBlock)
-    total.merge(float_block_moments(p + b, std::min(kFloatBlock, n - b), signs, non_negative));
+  for (int64_t b = 0; b < n; b += kFloatBlock) {
+    const int64_t len = std::min(kFloatBlock, n - b);
+    total.merge(float_block_moments(p + b, len, signs, non_negative));
+    after_block(b, len);
+  }
   return total;
+}
+
+inline Moments accumulate_float(const float* p, int64_t n, bool signs = true) {
+  return accumulate_float(p, n, signs, [](int64_t, int64_t) {});
 }
 
 /// Half and bfloat16: widened to float a block at a time, then the float path.
@@ -1608,12 +1618,7 @@ inline Moments compute_moments_with_units(const at::Tensor& t, bool signs, int64
   for (int64_t i = d + 1; i < t.dim(); ++i) inner *= t.size(i);
   counts.assign(static_cast<std::size_t>(units), 0);
   const float* p = static_cast<const float*>(t.data_ptr());
-  const int64_t n = t.numel();
-  Moments total;
-  bool non_negative = false;
-  for (int64_t b = 0; b < n; b += kFloatBlock) {
-    const int64_t len = std::min(kFloatBlock, n - b);
-    total.merge(float_block_moments(p + b, len, signs, non_negative));
+  return accumulate_float(p, t.numel(), signs, [&](int64_t b, int64_t len) {
     for (int64_t i = b; i < b + len;) {  // the block's runs, unit by unit
       const int64_t run = i / inner;
       const int64_t end = std::min((run + 1) * inner, b + len);
@@ -1626,8 +1631,7 @@ inline Moments compute_moments_with_units(const at::Tensor& t, bool signs, int64
       counts[static_cast<std::size_t>(run % units)] += above;
       i = end;
     }
-  }
-  return total;
+  });
 }
 
 /// The spread of `t` across its first dimension (the batch): the population standard
