@@ -2354,9 +2354,13 @@ TEST_CASE("activation_budget judges forward outputs as often as their measured c
   // Epochs of 3 steps, and a run resumed at step 1000 with the monitor installed at the
   // manager's step 0, measure alike.
   enum class Run { Tiny, Padded, EveryOther, Epochs, ShortEpochs, Resumed };
-  for (const Run run : {Run::Tiny, Run::Padded, Run::EveryOther, Run::Epochs, Run::ShortEpochs, Run::Resumed}) {
+  // What a run measures is wall-clock time: a run that load from other processes left on the
+  // other side of its budget is run again, up to three times (a wrong choice made by the code,
+  // not the load, repeats); everything else is checked on every attempt.
+  for (const Run run : {Run::Tiny, Run::Padded, Run::EveryOther, Run::Epochs, Run::ShortEpochs, Run::Resumed})
+   for (int attempt = 1;; ++attempt) {
     const bool slow = run == Run::Padded || run == Run::EveryOther;
-    INFO("run " << static_cast<int>(run));
+    INFO("run " << static_cast<int>(run) << ", attempt " << attempt);
     const double budget = slow ? 0.5 : 0.01;
     torch::manual_seed(7);
     auto model = torch::nn::Sequential(torch::nn::Linear(6, 12), torch::nn::ReLU(), torch::nn::Linear(12, 3));
@@ -2404,6 +2408,9 @@ TEST_CASE("activation_budget judges forward outputs as often as their measured c
     const auto r = m.report();
     REQUIRE(r.activation_cost.has_value());
     INFO("measured cost " << *r.activation_cost << ", interval " << r.activation_interval);
+    const bool as_expected = slow ? *r.activation_cost < budget && r.activation_interval == 1
+                                  : *r.activation_cost > budget && r.activation_interval >= 2;
+    if (!as_expected && attempt < 3) continue;
     if (slow) {
       CHECK(*r.activation_cost < budget);
       CHECK(r.activation_interval == 1);
@@ -2420,6 +2427,7 @@ TEST_CASE("activation_budget judges forward outputs as often as their measured c
     m.reset();
     CHECK(m.report().activation_interval == 0);
     CHECK_FALSE(m.report().activation_cost.has_value());
+    break;
   }
 }
 
