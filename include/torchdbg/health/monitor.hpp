@@ -562,7 +562,10 @@ void BasicHealthMonitor<Mutex>::on_hook(const HookContext& ctx) {
       const auto k = core_.signals().kinds().kind_of(ctx.layer_name(), info);
       if (k.known && detail::is_dead_capable(k.name)) {
         try {
-          info.units_above_zero = &ctx.units_above_zero(y.dim() == 1 ? 0 : options_.unit_dim());
+          // Only where one pass reads both: elsewhere the monitor counts them as before,
+          // without the context keeping a copy.
+          const int64_t dim = y.dim() == 1 ? 0 : options_.unit_dim();
+          if (detail::units_fusable(y, dim)) info.units_above_zero = &ctx.units_above_zero(dim);
         } catch (const Error&) {
           // no such unit dimension: the monitor finds that out itself
         }
