@@ -10,6 +10,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 #endif
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#endif
 
 #include "helpers.hpp"
 
@@ -1989,5 +1992,71 @@ TEST_CASE("data that ends where an unreadable page begins is read to its end and
   for (int64_t u = 0; u < 4; ++u) CHECK(counts[static_cast<std::size_t>(u)] == ref[u].item<int64_t>());
 #else
   SUCCEED("no mmap here");
+#endif
+}
+
+#if defined(TORCHDBG_X86_DISPATCH)
+namespace {
+/// Whether XGETBV reads XINUSE (ECX = 1): which state components are in use, not initial.
+bool xinuse_readable() {
+  unsigned a = 0, b = 0, c = 0, dx = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &dx) || !(c & bit_OSXSAVE)) return false;
+  return __get_cpuid_count(0xD, 1, &a, &b, &c, &dx) && (a & 4u);
+}
+uint64_t xinuse() {
+  uint32_t lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(1));
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+}  // namespace
+#endif
+
+TEST_CASE("the wide kernels return with the upper halves of the vector registers clean", "[stats]") {
+#if defined(TORCHDBG_X86_DISPATCH)
+  // Dirty upper halves (XINUSE bit 2: AVX, bit 6: the upper 256 bits of zmm0-15) make every
+  // SSE instruction the caller runs next slower; GCC clears them by itself only at -O2 and up,
+  // and this suite is built at -O0 with sanitizers.
+  if (!xinuse_readable()) {
+    SUCCEED("this CPU cannot say which of its register states are in use");
+    return;
+  }
+  namespace d = torchdbg::detail;
+  constexpr uint64_t kDirtyUpper = (1u << 2) | (1u << 6);
+  torchdbg_test::SeededRng rng(47);
+  const torch::Tensor data = torch::randn({64, 96});
+  const float* p = data.data_ptr<float>();
+  std::vector<int32_t> counts(96, 0);
+  std::vector<double> s1(96), s2(96);
+  int wide = 0;
+  for (const auto& k : d::block_kernel_variants()) {
+    if (std::string(k.name) == "baseline") continue;
+    ++wide;
+    INFO("variant " << k.name);
+    d::FloatBlock b;
+    std::vector<std::pair<const char*, uint64_t>> after;
+    k.finite(p, 2048, 0.0f, b);
+    after.emplace_back("finite", xinuse());
+    k.finite_moments(p, 2048, 0.0f, b);
+    after.emplace_back("finite_moments", xinuse());
+    k.finite_non_negative(p, 2048, 0.0f, b);
+    after.emplace_back("finite_non_negative", xinuse());
+    k.exact(p, 2048, 0.0f, b);
+    after.emplace_back("exact", xinuse());
+    k.finite_sums(p, 2048, 0.0f, b);
+    after.emplace_back("finite_sums", xinuse());
+    k.rows_above(p, 64, 96, 0.0f, counts.data());
+    after.emplace_back("rows_above", xinuse());
+    (void)k.count_above(p, 64 * 96, 0.0f);
+    after.emplace_back("count_above", xinuse());
+    k.column_deviations(p, p + 96, 63, 96, 96, true, s1.data(), s2.data());
+    after.emplace_back("column_deviations", xinuse());
+    for (const auto& [kernel, state] : after) {
+      INFO(kernel << ": XINUSE " << std::hex << state);
+      CHECK((state & kDirtyUpper) == 0);
+    }
+  }
+  if (wide == 0) SUCCEED("no AVX2 or AVX-512 on this CPU");
+#else
+  SUCCEED("no x86-64 vector kernels in this build");
 #endif
 }
