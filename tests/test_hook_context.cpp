@@ -125,12 +125,21 @@ TEST_CASE("property: per-unit counts above 0 are a torch reference's, and the st
   torchdbg_test::SeededRng rng(77);
   std::mt19937_64 gen(77);
   const auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(gen); };
+  struct Threads {  // the intra-op threads a trial reads with, put back however it ends
+    int before = torch::get_num_threads();
+    ~Threads() { torch::set_num_threads(before); }
+  } restore;
   for (int trial = 0; trial < 300; ++trial) {
-    // Every third trial an output large enough to be read in one pass with its counts.
+    // Every third trial an output large enough to be read in one pass with its counts; every
+    // ninth one split between 2 to 4 threads, each counting its part (chunk boundaries fall
+    // inside a unit's run and inside a block).
     const int64_t rank = trial % 3 == 0 ? 4 : pick(1, 4);
     std::vector<int64_t> shape;
     for (int64_t i = 0; i < rank; ++i) shape.push_back(i + 2 >= rank ? pick(1, 40) : pick(1, 6));
     if (trial % 3 == 0) shape = {8, pick(32, 63), 32, 32};  // 2^18 to 2^19 values
+    if (trial % 9 == 0) shape = {pick(2, 8), pick(32, 63), 64, pick(48, 64)};  // up to 2^21
+    const int threads = trial % 9 == 0 ? static_cast<int>(pick(2, 4)) : 1;
+    torch::set_num_threads(threads);
     torch::Tensor t = torch::randn(shape) * std::pow(10.0, static_cast<double>(pick(-3, 3)));
     if (pick(0, 2) == 0) t = torch::relu(t);  // a ReLU's output: the kernel's non-negative path
     auto flat = t.view(-1);
@@ -145,7 +154,7 @@ TEST_CASE("property: per-unit counts above 0 are a torch reference's, and the st
     const int64_t dim = pick(-rank, rank - 1);
     const bool with_signs = pick(0, 1) == 1;  // a later hook reads stats(): the fused read counts signs
     INFO("trial " << trial << " shape " << t.sizes() << " dim " << dim << " dtype " << t.scalar_type()
-                  << (with_signs ? " with an inspector" : ""));
+                  << " threads " << threads << (with_signs ? " with an inspector" : ""));
     torchdbg::HookManager hooks;
     std::vector<int64_t> got;
     torchdbg::TensorStats moments;

@@ -124,10 +124,10 @@ class HookContext {
   /// values are above 0 (NaN never is), computed on first use for each `dim`; the vector lives
   /// as long as the context. When the statistics are not computed yet, the manager does not
   /// sample (HookManagerOptions::sampling), and the tensor is a contiguous float32 CPU one of
-  /// 2^18 values or more, read by one thread (below 2^19 values, or one intra-op thread), whose
-  /// units hold runs of 64 values or more ([N, C, H, W] outputs with H * W >= 64), the counts
-  /// and moment_stats() come from one pass over the data: a hook that reads both asks for
-  /// these first. Throws torchdbg::Error when `dim` does not exist or the tensor has no data.
+  /// 2^18 values or more whose units hold runs of 64 values or more ([N, C, H, W] outputs with
+  /// H * W >= 64), the counts and moment_stats() come from one pass over the data (split
+  /// between the intra-op threads as moment_stats() alone would be): a hook that reads both
+  /// asks for these first. Throws torchdbg::Error when `dim` does not exist or the tensor has no data.
   ///
   /// ```cpp
   /// const auto& active = ctx.units_above_zero(1);  // per channel of a ReLU's output

@@ -948,23 +948,38 @@ inline bool sample_float(const float* p, int64_t n, bool signs, int64_t stride, 
 /// Elements per parallel chunk; below this a tensor is read by one thread.
 constexpr int64_t kParallelGrain = int64_t{1} << 18;
 
-template <typename T>
-Moments accumulate_parallel(const T* p, int64_t n, bool signs = true) {
+/// How many chunks read_in_chunks splits `n` elements into: one per intra-op thread, each of
+/// kParallelGrain elements at least; 1 inside a parallel region.
+inline int64_t parallel_chunks(int64_t n) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t chunks = std::min<int64_t>(threads, std::max<int64_t>(1, n / kParallelGrain));
-  if (chunks <= 1 || at::in_parallel_region()) return accumulate_any(p, n, signs);
+  return chunks <= 1 || at::in_parallel_region() ? 1 : chunks;
+}
+
+/// The moments of `n` elements read as `chunks` chunks (parallel_chunks(n)) of equal size (the
+/// last shorter) by the intra-op threads, merged in chunk order: deterministic for a given
+/// thread count. `read(chunk, begin, end)` returns the moments of elements [begin, end).
+template <typename ReadChunk>
+Moments read_in_chunks(int64_t n, int64_t chunks, ReadChunk&& read) {
+  if (chunks <= 1) return read(int64_t{0}, int64_t{0}, n);
   std::vector<Moments> partial(static_cast<std::size_t>(chunks));
   const int64_t per = (n + chunks - 1) / chunks;
   at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
     for (int64_t c = b; c < e; ++c) {
       const int64_t lo = c * per;
       const int64_t hi = std::min(n, lo + per);
-      if (lo < hi) partial[static_cast<std::size_t>(c)] = accumulate_any(p + lo, hi - lo, signs);
+      if (lo < hi) partial[static_cast<std::size_t>(c)] = read(c, lo, hi);
     }
   });
   Moments total;
   for (const auto& part : partial) total.merge(part);  // fixed order: deterministic
   return total;
+}
+
+template <typename T>
+Moments accumulate_parallel(const T* p, int64_t n, bool signs = true) {
+  return read_in_chunks(n, parallel_chunks(n),
+                        [&](int64_t, int64_t lo, int64_t hi) { return accumulate_any(p + lo, hi - lo, signs); });
 }
 
 /// Throws torchdbg::Error naming the dtype when torchdbg cannot read it.
@@ -1629,9 +1644,8 @@ constexpr int64_t kFusedUnitRun = 64;
 constexpr int64_t kFusedUnitsFrom = int64_t{1} << 18;
 
 /// Whether compute_moments_with_units reads `t` in one pass: a contiguous float32 CPU tensor
-/// of kFusedUnitsFrom values or more that compute_moments reads whole on one thread (below
-/// 2 * kParallelGrain values, or one intra-op thread), each unit's values along `dim` in runs
-/// of at least kFusedUnitRun ([N, C, H, W] with H * W >= 64).
+/// of kFusedUnitsFrom values or more, each unit's values along `dim` in runs of at least
+/// kFusedUnitRun ([N, C, H, W] with H * W >= 64).
 inline bool units_fusable(const at::Tensor& t, int64_t dim) {
   if (!t.defined() || !t.device().is_cpu() || t.scalar_type() != at::kFloat || t.layout() != at::kStrided ||
       !t.is_contiguous() || t.is_neg() || t._is_zerotensor() || t.numel() == 0 || t.data_ptr() == nullptr)
@@ -1639,15 +1653,15 @@ inline bool units_fusable(const at::Tensor& t, int64_t dim) {
   const int64_t d = unit_dim_of(t, dim);
   int64_t inner = 1;
   for (int64_t i = d + 1; i < t.dim(); ++i) inner *= t.size(i);
-  const bool split = t.numel() >= 2 * kParallelGrain && at::get_num_threads() > 1 && !at::in_parallel_region();
-  return inner >= kFusedUnitRun && t.numel() >= kFusedUnitsFrom && !split;
+  return inner >= kFusedUnitRun && t.numel() >= kFusedUnitsFrom;
 }
 
 /// compute_moments(t, signs) of a tensor units_fusable(t, dim) accepts, and in the same pass,
 /// per index along `dim`, how many values are above 0 (`counts`, resized to t.size(dim)): the
 /// count_above_per_unit(t, dim, 0.0) of each block taken right after its statistics, while it
-/// is in the first-level cache, so data that comes from memory comes once. The blocks are
-/// compute_moments' own: the moments are the same, bit for bit.
+/// is in the first-level cache, so data that comes from memory comes once. The blocks and the
+/// chunks the intra-op threads read are compute_moments' own: the moments are the same, bit
+/// for bit; each chunk counts into counts of its own, added up after.
 inline Moments compute_moments_with_units(const at::Tensor& t, bool signs, int64_t dim,
                                           std::vector<int64_t>& counts) {
   if (!units_fusable(t, dim))
@@ -1657,22 +1671,31 @@ inline Moments compute_moments_with_units(const at::Tensor& t, bool signs, int64
   const int64_t units = t.size(d);
   int64_t inner = 1;
   for (int64_t i = d + 1; i < t.dim(); ++i) inner *= t.size(i);
-  counts.assign(static_cast<std::size_t>(units), 0);
+  const int64_t n = t.numel();
   const float* p = static_cast<const float*>(t.data_ptr());
-  return accumulate_float(p, t.numel(), signs, [&](int64_t b, int64_t len) {
-    for (int64_t i = b; i < b + len;) {  // the block's runs, unit by unit
-      const int64_t run = i / inner;
-      const int64_t end = std::min((run + 1) * inner, b + len);
+  const auto width = static_cast<std::size_t>(units);
+  const int64_t chunks = parallel_chunks(n);
+  std::vector<int64_t> per_chunk(width * static_cast<std::size_t>(chunks), 0);
+  const Moments m = read_in_chunks(n, chunks, [&](int64_t chunk, int64_t lo, int64_t hi) {
+    int64_t* own = per_chunk.data() + static_cast<std::size_t>(chunk) * width;
+    return accumulate_float(p + lo, hi - lo, signs, [&](int64_t b, int64_t len) {
+      for (int64_t i = lo + b; i < lo + b + len;) {  // the block's runs, unit by unit
+        const int64_t run = i / inner;
+        const int64_t end = std::min((run + 1) * inner, lo + b + len);
 #if defined(TORCHDBG_HAVE_VECTOR_EXT)
-      const int64_t above = block_kernels().count_above(p + i, end - i, 0.0f);
+        const int64_t above = block_kernels().count_above(p + i, end - i, 0.0f);
 #else
-      int64_t above = 0;
-      for (int64_t j = i; j < end; ++j) above += p[j] > 0.0f ? 1 : 0;
+        int64_t above = 0;
+        for (int64_t j = i; j < end; ++j) above += p[j] > 0.0f ? 1 : 0;
 #endif
-      counts[static_cast<std::size_t>(run % units)] += above;
-      i = end;
-    }
+        own[run % units] += above;
+        i = end;
+      }
+    });
   });
+  counts.assign(width, 0);
+  for (std::size_t c = 0; c < per_chunk.size(); ++c) counts[c % width] += per_chunk[c];
+  return m;
 }
 
 /// The spread of `t` across its first dimension (the batch): the population standard
