@@ -2056,6 +2056,70 @@ TEST_CASE("property: a branch whose gradient is exactly 0 with no zero-initializ
   }
 }
 
+TEST_CASE("property: a loss that turns non-finite on a step whose outputs were not judged says so, on judged steps it does not",
+          "[health][attach]") {
+  std::mt19937_64 rng(20261206);
+  int unjudged_runs = 0, judged_runs = 0, unjudged_texts = 0;
+  for (int trial = 0; trial < 16; ++trial) {
+    const int64_t every = 2 + static_cast<int64_t>(rng() % 7);
+    const int64_t bad_step = 12 + static_cast<int64_t>(rng() % 20);
+    const bool judged = bad_step % every == 0;
+    const int64_t width = 4 + static_cast<int64_t>(rng() % 12);
+    INFO("trial " << trial << ": activation_interval " << every << ", NaN batch at step " << bad_step
+                  << (judged ? " (judged)" : " (not judged)"));
+    torch::manual_seed(300 + trial);
+    auto model = torch::nn::Sequential(torch::nn::Linear(6, width), torch::nn::ReLU(), torch::nn::Linear(width, 3));
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01));
+    torchdbg::HookManager hooks;
+    HealthMonitor m(HealthOptions().activation_interval(every));
+    auto inst = m.install(hooks);
+    auto session = torchdbg::attach(*model, hooks);
+    for (int64_t step = 0; step < bad_step + 4; ++step) {
+      hooks.set_step(step);
+      opt.zero_grad();
+      auto x = torch::randn({16, 6});
+      if (step == bad_step) x[3][2] = std::nan("");
+      auto loss = torch::nn::functional::cross_entropy(model->forward(x), torch::randint(0, 3, {16}));
+      hooks.set_loss(loss.item<double>());
+      loss.backward();
+      opt.step();
+    }
+    const auto incidents = m.incidents();
+    const auto divergence = std::find_if(incidents.begin(), incidents.end(),
+                                         [](const auto& i) { return i.kind == FailureKind::LossDivergence; });
+    REQUIRE(divergence != incidents.end());
+    CHECK(divergence->step == bad_step);
+    CHECK(divergence->details.value("forward_unjudged", false) == !judged);
+    const auto d = torchdbg::diagnose(m);
+    for (const auto& h : d.hypotheses) {
+      if (h.kind != FailureKind::LossDivergence) continue;
+      INFO(h.description);
+      CHECK((h.description.find("were not judged") != std::string::npos) == !judged);
+      CHECK((h.description.find("before any layer showed a problem") != std::string::npos) == judged);
+      unjudged_texts += judged ? 0 : 1;
+    }
+    if (judged) {  // the batch itself was seen
+      REQUIRE(d.top() != nullptr);
+      CHECK(d.top()->kind == FailureKind::BadInput);
+    }
+    (judged ? judged_runs : unjudged_runs) += 1;
+  }
+  CHECK(judged_runs > 0);
+  CHECK(unjudged_runs > 0);
+  CHECK(unjudged_texts > 0);
+  // Every output judged: the flag is never set.
+  torchdbg::HookManager hooks;
+  HealthMonitor m;
+  auto inst = m.install(hooks);
+  hooks.set_step(0);
+  (void)hooks.execute_hooks("fc", torch::ones({4, 4}), true);
+  hooks.set_loss(1.0);
+  hooks.set_step(1);
+  hooks.set_loss(std::nan(""));
+  REQUIRE_FALSE(m.incidents().empty());
+  CHECK_FALSE(m.incidents().back().details.contains("forward_unjudged"));
+}
+
 TEST_CASE("property: after a finding, alert_steps judges forward outputs on every evaluated step that follows",
           "[health][attach]") {
   CHECK_THROWS_WITH(HealthMonitor(HealthOptions().alert_steps(-1)),

@@ -444,6 +444,10 @@ TORCHDBG_INLINE std::string describe_root(const Incident& i, std::size_t related
              "it "
              "fade (weight decay on normalization weights, or a destructive update).";
     case FailureKind::LossDivergence:
+      if (i.details.value("forward_unjudged", false))
+        return "the loss became non-finite at step " + step +
+               ", a step whose forward outputs were not judged (activation_interval): its batch, "
+               "a layer's output or the loss inputs may have caused it.";
       return "the loss became non-finite at step " + step +
              " before any layer showed a problem (check the loss inputs and labels).";
     case FailureKind::LossSpike:

@@ -386,8 +386,12 @@ TORCHDBG_INLINE void HealthCore::gradients(Pauses& pauses) {
 TORCHDBG_INLINE void HealthCore::loss(int64_t step, double loss, Pauses& pauses) {
   const LossSignals sig = signals_.measure_loss(step, loss);
   const HealthRule* by = nullptr;
-  const std::optional<Finding> found = judge(
+  std::optional<Finding> found = judge(
       sig, [](HealthRule& r, const auto& x) { return r.check_loss(x); }, by);
+  // Outputs judged every few steps: whether this step's were (diagnose() says nothing of the
+  // layers' outputs of a step that had none judged).
+  if (found && sparse_forward_ && (fwd_steps_.empty() || fwd_steps_.back() != step))
+    found->details["forward_unjudged"] = true;
   signals_.learn_loss(loss);
   LossHealth state = LossHealth::Healthy;
   if (found) {
