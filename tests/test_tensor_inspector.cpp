@@ -106,6 +106,8 @@ TEST_CASE("comparison metrics are computed from the data", "[inspector]") {
   auto an = a.clone();
   an[0] = std::numeric_limits<double>::quiet_NaN();
   CHECK(torchdbg::compare_tensors(an, b).skipped == 1);
+  CHECK_THROWS_WITH(torchdbg::compare_tensors(a.view({5, -1}).to_sparse_csr(), b),
+                    Catch::Contains("layout SparseCsr") && Catch::Contains(".to_dense()"));
   const auto m = torchdbg::compare_tensors(torch::zeros({3}), torch::zeros({4}, torch::kInt));
   CHECK_FALSE(m.shape_match);
   CHECK_FALSE(m.dtype_match);

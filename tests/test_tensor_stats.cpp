@@ -377,6 +377,31 @@ TEST_CASE("unsupported dtypes and undefined tensors are rejected with the dtype 
       torchdbg::Error);
 }
 
+TEST_CASE("tensors of an unreadable layout are rejected with the layout and its conversion named", "[stats]") {
+  const torch::Tensor dense = torch::randn({4, 6});
+  std::vector<std::pair<torch::Tensor, std::string>> odd = {{dense.to_sparse_csr(), "SparseCsr"}};
+#if TORCH_VERSION_MAJOR >= 2
+  odd.emplace_back(dense.to_sparse_csc(), "SparseCsc");
+  odd.emplace_back(dense.to_sparse_bsr({2, 2}), "SparseBsr");
+#endif
+  if (at::hasMKLDNN()) odd.emplace_back(dense.to_mkldnn(), "Mkldnn");
+  for (const auto& [t, layout] : odd) {
+    INFO("layout " << layout);
+    // Named: a matcher joined with && refers to its parts.
+    const auto names_layout = Catch::Contains("layout " + layout);
+    const auto names_fix = Catch::Contains(".to_dense()");
+    CHECK_THROWS_WITH(torchdbg::compute_stats(t), names_layout && names_fix);
+    CHECK_THROWS_WITH(torchdbg::compute_stats(t, torchdbg::StatsOptions().distribution(true)), names_layout && names_fix);
+    CHECK_THROWS_WITH(torchdbg::compute_stats(t, torchdbg::StatsOptions().sign_counts(false)), names_layout && names_fix);
+    CHECK_THROWS_WITH(torchdbg::detail::batch_spread(t), names_layout && names_fix);
+    int64_t per_unit = 0;
+    CHECK_THROWS_WITH(torchdbg::detail::count_above_per_unit(t, 1, 0.0, per_unit), names_layout && names_fix);
+  }
+  // The layouts that are read: strided and sparse COO.
+  CHECK(torchdbg::compute_stats(dense.to_sparse()).numel == 24);
+  CHECK(torchdbg::compute_stats(dense.t()).numel == 24);
+}
+
 TEST_CASE("statistics serialise to JSON with NaN as null", "[stats]") {
   auto t = torch::tensor({1.0, 2.0, kNaN});
   nlohmann::json j =

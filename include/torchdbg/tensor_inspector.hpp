@@ -110,8 +110,8 @@ struct TensorComparison {
 inline TensorComparison compare_tensors(const at::Tensor& a, const at::Tensor& b) {
   if (!a.defined() || !b.defined())
     throw Error("torchdbg: compare_tensors got an undefined tensor");
-  detail::check_supported_dtype(a.scalar_type());
-  detail::check_supported_dtype(b.scalar_type());
+  detail::check_readable(a);
+  detail::check_readable(b);
   TensorComparison c;
   c.shape_match = a.sizes() == b.sizes();
   c.dtype_match = a.scalar_type() == b.scalar_type();

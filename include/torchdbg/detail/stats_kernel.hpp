@@ -1002,6 +1002,19 @@ inline void check_supported_dtype(c10::ScalarType st) {
   }
 }
 
+/// Throws torchdbg::Error naming the dtype or the layout when torchdbg cannot read `t`:
+/// strided and sparse COO tensors of the dtypes check_supported_dtype accepts are read; an
+/// MKL-DNN or compressed sparse (CSR, CSC, BSR, BSC) tensor is named with the conversion that
+/// makes it readable.
+inline void check_readable(const at::Tensor& t) {
+  check_supported_dtype(t.scalar_type());
+  const auto layout = t.layout();
+  if (layout == at::kStrided || layout == at::kSparse) return;
+  throw Error("torchdbg: cannot read a tensor of layout " + c10::str(layout) +
+              " (strided and sparse COO tensors are read: convert it with " +
+              (layout == at::kMkldnn ? ".to_dense()" : ".to_sparse() or .to_dense()") + ")");
+}
+
 /// Calls f(static_cast<const T*>(nullptr)) with T the element type of `st`.
 template <typename F>
 decltype(auto) dispatch_dtype(c10::ScalarType st, F&& f) {
@@ -1208,7 +1221,7 @@ struct SegmentReduce {
 };
 
 inline at::Tensor pack_moments(const at::Tensor& t) {
-  check_supported_dtype(t.scalar_type());
+  check_readable(t);
   const auto dopt = t.options().dtype(at::kDouble);
   const Repeated r = collapse_repeats(t);
   if (r.repeats > 1) {  // counts and sums scale with the copies; mean and extrema do not
@@ -1247,7 +1260,7 @@ class MomentsBatch {
   }
   /// Copies `t` (accepts(t)) and returns its row. When it throws, the batch is as it was.
   int64_t add(const at::Tensor& t) {
-    check_supported_dtype(t.scalar_type());
+    check_readable(t);
     if (elements_ + t.numel() > kMaxHeld) reduce_held();
     at::Tensor copy = at::empty({t.numel()}, t.options().dtype(at::kDouble));
     copy.view(t.sizes()).copy_(t);
@@ -1390,7 +1403,7 @@ Moments accumulate_gathered(const at::Tensor& t, bool signs) {
 /// Moments::signs says whether they are there.
 inline Moments compute_moments(const at::Tensor& t, bool signs = true) {
   if (!t.defined()) throw Error("torchdbg: cannot compute statistics of an undefined tensor");
-  check_supported_dtype(t.scalar_type());
+  check_readable(t);
   if (t.is_meta()) throw Error("torchdbg: cannot compute statistics of a meta tensor (it has no data)");
   if (t.is_sparse()) {  // the stored values (duplicates summed) and the implicit zeros
     const at::Tensor c = t.coalesce();
@@ -1465,7 +1478,7 @@ inline float float_at_or_below(double v) noexcept {
 /// count_outside reduced with tensor operators where `t` lives: a 1-element float64 tensor
 /// on t's device (no host sync).
 inline at::Tensor count_outside_on_device(const at::Tensor& t, double lo, double hi) {
-  check_supported_dtype(t.scalar_type());
+  check_readable(t);
   const at::Tensor x = t.detach().to(at::kDouble);
   return (x < lo).logical_or(x > hi).sum().to(at::kDouble).reshape({1});
 }
@@ -1474,7 +1487,7 @@ inline at::Tensor count_outside_on_device(const at::Tensor& t, double lo, double
 /// CPU tensors; other devices count on the device and copy one number back.
 inline int64_t count_outside(const at::Tensor& t, double lo, double hi) {
   if (!t.defined()) throw Error("torchdbg: cannot count values of an undefined tensor");
-  check_supported_dtype(t.scalar_type());
+  check_readable(t);
   if (t.numel() == 0) return 0;
   if (t.is_sparse()) {  // the stored values, and the implicit zeros when 0 is outside
     const at::Tensor c = t.coalesce();
@@ -1521,7 +1534,7 @@ inline int64_t unit_dim_of(const at::Tensor& t, int64_t dim) {
 /// count_above_per_unit reduced with tensor operators where `t` lives: t.size(dim) float64
 /// counts on t's device (no host sync).
 inline at::Tensor count_above_per_unit_on_device(const at::Tensor& t, int64_t dim, double threshold) {
-  check_supported_dtype(t.scalar_type());
+  check_readable(t);
   const int64_t d = unit_dim_of(t, dim);
   std::vector<int64_t> dims;
   for (int64_t i = 0; i < t.dim(); ++i)
@@ -1535,7 +1548,7 @@ inline at::Tensor count_above_per_unit_on_device(const at::Tensor& t, int64_t di
 inline std::vector<int64_t> count_above_per_unit(const at::Tensor& t, int64_t dim, double threshold,
                                                  int64_t& per_unit) {
   if (!t.defined()) throw Error("torchdbg: cannot count values of an undefined tensor");
-  check_supported_dtype(t.scalar_type());
+  check_readable(t);
   if (t.is_meta()) throw Error("torchdbg: cannot count values of a meta tensor (it has no data)");
   if (t.is_sparse())
     throw Error("torchdbg: per-unit counts of a sparse tensor are not computed; pass t.to_dense()");
@@ -1713,7 +1726,7 @@ inline double batch_spread(const at::Tensor& t);
 /// batch_spread without the scaling of float64 deviations.
 inline double batch_spread_unscaled(const at::Tensor& t) {
   if (!t.defined()) throw Error("torchdbg: cannot compute the batch spread of an undefined tensor");
-  check_supported_dtype(t.scalar_type());
+  check_readable(t);
   if (t.is_sparse() || t.is_meta() || t.dim() < 2 || t.size(0) < 2 || t.numel() == 0) return kNaN;
   if (t.stride(0) == 0) {  // every row is the same tensor: no spread, unless it holds NaN/Inf
     const Moments m = compute_moments(t.select(0, 0), /*signs=*/false);

@@ -99,7 +99,7 @@ void HookExecutor<Mutex, State>::run_checked(std::string_view layer, const at::T
     input_error = "torchdbg: execute_hooks got an undefined tensor";
   } else {
     try {
-      check_supported_dtype(tensor.scalar_type());
+      check_readable(tensor);
     } catch (const std::exception& e) {
       input_error = e.what();
     }
