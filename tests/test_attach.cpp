@@ -133,6 +133,62 @@ TEST_CASE("every child's forward output equals running that child alone, once pe
   }
 }
 
+TEST_CASE("a module registered under several names delivers every call under its first name", "[attach]") {
+  // One Linear registered twice, and pushed into a ModuleList three times (ALBERT-style
+  // sharing): PyTorch's named_modules() lists it once, under its first name, and a hook on it
+  // sees each of its calls.
+  struct Twice : torch::nn::Module {
+    Twice() {
+      fc = register_module("first", torch::nn::Linear(4, 4));
+      register_module("second", fc);
+      for (int i = 0; i < 3; ++i) layers->push_back(fc);
+      register_module("layers", layers);
+    }
+    torch::Tensor forward(const torch::Tensor& x, int64_t calls) {
+      torch::Tensor h = x;
+      for (int64_t i = 0; i < calls; ++i) h = fc(i % 2 == 0 ? h : 2.0 * h);
+      return h;
+    }
+    torch::nn::Linear fc{nullptr};
+    torch::nn::ModuleList layers;
+  };
+  for (int64_t calls : {1, 2, 3, 5}) {
+    torchdbg_test::SeededRng rng(40 + calls);
+    auto net = std::make_shared<Twice>();
+    HookManager hooks;
+    Recorder rec;
+    rec.install(hooks);
+    auto session = torchdbg::attach(*net, hooks);
+    CHECK(session.module_names() == std::vector<std::string>{"first"});
+    for (int64_t step = 0; step < 2; ++step) {
+      hooks.set_step(step);
+      const auto x = torch::randn({3, 4});
+      std::vector<torch::Tensor> ref;
+      {
+        hooks.set_enabled(false);
+        torch::NoGradGuard ng;
+        torch::Tensor h = x;
+        for (int64_t i = 0; i < calls; ++i) ref.push_back(h = net->fc(i % 2 == 0 ? h : 2.0 * h));
+        hooks.set_enabled(true);
+      }
+      net->zero_grad();
+      // Two forwards in one step: the second one's calls follow the first one's.
+      auto loss = net->forward(x, calls).sum() + net->forward(x, calls).sum();
+      loss.backward();
+      hooks.set_step(step + 100);
+      INFO("calls " << calls << " step " << step);
+      const auto& seen = rec.fwd[step];
+      CHECK(seen.size() == 1);
+      REQUIRE(seen.count("first") == 1);
+      REQUIRE(seen.at("first").size() == static_cast<std::size_t>(2 * calls));
+      for (std::size_t i = 0; i < seen.at("first").size(); ++i)
+        CHECK(torch::allclose(seen.at("first")[i], ref[i % static_cast<std::size_t>(calls)], 1e-6, 1e-7));
+      CHECK(rec.bwd[step].count("first.weight") == 1);
+      CHECK(rec.bwd[step].size() == 2);  // first.weight, first.bias
+    }
+  }
+}
+
 TEST_CASE("an output changed in place with gradients off is delivered as the module returned it", "[attach]") {
   // With gradients off the observer skips operators, except one reading a pending output: it
   // is delivered before the operator changes it (a metric's in-place clamp, a masked fill).

@@ -2085,3 +2085,112 @@ TEST_CASE("the wide kernels return with the upper halves of the vector registers
   SUCCEED("no x86-64 vector kernels in this build");
 #endif
 }
+
+TEST_CASE("property: float64 data of any magnitude, 1e-300 to 1e308, gives a long-double reference's moments, norms and distribution",
+          "[stats]") {
+  // Squares of such values overflow or underflow a double: the reference sums in long double
+  // (x86's 64-bit mantissa and 15-bit exponent; elsewhere the test keeps what it can check).
+  constexpr bool kWideExponent = std::numeric_limits<long double>::max_exponent > 2000;
+  std::mt19937_64 gen(1206);
+  const auto relative = [](double got, long double want, double rel) {
+    if (std::isinf(static_cast<double>(want))) return std::isinf(got);
+    return std::fabs(static_cast<long double>(got) - want) <= rel * std::fabs(want) + 1e-4000L;
+  };
+  for (int trial = 0; trial < 120; ++trial) {
+    const int decade = std::uniform_int_distribution<int>(-300, 307)(gen);
+    const int64_t n = std::uniform_int_distribution<int64_t>(1, trial % 4 == 0 ? 9000 : 40)(gen);
+    const int shape = std::uniform_int_distribution<int>(0, 3)(gen);  // 0 one-signed, 1 mixed, 2 offset, 3 two values
+    std::vector<double> v(static_cast<std::size_t>(n));
+    std::uniform_real_distribution<double> u(0.1, 1.7);
+    for (int64_t i = 0; i < n; ++i) {
+      double x = u(gen) * std::pow(10.0, decade);
+      if (shape == 1 && (gen() & 1)) x = -x;
+      if (shape == 2) x = std::pow(10.0, decade) * (1.0 + 1e-3 * u(gen));
+      if (shape == 3) x = (i % 2 ? -1.0 : 1.0) * std::pow(10.0, decade);
+      v[static_cast<std::size_t>(i)] = std::isfinite(x) ? x : 1.7e308;
+    }
+    torch::Tensor t = torch::from_blob(v.data(), {n}, torch::kDouble).clone();
+    if (trial % 5 == 0 && n >= 2) t = t.view({n / 2 * 2 == n ? 2 : 1, -1}).t();  // a strided view
+    long double s = 0, mx = 0;
+    for (double x : v) {
+      s += x;
+      mx = std::max(mx, std::fabs(static_cast<long double>(x)));
+    }
+    const long double mean = s / n;
+    long double ss = 0, dev2 = 0, dev3 = 0, dev4 = 0;
+    for (double x : v) {
+      const long double d = x - mean;
+      ss += static_cast<long double>(x) * x;
+      dev2 += d * d;
+      dev3 += d * d * d;
+      dev4 += d * d * d * d;
+    }
+    INFO("trial " << trial << ": " << n << " values near 1e" << decade << ", shape " << shape);
+    const auto st = torchdbg::compute_stats(t, torchdbg::StatsOptions().distribution(true).histogram_bins(7));
+    CHECK(st.finite_count == n);
+    CHECK(std::fabs(st.mean - mean) <= 1e-12L * mx);  // a mean that cancels to about 0 included
+    if (kWideExponent) {
+      INFO("std " << st.std << " l2 " << st.l2_norm);
+      CHECK(relative(st.std, std::sqrt(dev2 / n), 1e-6));
+      CHECK(relative(st.l2_norm, std::sqrt(ss), 1e-12));
+      CHECK(std::isfinite(st.std));
+      CHECK(std::isfinite(st.l2_norm));
+      if (dev2 > 0 && dev2 / n > 1e-20L * mean * mean) {
+        const long double skew = (dev3 / n) / std::pow(dev2 / n, 1.5L);
+        CHECK(std::fabs(st.distribution->skewness - skew) <= 1e-6L * std::max(1.0L, std::fabs(skew)));
+        CHECK(relative(st.distribution->excess_kurtosis + 3.0, (dev4 / n) / ((dev2 / n) * (dev2 / n)), 1e-6));
+      }
+    }
+    // The histogram: finite ascending edges from min to max, every value counted once in the
+    // bin a long-double reckoning gives it.
+    const auto& d = *st.distribution;
+    REQUIRE(d.bin_edges.size() == 8);
+    for (double e : d.bin_edges) CHECK(std::isfinite(e));
+    for (std::size_t i = 1; i < d.bin_edges.size(); ++i) CHECK(d.bin_edges[i] >= d.bin_edges[i - 1]);
+    int64_t total = 0;
+    for (int64_t c : d.bin_counts) total += c;
+    CHECK(total == n);
+    if (st.max > st.min) {
+      CHECK(d.bin_edges.front() == st.min);
+      CHECK(d.bin_edges.back() == st.max);
+      std::vector<int64_t> want(7, 0);
+      const long double lo = st.min, hi = st.max;
+      for (double x : v) {
+        auto b = static_cast<int64_t>((x - lo) * 7 / (hi - lo));
+        ++want[static_cast<std::size_t>(std::min<int64_t>(b, 6))];
+      }
+      int64_t moved = 0;  // a value within rounding of an edge may fall either side
+      for (std::size_t b = 0; b < 7; ++b) moved += std::abs(want[b] - d.bin_counts[b]);
+      CHECK(moved <= 2);
+      CHECK(d.sigma3_outliers <= n / 9 + 1);  // Chebyshev: at most 1/9 beyond 3 std
+    }
+  }
+  // The ends of the range: values whose squares, or whose difference, leave a double.
+  const double big = std::numeric_limits<double>::max();
+  const auto two = torchdbg::compute_stats(torch::tensor({1e200, -1e200}, torch::kDouble));
+  CHECK(two.std == 1e200);
+  CHECK_CLOSE(two.l2_norm, std::sqrt(2.0) * 1e200, 1e-15);
+  CHECK(two.mean == 0.0);
+  const auto edge = torchdbg::compute_stats(torch::tensor({1.5e308, -1.5e308}, torch::kDouble),
+                                            torchdbg::StatsOptions().distribution(true).histogram_bins(4));
+  CHECK(edge.mean == 0.0);
+  CHECK(edge.std == 1.5e308);
+  CHECK(std::isinf(edge.l2_norm));  // 2.1e308: beyond a double, as torch.norm
+  CHECK(edge.distribution->bin_counts == std::vector<int64_t>{1, 0, 0, 1});
+  CHECK(edge.distribution->bin_edges[2] == 0.0);
+  const auto tiny = torchdbg::compute_stats(torch::tensor({1e-200, -1e-200}, torch::kDouble));
+  CHECK(tiny.std == 1e-200);
+  CHECK_CLOSE(tiny.l2_norm / 1e-200, std::sqrt(2.0), 1e-15);
+  const auto spread = torchdbg::compute_stats(torch::tensor({-1e308, 0.0, 1e308}, torch::kDouble),
+                                              torchdbg::StatsOptions().distribution(true).histogram_bins(4));
+  CHECK(spread.distribution->bin_counts == std::vector<int64_t>{1, 0, 1, 1});
+  CHECK(spread.distribution->sigma3_outliers == 0);
+  CHECK(std::isfinite(spread.distribution->excess_kurtosis));
+  const auto top = torchdbg::compute_stats(torch::full({3}, big, torch::kDouble),
+                                           torchdbg::StatsOptions().distribution(true).histogram_bins(3));
+  CHECK(top.std == 0.0);
+  int64_t counted = 0;
+  for (int64_t c : top.distribution->bin_counts) counted += c;
+  CHECK(counted == 3);
+  for (double e : top.distribution->bin_edges) CHECK(std::isfinite(e));
+}

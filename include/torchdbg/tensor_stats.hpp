@@ -167,12 +167,12 @@ inline TensorStats stats_from_moments(const detail::Moments& m, const at::Tensor
   s.positive_count = m.signs ? m.positives : -1;
   if (m.finite > 0) {
     s.mean = m.mean;
-    s.std = std::sqrt(m.variance());
+    s.std = m.std_dev();
     s.min = m.min;
     s.max = m.max;
   }
   s.l1_norm = m.signs ? m.abs_sum : detail::kNaN;
-  s.l2_norm = std::sqrt(std::max(0.0, m.sum_squares()));
+  s.l2_norm = m.l2_norm();
   s.linf_norm = m.abs_max;
   if (s.numel > 0 && m.signs) s.sparsity = static_cast<double>(m.zeros) / static_cast<double>(s.numel);
   return s;
@@ -206,17 +206,22 @@ inline void add_distribution(TensorStats& s, const at::Tensor& t, int64_t histog
     s.distribution = std::move(d);
     return;
   }
-  // A constant tensor gets one unit-wide range around its value, as torch.histc does.
+  // A constant tensor gets one unit-wide range around its value, as torch.histc does; where 1
+  // is below the value's precision (beyond 2^53), the neighbouring doubles.
   double lo = s.min, hi = s.max;
   if (!(hi > lo)) {
     lo -= 1.0;
     hi += 1.0;
+    if (!(hi > lo)) {
+      lo = std::nextafter(s.min, -detail::kInf);
+      hi = std::nextafter(s.max, detail::kInf);
+      if (!std::isfinite(lo)) lo = s.min;
+      if (!std::isfinite(hi)) hi = s.max;
+    }
   }
   d.bin_edges.resize(static_cast<std::size_t>(histogram_bins) + 1);
-  for (int64_t i = 0; i <= histogram_bins; ++i) {
-    d.bin_edges[static_cast<std::size_t>(i)] =
-        lo + (hi - lo) * static_cast<double>(i) / static_cast<double>(histogram_bins);
-  }
+  const detail::HistogramBins bins(histogram_bins, lo, hi);
+  for (int64_t i = 0; i <= histogram_bins; ++i) d.bin_edges[static_cast<std::size_t>(i)] = bins.edge(i);
   const double iqr = d.p75 - d.p25;
   const auto pass = detail::distribution_pass(t, histogram_bins, lo, hi, s.mean, d.p25 - 1.5 * iqr,
                                               d.p75 + 1.5 * iqr, 3.0 * s.std);

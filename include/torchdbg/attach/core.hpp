@@ -266,7 +266,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       md.emplace("input_count", std::to_string(m.finite));
     }
     if (m.finite <= 0) return;
-    md.emplace("input_rms", number_text(std::sqrt(m.sum_squares() / static_cast<double>(m.finite))));
+    md.emplace("input_rms", number_text(m.rms()));
   }
 
   /// A batch of one has no spread across the batch to tell a module's bias from what its
@@ -292,7 +292,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       const Moments m = compute_moments(t.detach() - bias.detach().view(shape), /*signs=*/false);
       if (m.finite != m.count || m.finite == 0) return;
       if (!own) own = base_md;
-      own->emplace("std_less_bias", number_text(std::sqrt(m.variance())));
+      own->emplace("std_less_bias", number_text(m.std_dev()));
       return;
     }
   }
@@ -318,7 +318,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       const at::Tensor w(p.impl.lock());
       if (!w.defined() || w.numel() == 0 || !w.is_cpu() || !w.is_floating_point()) return;
       const Moments m = compute_moments(w.detach(), /*signs=*/false);
-      if (m.finite == m.count) number("norm_weight_rms", std::sqrt(m.sum_squares() / static_cast<double>(m.finite)));
+      if (m.finite == m.count) number("norm_weight_rms", m.rms());
       return;
     }
   }

@@ -15,6 +15,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -171,13 +172,17 @@ struct ModuleTable {
     return spec;
   }
 
-  /// The model and its submodules, root first ("root", then dotted names). named_modules
-  /// (include_self) would need the model held by a shared_ptr; one on the stack
-  /// (`Net model;`) is described the same way.
+  /// The model and its submodules, root first ("root", then dotted names), each module once:
+  /// one registered under several names (`register_module("a", fc)` and
+  /// `register_module("b", fc)`, or pushed into a ModuleList twice) under the first in
+  /// pre-order, as PyTorch's named_modules() lists it, so all its calls are that name's.
+  /// named_modules (include_self) would need the model held by a shared_ptr; one on the
+  /// stack (`Net model;`) is described the same way.
   static std::vector<ModuleSpec> specs_of(torch::nn::Module& model) {
     std::vector<ModuleSpec> out{spec_of("root", model)};
+    std::unordered_set<const torch::nn::Module*> seen{&model};
     for (const auto& item : model.named_modules("", /*include_self=*/false))
-      out.push_back(spec_of(item.key(), *item.value()));
+      if (seen.insert(item.value().get()).second) out.push_back(spec_of(item.key(), *item.value()));
     return out;
   }
 

@@ -61,7 +61,11 @@ struct Moments {
   int64_t negatives = 0;  // finite and < 0
   int64_t positives = 0;  // finite and > 0
   double mean = 0.0;      // of finite values
-  double m2 = 0.0;        // sum of squared deviations from `mean`
+  double m2 = 0.0;        // sum of squared deviations from `mean`, in units of 4^scale
+  /// float64 values beyond about 2^400 or below 2^-400 in magnitude, whose squares overflow
+  /// or underflow a double: `m2` holds the squared deviations of the values times 2^-scale
+  /// (exact: a power of two). 0 for everything else.
+  int scale = 0;
   double min = kInf;
   double max = -kInf;
   double abs_sum = 0.0;
@@ -69,6 +73,14 @@ struct Moments {
   /// Whether zeros, negatives, positives and abs_sum were computed (a moments-only request
   /// may skip them; see compute_moments).
   bool signs = true;
+
+  /// The scale (see `scale`) that values of magnitude up to `amax` need: 0 from 2^-400 to
+  /// 2^400, else the power of two that brings them to about 2^400 (2^-400).
+  static int scale_for(double amax) noexcept {
+    if (!(amax > 0.0) || !std::isfinite(amax)) return 0;
+    const int e = std::ilogb(amax);
+    return e > 400 ? e - 400 : e < -400 ? e + 400 : 0;
+  }
 
   /// Chan et al.'s pairwise merge: exact for counts, numerically stable for the moments.
   void merge(const Moments& o) {
@@ -83,12 +95,21 @@ struct Moments {
       if (finite == 0) {
         mean = o.mean;
         m2 = o.m2;
-      } else {
+        scale = o.scale;
+      } else if (scale == 0 && o.scale == 0 && scale_for(std::max(abs_max, o.abs_max)) == 0) {
         const double n = static_cast<double>(finite + o.finite);
         const double delta = o.mean - mean;
         mean += delta * static_cast<double>(o.finite) / n;
         m2 +=
             o.m2 + delta * delta * static_cast<double>(finite) * static_cast<double>(o.finite) / n;
+      } else {  // in the units of the larger values (the smaller ones' share may round away)
+        const int s = scale_for(std::max(abs_max, o.abs_max));
+        const double n = static_cast<double>(finite + o.finite);
+        const double a = std::ldexp(mean, -s), b = std::ldexp(o.mean, -s), delta = b - a;
+        mean = std::ldexp(a + delta * static_cast<double>(o.finite) / n, s);
+        m2 = std::ldexp(m2, 2 * (scale - s)) + std::ldexp(o.m2, 2 * (o.scale - s)) +
+             delta * delta * static_cast<double>(finite) * static_cast<double>(o.finite) / n;
+        scale = s;
       }
       finite += o.finite;
     }
@@ -99,13 +120,28 @@ struct Moments {
     signs = signs && o.signs;
   }
 
-  /// Population variance (ddof = 0) of the finite values; NaN when there are none.
+  /// Population variance (ddof = 0) of the finite values; NaN when there are none (+Inf
+  /// beyond a double's range: std_dev() has it).
   [[nodiscard]] double variance() const noexcept {
-    return finite > 0 ? std::max(0.0, m2 / static_cast<double>(finite)) : kNaN;
+    return finite > 0 ? std::ldexp(std::max(0.0, m2 / static_cast<double>(finite)), 2 * scale) : kNaN;
   }
-  /// Sum of squares of the finite values, for the L2 norm.
+  /// Population standard deviation of the finite values; NaN when there are none.
+  [[nodiscard]] double std_dev() const noexcept {
+    return finite > 0 ? std::ldexp(std::sqrt(std::max(0.0, m2 / static_cast<double>(finite))), scale) : kNaN;
+  }
+  /// Sum of squares of the finite values (+Inf beyond a double's range: l2_norm() has it).
   [[nodiscard]] double sum_squares() const noexcept {
-    return m2 + static_cast<double>(finite) * mean * mean;
+    const double ms = std::ldexp(mean, -scale);
+    return std::ldexp(m2 + static_cast<double>(finite) * ms * ms, 2 * scale);
+  }
+  /// The L2 norm of the finite values: sqrt(sum_squares()) without its overflow.
+  [[nodiscard]] double l2_norm() const noexcept {
+    const double ms = std::ldexp(mean, -scale);
+    return std::ldexp(std::sqrt(std::max(0.0, m2 + static_cast<double>(finite) * ms * ms)), scale);
+  }
+  /// Root mean square of the finite values; NaN when there are none.
+  [[nodiscard]] double rms() const noexcept {
+    return finite > 0 ? l2_norm() / std::sqrt(static_cast<double>(finite)) : kNaN;
   }
 };
 
@@ -171,7 +207,21 @@ Moments accumulate(const T* p, int64_t n) {
   m.positives = pos;
   if (fin > 0) {
     const double fn = static_cast<double>(fin);
-    m.mean = shift + s1 / fn;
+    m.scale = Moments::scale_for(amax);
+    if (m.scale != 0) {  // float64 squares that overflow or underflow: the sums again, scaled
+      const double sh = std::ldexp(shift, -m.scale);
+      s1 = s2 = 0.0;
+      for (int64_t i = 0; i < n; ++i) {
+        const double v = as_double(p[i]);
+        if (!std::isfinite(v)) continue;
+        const double d = std::ldexp(v, -m.scale) - sh;
+        s1 += d;
+        s2 += d * d;
+      }
+      m.mean = std::ldexp(sh + s1 / fn, m.scale);
+    } else {
+      m.mean = shift + s1 / fn;
+    }
     m.m2 = std::max(0.0, s2 - s1 * s1 / fn);
   }
   m.min = mn;
@@ -198,14 +248,24 @@ struct FloatBlock {
   int64_t finite = 0, zeros = 0, negatives = 0, nan = 0, pos_inf = 0;
 };
 
+// The scalar helpers the vector kernels call are inlined into them, whatever the optimisation
+// level the kernels and their callers are compiled at (see TORCHDBG_KERNEL_OPT).
+#if defined(__GNUC__) || defined(__clang__)
+#define TORCHDBG_KERNEL_INLINE __attribute__((always_inline)) inline
+#else
+#define TORCHDBG_KERNEL_INLINE inline
+#endif
+
 /// One finite value of a block's scalar tail (both paths), summed in double.
-inline void add_finite(float v, float shift, FloatBlock& o) {
+TORCHDBG_KERNEL_INLINE void add_finite(float v, float shift, FloatBlock& o) {
   const double d = static_cast<double>(v) - shift;
   o.s1 += d;
   o.s2 += d * d;
-  o.abs_sum += std::fabs(v);
-  o.min = std::min(o.min, v);
-  o.max = std::max(o.max, v);
+  // Comparisons rather than std::fabs/min/max: the library calls they are at -O0 would be
+  // calls out of the kernels (v is finite here).
+  o.abs_sum += v < 0.0f ? -v : v;
+  o.min = v < o.min ? v : o.min;
+  o.max = o.max < v ? v : o.max;
   ++o.finite;
   o.zeros += v == 0.0f ? 1 : 0;
   o.negatives += v < 0.0f ? 1 : 0;
@@ -213,10 +273,10 @@ inline void add_finite(float v, float shift, FloatBlock& o) {
 
 /// Adds `n` floats one by one, sums in double (a block's scalar tail, or a whole block whose
 /// float lane sums would not be exact).
-inline void add_scalar(const float* p, int64_t n, float shift, FloatBlock& o) {
+TORCHDBG_KERNEL_INLINE void add_scalar(const float* p, int64_t n, float shift, FloatBlock& o) {
   for (int64_t i = 0; i < n; ++i) {
     const float v = p[i];
-    if (std::fabs(v) <= FLT_MAX) {
+    if (v >= -FLT_MAX && v <= FLT_MAX) {  // finite (std::fabs: see add_finite)
       add_finite(v, shift, o);
     } else {
       o.nan += v != v ? 1 : 0;
@@ -242,13 +302,13 @@ __attribute__((always_inline)) inline void prefetch_ahead(const float* p) noexce
 }
 
 /// One vector lane's float sums, extrema and counts, added to a block's (both paths).
-inline void add_lane(float s1, float s2, float ab, float mn, float mx, int32_t zeros,
+TORCHDBG_KERNEL_INLINE void add_lane(float s1, float s2, float ab, float mn, float mx, int32_t zeros,
                      int32_t negatives, FloatBlock& o) {
   o.s1 += s1;
   o.s2 += s2;
   o.abs_sum += ab;
-  o.min = std::min(o.min, mn);
-  o.max = std::max(o.max, mx);
+  o.min = mn < o.min ? mn : o.min;  // std::min and std::max, without the calls (see add_finite)
+  o.max = o.max < mx ? mx : o.max;
   o.zeros += zeros;
   o.negatives += negatives;
 }
@@ -357,7 +417,7 @@ __attribute__((always_inline)) inline bool float_block_finite_impl(const float* 
   o = FloatBlock{};
   double neg_sum = 0.0;
   for (int64_t k = 0; k < kLanes; ++k) {
-    if (!(std::fabs(s2[k]) <= FLT_MAX) || !(std::fabs(ns[k]) <= FLT_MAX)) return false;
+    if (!(s2[k] >= -FLT_MAX && s2[k] <= FLT_MAX) || !(ns[k] >= -FLT_MAX && ns[k] <= FLT_MAX)) return false;
     if (kMode == kBlockNonNegative && mn[k] < 0.0f) return false;
     add_lane(s1[k], s2[k], 0.0f, mn[k], mx[k], zer[k], neg[k], o);
     neg_sum += ns[k];
@@ -365,7 +425,7 @@ __attribute__((always_inline)) inline bool float_block_finite_impl(const float* 
   o.finite = i;
   o.abs_sum = kMode == kBlockMoments || kMode == kBlockSums ? 0.0 : o.s1 + static_cast<double>(i) * shift - 2.0 * neg_sum;
   for (; i < n; ++i) {
-    if (!(std::fabs(p[i]) <= FLT_MAX)) return false;
+    if (!(p[i] >= -FLT_MAX && p[i] <= FLT_MAX)) return false;
     add_finite(p[i], shift, o);  // exact for the tail, negative values included
   }
   return true;
@@ -544,12 +604,12 @@ struct BlockKernels {
   void (*column_deviations)(const float*, const float*, int64_t, int64_t, int64_t, bool, double*, double*);
 };
 
-// Built without optimisation (-O0: a Debug build) GCC keeps every vector value on the stack,
-// which made the widest kernel slower than the baseline one (a 2048-float block 9.2 us against
-// 0.25 us at -O2 on an Intel Xeon VM): there the kernels are compiled at -O2. Clang has no
-// such attribute (its -O0 kernels run about 3.5 times slower than at -O2); GCC's -Og cannot
-// be told from -O1 by a macro and is left as it is.
-#if defined(__GNUC__) && !defined(__clang__) && !defined(__OPTIMIZE__)
+// GCC compiles the kernels at -O2 whatever the level of the code around them: built without
+// optimisation (-O0: a Debug build) it keeps every vector value on the stack, and at -Og it
+// reads 5 to 8 times slower than at -O0 (a 2048-float AVX-512 block 9.2 us at -O0 against
+// 0.25 us at -O2 on an Intel Xeon VM); their results are then the same at every level. Clang
+// has no such attribute (its -O0 kernels run about 3.5 times slower than at -O2).
+#if defined(__GNUC__) && !defined(__clang__)
 #define TORCHDBG_KERNEL_OPT __attribute__((optimize("O2")))
 #else
 #define TORCHDBG_KERNEL_OPT
@@ -1079,7 +1139,7 @@ inline Moments repeated(Moments m, int64_t repeats) {
   if (repeats == 1) return m;
   for (int64_t* c : {&m.count, &m.finite, &m.nan, &m.pos_inf, &m.neg_inf, &m.zeros, &m.negatives, &m.positives})
     *c *= repeats;
-  m.m2 *= static_cast<double>(repeats);
+  m.m2 *= static_cast<double>(repeats);  // scaled data stays below 2^800 + 63 bits
   m.abs_sum *= static_cast<double>(repeats);
   return m;
 }
@@ -1953,9 +2013,38 @@ inline std::vector<double> finite_sample(const at::Tensor& t, int64_t finite, in
 /// What one streaming pass over a tensor's finite values gives the distribution: histogram
 /// counts over [lo, hi] (the last bin closed), central moments about `mean`, and the counts
 /// outside [fence_lo, fence_hi] and farther than `sigma3` from `mean`.
+/// Equal-width bins over [lo, hi] (hi > lo), reckoned in units of 2^unit, the magnitude of the
+/// larger end: hi - lo and v - lo never overflow, however far apart the ends (float64 data near
+/// +-DBL_MAX). Where unscaled arithmetic does not overflow the bins and edges are its own (a
+/// power-of-two scale is exact).
+struct HistogramBins {
+  HistogramBins(int64_t bins, double lo, double hi)
+      : bins_(bins), unit_(std::ilogb(std::max(std::fabs(lo), std::fabs(hi)))), hi_(hi),
+        lo_(std::ldexp(lo, -unit_)), width_(std::ldexp(hi, -unit_) - lo_),
+        per_(static_cast<double>(bins) / width_) {}
+  /// The bin of a value in [lo, hi].
+  [[nodiscard]] int64_t bin(double v) const {
+    const auto b = static_cast<int64_t>((std::ldexp(v, -unit_) - lo_) * per_);
+    return b >= bins_ ? bins_ - 1 : b;
+  }
+  /// Edge i of bins + 1: edge 0 is lo, edge `bins` is hi, exactly.
+  [[nodiscard]] double edge(int64_t i) const {
+    if (i >= bins_) return hi_;
+    return std::ldexp(lo_ + width_ * static_cast<double>(i) / static_cast<double>(bins_), unit_);
+  }
+  /// The magnitude unit (2^unit) the values are reckoned in.
+  [[nodiscard]] int unit() const noexcept { return unit_; }
+
+ private:
+  int64_t bins_;
+  int unit_;
+  double hi_, lo_, width_, per_;
+};
+
 struct DistributionPass {
   std::vector<int64_t> counts;
-  double s2 = 0, s3 = 0, s4 = 0;
+  double s2 = 0, s3 = 0, s4 = 0;  // central moment sums of the values in units of 2^unit
+  int unit = 0;
   int64_t n = 0, outside_fences = 0, beyond_sigma3 = 0;
 };
 inline DistributionPass distribution_pass(const at::Tensor& t, int64_t bins, double lo, double hi,
@@ -1966,17 +2055,14 @@ inline DistributionPass distribution_pass(const at::Tensor& t, int64_t bins, dou
     const int64_t z = t.numel() - c._values().numel();
     if (z > 0) {
       d.n += z;
-      if (bins > 0 && hi > lo && 0.0 >= lo && 0.0 <= hi) {
-        auto b = static_cast<int64_t>((0.0 - lo) * static_cast<double>(bins) / (hi - lo));
-        if (b >= bins) b = bins - 1;
-        d.counts[static_cast<std::size_t>(b)] += z;
-      }
-      const double dv = -mean, d2 = dv * dv, k = static_cast<double>(z);
+      if (bins > 0 && hi > lo && 0.0 >= lo && 0.0 <= hi)
+        d.counts[static_cast<std::size_t>(HistogramBins(bins, lo, hi).bin(0.0))] += z;
+      const double dv = -std::ldexp(mean, -d.unit), d2 = dv * dv, k = static_cast<double>(z);
       d.s2 += k * d2;
       d.s3 += k * d2 * dv;
       d.s4 += k * d2 * d2;
       if (0.0 < fence_lo || 0.0 > fence_hi) d.outside_fences += z;
-      if (std::fabs(dv) > sigma3) d.beyond_sigma3 += z;
+      if (std::fabs(dv) > std::ldexp(sigma3, -d.unit)) d.beyond_sigma3 += z;
     }
     return d;
   }
@@ -1984,21 +2070,21 @@ inline DistributionPass distribution_pass(const at::Tensor& t, int64_t bins, dou
   DistributionPass d;
   d.counts.assign(static_cast<std::size_t>(std::max<int64_t>(bins, 0)), 0);
   const bool binned = bins > 0 && hi > lo;
-  const double scale = binned ? static_cast<double>(bins) / (hi - lo) : 0.0;
+  const HistogramBins hist(binned ? bins : 1, binned ? lo : 0.0, binned ? hi : 1.0);
+  // Deviations in units of 2^unit (the larger magnitude of lo and hi, which bound the mean): their
+  // fourth powers stay within a double for float64 data of any magnitude.
+  d.unit = std::ilogb(std::max({std::fabs(lo), std::fabs(hi), std::fabs(mean), DBL_MIN}));
+  const double ms = std::ldexp(mean, -d.unit), sigma3_s = std::ldexp(sigma3, -d.unit);
   for_each_value(r.base, [&](double v) {
     if (!std::isfinite(v)) return;
     ++d.n;
-    if (binned && v >= lo && v <= hi) {
-      auto b = static_cast<int64_t>((v - lo) * scale);
-      if (b >= bins) b = bins - 1;
-      ++d.counts[static_cast<std::size_t>(b)];
-    }
-    const double dv = v - mean, d2 = dv * dv;
+    if (binned && v >= lo && v <= hi) ++d.counts[static_cast<std::size_t>(hist.bin(v))];
+    const double dv = std::ldexp(v, -d.unit) - ms, d2 = dv * dv;
     d.s2 += d2;
     d.s3 += d2 * dv;
     d.s4 += d2 * d2;
     d.outside_fences += (v < fence_lo || v > fence_hi) ? 1 : 0;
-    d.beyond_sigma3 += std::fabs(dv) > sigma3 ? 1 : 0;
+    d.beyond_sigma3 += std::fabs(dv) > sigma3_s ? 1 : 0;
   });
   if (r.repeats > 1) {  // every distinct value stands `repeats` times
     const double k = static_cast<double>(r.repeats);
@@ -2037,3 +2123,5 @@ inline std::vector<double> quantiles(std::vector<double>& values, const std::vec
 }
 
 }  // namespace torchdbg::detail
+
+#undef TORCHDBG_KERNEL_INLINE
