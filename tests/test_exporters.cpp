@@ -421,6 +421,339 @@ TEST_CASE("streams: appending repairs an unterminated last line; bad options lea
   }
 }
 
+namespace {
+
+/// One RFC 4180 record and the offset just past its newline.
+struct CsvRecord {
+  std::vector<std::string> fields;
+  std::size_t end = 0;
+};
+
+/// An RFC 4180 reader written apart from the exporter: a quoted field holds anything with
+/// quotes doubled, an unquoted one holds no quote, CR or LF, and every record ends with "\n".
+/// Returns false with `error` set at the first departure (an unterminated last record too).
+bool parse_csv(const std::string& text, std::vector<CsvRecord>& out, std::string& error) {
+  out.clear();
+  std::size_t i = 0;
+  const std::size_t n = text.size();
+  while (i < n) {
+    CsvRecord rec;
+    while (true) {
+      std::string f;
+      if (i < n && text[i] == '"') {
+        ++i;
+        while (true) {
+          if (i >= n) {
+            error = "open quote at end of file";
+            return false;
+          }
+          if (text[i] == '"') {
+            if (i + 1 < n && text[i + 1] == '"') {
+              f += '"';
+              i += 2;
+              continue;
+            }
+            ++i;
+            break;
+          }
+          f += text[i++];
+        }
+      } else {
+        while (i < n && text[i] != ',' && text[i] != '\n') {
+          if (text[i] == '"' || text[i] == '\r') {
+            error = "quote or CR in an unquoted field at byte " + std::to_string(i);
+            return false;
+          }
+          f += text[i++];
+        }
+      }
+      rec.fields.push_back(f);
+      if (i >= n) {
+        error = "last record has no newline";
+        return false;
+      }
+      if (text[i] == ',') {
+        ++i;
+        continue;
+      }
+      if (text[i] != '\n') {
+        error = "a closing quote not followed by a comma or newline at byte " + std::to_string(i);
+        return false;
+      }
+      ++i;
+      break;
+    }
+    rec.end = i;
+    out.push_back(std::move(rec));
+  }
+  return true;
+}
+
+/// `s` with control bytes, quotes and backslashes escaped, as a C++ literal shows them.
+std::string escaped(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s) {
+    if (c == '\n')
+      out += "\\n";
+    else if (c == '\r')
+      out += "\\r";
+    else if (c == '"' || c == '\\')
+      out += std::string("\\") + static_cast<char>(c);
+    else
+      out += static_cast<char>(c);
+  }
+  return out;
+}
+
+/// Layer (and parameter) names that stress RFC 4180 quoting, all valid UTF-8.
+std::vector<std::string> hostile_names() {
+  return {"fc1",    "block\nfc2", "with,comma", "quo\"te",
+          "cr\rlf", "crlf\r\nx",  "\"\"",       "\n",
+          ",",      "a\"\nb,\"c", "ends\n",     "\xc3\xa9t\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80",
+          "\"\n\"", "step"};
+}
+
+/// A step whose layers carry `names`, forward and backward (the name as parameter too), with
+/// values whose text has many digits, so that a cut can fall inside a number. Step 999999
+/// (the appended one) has a loss of 0.5.
+StepRecord hostile_step(int64_t step, const std::vector<std::string>& names) {
+  StepRecord r;
+  r.step = step;
+  r.loss = step == 999999 ? 0.5 : 1234.56789 + static_cast<double>(step);
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    for (bool forward : {true, false}) {
+      LayerRecord l;
+      l.layer = names[i];
+      l.forward = forward;
+      if (!forward) l.parameter = names[i];
+      l.stats = torchdbg::compute_stats(
+          torch::tensor({1.0 / 3.0, static_cast<double>(i) + 0.123456789, -7.25}));
+      r.layers.push_back(l);
+    }
+  }
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("CSV: appending after a cut at any byte keeps every complete record and only those",
+          "[exporters]") {
+  // A real exporter file with hostile names is cut at every byte offset, reopened with
+  // truncate(false) and given one more step; an independent RFC 4180 reader then checks that
+  // the file is the records complete before the cut, unchanged, and the new step's.
+  const std::string dir = torchdbg_test::tmp_dir("csv_cut_everywhere");
+  const std::string ref_path = dir + "/ref.csv";
+  const auto names = hostile_names();
+  {
+    torchdbg::CsvExporter x(ref_path);
+    x.write_step(hostile_step(0, names));
+    x.write_step(hostile_step(1, {"x"}));
+  }
+  const std::string full = slurp(ref_path);
+  std::vector<CsvRecord> ref;
+  std::string error;
+  REQUIRE(parse_csv(full, ref, error));
+  REQUIRE(ref.size() == 1 + 2 * names.size() + 2);
+  std::vector<std::string> header;
+  {
+    std::vector<CsvRecord> h;
+    REQUIRE(parse_csv(std::string(torchdbg::CsvExporter::kHeader) + "\n", h, error));
+    header = h[0].fields;
+  }
+  REQUIRE(header.size() == torchdbg::CsvExporter::kColumns);
+  REQUIRE(ref[0].fields == header);
+
+  const std::vector<std::string> appended_names = {"app\"end\ned,", "z"};
+  const std::string path = dir + "/cut.csv";
+  std::size_t bad = 0;
+  std::string first_bad;
+  for (std::size_t cut = 0; cut <= full.size(); ++cut) {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << full.substr(0, cut);
+    std::size_t torn = 0;
+    {
+      torchdbg::CsvExporter x(path, torchdbg::StreamOptions().truncate(false));
+      torn = x.torn_bytes_removed();
+      x.write_step(hostile_step(999999, appended_names));
+    }
+    const std::string text = slurp(path);
+    std::size_t kept = 0;  // records complete before the cut
+    while (kept < ref.size() && ref[kept].end <= cut) ++kept;
+    const std::size_t keep_bytes = kept == 0 ? 0 : ref[kept - 1].end;
+    std::string problem;
+    std::vector<CsvRecord> got;
+    if (!parse_csv(text, got, error)) {
+      problem = error;
+    } else if (torn != cut - keep_bytes) {
+      problem = "torn_bytes_removed " + std::to_string(torn) + ", expected " +
+                std::to_string(cut - keep_bytes);
+    } else if (text.compare(0, keep_bytes, full, 0, keep_bytes) != 0) {
+      problem = "the complete records before the cut changed";
+    } else {
+      const std::size_t head = kept == 0 ? 1 : kept;  // a file left empty gets its header
+      std::size_t headers = 0;
+      for (const auto& rec : got) {
+        if (rec.fields.size() != header.size())
+          problem = "a record of " + std::to_string(rec.fields.size()) + " fields";
+        if (rec.fields == header) ++headers;
+      }
+      if (got.size() != head + 2 * appended_names.size()) {
+        problem = std::to_string(got.size()) + " records, expected " +
+                  std::to_string(head + 2 * appended_names.size());
+      } else if (headers != 1 || got[0].fields != header) {
+        problem = "the header is not first exactly once";
+      } else {
+        for (std::size_t i = 1; i < kept; ++i)
+          if (got[i].fields != ref[i].fields) problem = "record " + std::to_string(i) + " changed";
+        for (std::size_t i = 0; i < 2 * appended_names.size(); ++i) {
+          const auto& f = got[head + i].fields;
+          const bool forward = i % 2 == 0;
+          const std::string& name = appended_names[i / 2];
+          if (f[0] != "999999" || f[1] != name || f[2] != (forward ? "forward" : "backward") ||
+              f[3] != (forward ? "" : name) || f[14] != "0.5")
+            problem = "appended record " + std::to_string(i) + " is not intact";
+        }
+      }
+    }
+    if (!problem.empty() && bad++ == 0) {
+      first_bad = "cut at byte " + std::to_string(cut) + " of " + std::to_string(full.size()) +
+                  ": " + problem + "\n  file before reopening ends: \"" +
+                  escaped(full.substr(cut > 80 ? cut - 80 : 0, std::min<std::size_t>(cut, 80))) +
+                  "\"\n  file after appending ends: \"" +
+                  escaped(text.substr(text.size() > 400 ? text.size() - 400 : 0)) + "\"";
+    }
+  }
+  INFO(bad << " of " << full.size() + 1 << " cuts broke the file; the first:\n" << first_bad);
+  CHECK(bad == 0);
+}
+
+TEST_CASE(
+    "CSV: appending cuts a record torn after a quoted newline, inside a number or inside the "
+    "header",
+    "[exporters]") {
+  const std::string dir = torchdbg_test::tmp_dir("csv_torn_cases");
+  const std::string path = dir + "/run.csv";
+  const auto reopen_and_append = [&](const std::string& content) {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << content;
+    std::size_t torn = 0;
+    {
+      torchdbg::CsvExporter x(path, torchdbg::StreamOptions().truncate(false));
+      torn = x.torn_bytes_removed();
+      x.write_step(hostile_step(2, {"fc3"}));
+    }
+    return torn;
+  };
+  {
+    torchdbg::CsvExporter x(path);
+    x.write_step(hostile_step(0, {"fc1"}));
+    x.write_step(hostile_step(1, {"block\nfc2"}));
+  }
+  const std::string whole = slurp(path);
+  REQUIRE(whole.back() == '\n');
+  std::vector<CsvRecord> recs;
+  std::string error;
+  REQUIRE(parse_csv(whole, recs, error));
+  REQUIRE(recs.size() == 5);
+  const std::size_t before_last = recs[3].end;
+  SECTION("a record whose quoted name holds a newline, with only its final newline lost") {
+    CHECK(reopen_and_append(whole.substr(0, whole.size() - 1)) == whole.size() - 1 - before_last);
+  }
+  SECTION("a record cut inside its last number, its field count whole") {
+    const std::string cut = whole.substr(0, whole.size() - 6);  // "...,1235." of 1235.56789
+    REQUIRE(torchdbg::CsvExporter::fields(cut.substr(before_last)) ==
+            torchdbg::CsvExporter::kColumns);
+    CHECK(reopen_and_append(cut) == cut.size() - before_last);
+  }
+  SECTION("a record cut just after the newline inside its quoted name") {
+    const std::string cut = whole.substr(0, whole.find("block\n", before_last) + 6);
+    CHECK(reopen_and_append(cut) == cut.size() - before_last);
+  }
+  const std::string text = slurp(path);
+  REQUIRE(parse_csv(text, recs, error));
+  REQUIRE(recs.size() == 4 + 2);
+  CHECK(text.substr(0, before_last) == whole.substr(0, before_last));
+  CHECK(recs[4].fields[0] == "2");
+  CHECK(recs[4].fields[1] == "fc3");
+}
+
+TEST_CASE("CSV: a file holding only a torn header gets a whole header before the appended rows",
+          "[exporters]") {
+  const std::string dir = torchdbg_test::tmp_dir("csv_torn_header");
+  const std::string path = dir + "/run.csv";
+  const std::string header = torchdbg::CsvExporter::kHeader;
+  for (const std::string& content : {header.substr(0, 16), header}) {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << content;
+    {
+      torchdbg::CsvExporter x(path, torchdbg::StreamOptions().truncate(false));
+      CHECK(x.torn_bytes_removed() == content.size());
+      x.write_step(hostile_step(0, {"fc1"}));
+    }
+    const auto lines = read_lines(path);
+    REQUIRE(lines.size() == 3);
+    CHECK(lines[0] == header);
+    CHECK(lines[1].rfind("0,fc1,forward,", 0) == 0);
+  }
+}
+
+TEST_CASE("JSONL: appending after a cut at any byte keeps every complete line and only those",
+          "[exporters]") {
+  // JSONL records never span lines: a cut line is torn unless only its newline was lost.
+  const std::string dir = torchdbg_test::tmp_dir("jsonl_cut_everywhere");
+  const std::string ref_path = dir + "/ref.jsonl";
+  {
+    torchdbg::JsonlExporter x(ref_path);
+    x.write_step(hostile_step(0, {"block\nfc2", "quo\"te,", "\xc3\xa9t\xc3\xa9"}));
+  }
+  const std::string full = slurp(ref_path);
+  REQUIRE(full.back() == '\n');
+  const std::string path = dir + "/cut.jsonl";
+  std::size_t bad = 0;
+  std::string first_bad;
+  for (std::size_t cut = 0; cut <= full.size(); ++cut) {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << full.substr(0, cut);
+    {
+      torchdbg::JsonlExporter x(path, torchdbg::StreamOptions().truncate(false));
+      x.write_step(hostile_step(999999, {"app\"end\ned,"}));
+    }
+    const std::string text = slurp(path);
+    // Kept: the lines ended before the cut, and the one whose newline alone was cut.
+    std::size_t keep = 0;
+    if (cut < full.size() && full[cut] == '\n') {
+      keep = cut + 1;
+    } else if (cut > 0) {
+      const auto nl = full.rfind('\n', cut - 1);
+      keep = nl == std::string::npos ? 0 : nl + 1;
+    }
+    std::string problem;
+    if (text.compare(0, keep, full, 0, keep) != 0)
+      problem = "the complete lines before the cut changed";
+    std::size_t lines = 0, appended = 0;
+    for (std::size_t pos = 0; pos < text.size();) {
+      const auto nl = text.find('\n', pos);
+      if (nl == std::string::npos) {
+        problem = "last line has no newline";
+        break;
+      }
+      const std::string line = text.substr(pos, nl - pos);
+      if (!nlohmann::json::accept(line))
+        problem = "line " + std::to_string(lines) + " does not parse";
+      else if (pos >= keep && nlohmann::json::parse(line).value("step", int64_t{-1}) == 999999)
+        ++appended;
+      ++lines;
+      pos = nl + 1;
+    }
+    const auto full_lines = static_cast<std::size_t>(
+        std::count(full.begin(), full.begin() + static_cast<std::ptrdiff_t>(keep), '\n'));
+    if (problem.empty() && (appended != 1 + 2 || lines != full_lines + appended))
+      problem = std::to_string(lines) + " lines, " + std::to_string(appended) + " appended";
+    if (!problem.empty() && bad++ == 0)
+      first_bad = "cut at byte " + std::to_string(cut) + ": " + problem +
+                  "\n  file after appending ends: \"" +
+                  escaped(text.substr(text.size() > 400 ? text.size() - 400 : 0)) + "\"";
+  }
+  INFO(bad << " of " << full.size() + 1 << " cuts broke the file; the first:\n" << first_bad);
+  CHECK(bad == 0);
+}
+
 TEST_CASE("HTML: steps at the ends of int64 and steps going backwards stay in range", "[exporters]") {
   const std::string dir = torchdbg_test::tmp_dir("html_steps");
   for (const auto& steps : std::vector<std::vector<int64_t>>{

@@ -20,8 +20,8 @@ class BasicCsvExporter : public BasicStreamExporter<Mutex> {
       "health,loss";
 
   explicit BasicCsvExporter(const std::string& path, StreamOptions options = {})
-      : BasicStreamExporter<Mutex>(path, options, [](const std::string& line) { return fields(line) == kColumns; }) {
-    if (this->stream_.empty_at_open()) this->stream_.add(kHeader);
+      : BasicStreamExporter<Mutex>(path, std::move(options), detail::RecordSyntax{{}, true}) {
+    if (this->stream_.starts_empty()) this->stream_.add(kHeader);
   }
 
   /// Columns of a row (the header's).
