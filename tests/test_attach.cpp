@@ -189,6 +189,64 @@ TEST_CASE("a module registered under several names delivers every call under its
   }
 }
 
+TEST_CASE("property: an output changed in place before an activation delivers what the same change made out of place does",
+          "[attach]") {
+  // RL action masking (`logits.masked_fill_(forbidden, -inf)`, then `log_softmax`) and its
+  // kin: the activation reads values the module did not return, in place as out of place.
+  const std::vector<std::string> changes = {"masked_fill", "mul", "add", "clamp"};
+  const std::vector<std::string> activations = {"log_softmax", "relu", "tanh", "sigmoid", "softmax"};
+  std::mt19937_64 gen(33);
+  for (int trial = 0; trial < 24; ++trial) {
+    const std::string change = changes[gen() % changes.size()];
+    const std::string act = activations[gen() % activations.size()];
+    std::map<std::string, std::size_t> delivered[2];
+    std::map<std::string, torch::Tensor> first_output[2];
+    for (int inplace = 0; inplace < 2; ++inplace) {
+      torch::manual_seed(500 + trial);
+      auto policy = torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 6));
+      HookManager hooks;
+      Recorder rec;
+      rec.install(hooks);
+      auto session = torchdbg::attach(*policy, hooks);
+      for (int64_t step = 0; step < 3; ++step) {
+        hooks.set_step(step);
+        const auto x = torch::randn({5, 8});
+        auto forbidden = torch::rand({5, 6}) < 0.3;
+        forbidden.select(1, 0).fill_(false);
+        torch::Tensor logits = policy->forward(x);
+        if (change == "masked_fill") {
+          logits = inplace ? logits.masked_fill_(forbidden, -INFINITY) : logits.masked_fill(forbidden, -INFINITY);
+        } else if (change == "mul") {
+          logits = inplace ? logits.mul_(0.5) : logits.mul(0.5);
+        } else if (change == "add") {
+          logits = inplace ? logits.add_(1.0) : logits.add(1.0);
+        } else {
+          logits = inplace ? logits.clamp_(-1.0, 1.0) : logits.clamp(-1.0, 1.0);
+        }
+        torch::Tensor y = act == "log_softmax" ? torch::log_softmax(logits, 1)
+                          : act == "softmax"   ? torch::softmax(logits, 1)
+                          : act == "relu"      ? torch::relu(logits)
+                          : act == "tanh"      ? torch::tanh(logits)
+                                               : torch::sigmoid(logits);
+        y.select(1, 0).sum().backward();
+      }
+      hooks.set_step(100);
+      for (const auto& [step, names] : rec.fwd)
+        for (const auto& [name, list] : names) {
+          delivered[inplace][name] += list.size();
+          if (step == 0 && !first_output[inplace].count(name)) first_output[inplace][name] = list.front();
+        }
+    }
+    INFO("trial " << trial << ": " << change << " then " << act);
+    CHECK(delivered[1] == delivered[0]);
+    CHECK(delivered[1].count("2/" + act) == 0);  // the masked logits' activation is not module 2's
+    REQUIRE(delivered[1].count("2") == 1);
+    // Module 2's output as it returned it, before the change.
+    for (int inplace = 0; inplace < 2; ++inplace) CHECK(torch::all(torch::isfinite(first_output[inplace]["2"])).item<bool>());
+    CHECK(torch::equal(first_output[1]["2"], first_output[0]["2"]));
+  }
+}
+
 TEST_CASE("an output changed in place with gradients off is delivered as the module returned it", "[attach]") {
   // With gradients off the observer skips operators, except one reading a pending output: it
   // is delivered before the operator changes it (a metric's in-place clamp, a masked fill).

@@ -263,7 +263,12 @@ class Attribution : protected ObserverState {
         continue;
       }
       const Derived seen = t.outputs[slot];
-      const int op = core->options.activations() ? FollowUpOps::find(op_name) : -1;
+      // An output changed in place since it was delivered (`logits.masked_fill_(mask, -inf)`)
+      // is no longer the module's: an activation of it is not the module's activation, as
+      // for the same change made out of place.
+      const bool modified = seen.impl && seen.version != kNoVersion &&
+                            version_of(seen.impl->_unsafe_get_target()) != seen.version;
+      const int op = core->options.activations() && !modified ? FollowUpOps::find(op_name) : -1;
       // An activation takes the output up, and every view of it (its output is delivered once
       // a call); a view or any other reader leaves it for an activation that comes later.
       if (op >= 0) {
