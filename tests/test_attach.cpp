@@ -189,61 +189,72 @@ TEST_CASE("a module registered under several names delivers every call under its
   }
 }
 
-TEST_CASE("property: an output changed in place before an activation delivers what the same change made out of place does",
+TEST_CASE("property: an activation of an output changed in place is the module's, marked input_changed, with the values it made",
           "[attach]") {
-  // RL action masking (`logits.masked_fill_(forbidden, -inf)`, then `log_softmax`) and its
-  // kin: the activation reads values the module did not return, in place as out of place.
-  const std::vector<std::string> changes = {"masked_fill", "mul", "add", "clamp"};
+  // A residual added in place before the ReLU (`out += identity`), an action mask's
+  // `masked_fill_(forbidden, -inf)` before `log_softmax`: the module's output is delivered as
+  // it returned it, the activation with what it made of the changed values.
+  const std::vector<std::string> changes = {"masked_fill", "mul", "add", "clamp", "none"};
   const std::vector<std::string> activations = {"log_softmax", "relu", "tanh", "sigmoid", "softmax"};
   std::mt19937_64 gen(33);
-  for (int trial = 0; trial < 24; ++trial) {
+  for (int trial = 0; trial < 30; ++trial) {
     const std::string change = changes[gen() % changes.size()];
     const std::string act = activations[gen() % activations.size()];
-    std::map<std::string, std::size_t> delivered[2];
-    std::map<std::string, torch::Tensor> first_output[2];
-    for (int inplace = 0; inplace < 2; ++inplace) {
-      torch::manual_seed(500 + trial);
-      auto policy = torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 6));
-      HookManager hooks;
-      Recorder rec;
-      rec.install(hooks);
-      auto session = torchdbg::attach(*policy, hooks);
-      for (int64_t step = 0; step < 3; ++step) {
-        hooks.set_step(step);
-        const auto x = torch::randn({5, 8});
-        auto forbidden = torch::rand({5, 6}) < 0.3;
-        forbidden.select(1, 0).fill_(false);
-        torch::Tensor logits = policy->forward(x);
-        if (change == "masked_fill") {
-          logits = inplace ? logits.masked_fill_(forbidden, -INFINITY) : logits.masked_fill(forbidden, -INFINITY);
-        } else if (change == "mul") {
-          logits = inplace ? logits.mul_(0.5) : logits.mul(0.5);
-        } else if (change == "add") {
-          logits = inplace ? logits.add_(1.0) : logits.add(1.0);
-        } else {
-          logits = inplace ? logits.clamp_(-1.0, 1.0) : logits.clamp(-1.0, 1.0);
-        }
-        torch::Tensor y = act == "log_softmax" ? torch::log_softmax(logits, 1)
-                          : act == "softmax"   ? torch::softmax(logits, 1)
-                          : act == "relu"      ? torch::relu(logits)
-                          : act == "tanh"      ? torch::tanh(logits)
-                                               : torch::sigmoid(logits);
-        y.select(1, 0).sum().backward();
-      }
-      hooks.set_step(100);
-      for (const auto& [step, names] : rec.fwd)
-        for (const auto& [name, list] : names) {
-          delivered[inplace][name] += list.size();
-          if (step == 0 && !first_output[inplace].count(name)) first_output[inplace][name] = list.front();
-        }
+    const bool inplace = gen() % 2 == 0;
+    INFO("trial " << trial << ": " << change << (inplace ? " in place" : " out of place") << " then " << act);
+    torch::manual_seed(500 + trial);
+    auto policy = torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 6));
+    HookManager hooks;
+    std::vector<std::pair<std::string, std::string>> seen;  // name, input_changed
+    std::map<std::string, torch::Tensor> values;
+    hooks.register_callback("record", [&](const torchdbg::HookContext& c) {
+      if (!c.is_forward()) return;
+      const auto changed = c.metadata_value("input_changed");
+      seen.emplace_back(std::string(c.layer_name()), changed ? std::string(*changed) : std::string());
+      values[std::string(c.layer_name())] = c.tensor().detach().clone();
+    });
+    hooks.register_hook(HookConfig().name("record").trigger(HookTrigger::every_forward()).actions(
+        {HookAction::custom_callback("record")}));
+    auto session = torchdbg::attach(*policy, hooks);
+    hooks.set_step(0);
+    const auto x = torch::randn({5, 8});
+    auto forbidden = torch::rand({5, 6}) < 0.3;
+    forbidden.select(1, 0).fill_(false);
+    torch::Tensor logits = policy->forward(x);
+    torch::Tensor returned;
+    {
+      torch::NoGradGuard ng;
+      returned = logits.detach().clone();
     }
-    INFO("trial " << trial << ": " << change << " then " << act);
-    CHECK(delivered[1] == delivered[0]);
-    CHECK(delivered[1].count("2/" + act) == 0);  // the masked logits' activation is not module 2's
-    REQUIRE(delivered[1].count("2") == 1);
-    // Module 2's output as it returned it, before the change.
-    for (int inplace = 0; inplace < 2; ++inplace) CHECK(torch::all(torch::isfinite(first_output[inplace]["2"])).item<bool>());
-    CHECK(torch::equal(first_output[1]["2"], first_output[0]["2"]));
+    if (change == "masked_fill") {
+      logits = inplace ? logits.masked_fill_(forbidden, -INFINITY) : logits.masked_fill(forbidden, -INFINITY);
+    } else if (change == "mul") {
+      logits = inplace ? logits.mul_(0.5) : logits.mul(0.5);
+    } else if (change == "add") {
+      logits = inplace ? logits.add_(1.0) : logits.add(1.0);
+    } else if (change == "clamp") {
+      logits = inplace ? logits.clamp_(-1.0, 1.0) : logits.clamp(-1.0, 1.0);
+    }
+    const torch::Tensor y = act == "log_softmax" ? torch::log_softmax(logits, 1)
+                            : act == "softmax"   ? torch::softmax(logits, 1)
+                            : act == "relu"      ? torch::relu(logits)
+                            : act == "tanh"      ? torch::tanh(logits)
+                                                 : torch::sigmoid(logits);
+    y.select(1, 0).sum().backward();
+    hooks.set_step(1);
+    REQUIRE(values.count("2") == 1);
+    CHECK(torch::equal(values["2"], returned));  // as the module returned it
+    const bool changed_in_place = inplace && change != "none";
+    const bool activation_delivered = change == "none" || inplace;
+    CHECK(values.count("2/" + act) == (activation_delivered ? 1u : 0u));
+    if (activation_delivered) {
+      CHECK(torch::equal(values["2/" + act].isfinite(), y.isfinite()));
+      CHECK(torch::allclose(values["2/" + act].nan_to_num(0, 0, 0), y.detach().nan_to_num(0, 0, 0)));
+    }
+    for (const auto& [name, changed] : seen) {
+      INFO("delivery " << name);
+      CHECK(changed == (name == "2/" + act && changed_in_place ? "1" : ""));
+    }
   }
 }
 

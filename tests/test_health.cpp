@@ -2056,6 +2056,52 @@ TEST_CASE("property: a branch whose gradient is exactly 0 with no zero-initializ
   }
 }
 
+TEST_CASE("property: an action mask's -inf written in place before log_softmax is no failure; a NaN the loss shows is",
+          "[health][attach]") {
+  std::mt19937_64 gen(77);
+  for (int trial = 0; trial < 8; ++trial) {
+    const int64_t actions = 3 + static_cast<int64_t>(gen() % 6);
+    const int64_t nan_step = trial % 2 == 0 ? -1 : 5 + static_cast<int64_t>(gen() % 10);
+    INFO("trial " << trial << ": " << actions << " actions" << (nan_step >= 0 ? ", a NaN logit at step " : "")
+                  << (nan_step >= 0 ? std::to_string(nan_step) : std::string()));
+    torch::manual_seed(900 + trial);
+    auto policy = torch::nn::Sequential(torch::nn::Linear(8, 32), torch::nn::ReLU(), torch::nn::Linear(32, actions));
+    torch::optim::Adam opt(policy->parameters(), 1e-3);
+    torchdbg::HookManager hooks;
+    HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+    auto inst = m.install(hooks);
+    auto session = torchdbg::attach(*policy, hooks);
+    for (int64_t step = 0; step < 20 && !hooks.is_paused(); ++step) {
+      hooks.set_step(step);
+      auto forbidden = torch::rand({16, actions}) < 0.4;
+      forbidden.select(1, 0).fill_(false);  // action 0 is always allowed: the loss stays finite
+      auto logits = policy->forward(torch::randn({16, 8}));
+      logits.masked_fill_(forbidden, -INFINITY);
+      if (step == nan_step) {
+        torch::NoGradGuard ng;
+        logits[2][0] = std::nan("");
+      }
+      auto loss = torch::nll_loss(torch::log_softmax(logits, 1), torch::zeros({16}, torch::kLong));
+      hooks.set_loss(loss.item<double>());
+      opt.zero_grad();
+      loss.backward();
+      if (hooks.is_paused()) break;
+      opt.step();
+    }
+    const auto incidents = m.incidents();
+    if (nan_step < 0) {
+      for (const auto& i : incidents) INFO(i);
+      CHECK(incidents.empty());
+      CHECK_FALSE(hooks.is_paused());
+    } else {  // the NaN reaches the loss: seen there, on its step
+      REQUIRE(hooks.is_paused());
+      REQUIRE_FALSE(incidents.empty());
+      CHECK(incidents.front().step == nan_step);
+      CHECK(incidents.front().kind != FailureKind::NonFiniteOutput);
+    }
+  }
+}
+
 TEST_CASE("property: a loss that turns non-finite on a step whose outputs were not judged says so, on judged steps it does not",
           "[health][attach]") {
   std::mt19937_64 rng(20261206);

@@ -263,12 +263,7 @@ class Attribution : protected ObserverState {
         continue;
       }
       const Derived seen = t.outputs[slot];
-      // An output changed in place since it was delivered (`logits.masked_fill_(mask, -inf)`)
-      // is no longer the module's: an activation of it is not the module's activation, as
-      // for the same change made out of place.
-      const bool modified = seen.impl && seen.version != kNoVersion &&
-                            version_of(seen.impl->_unsafe_get_target()) != seen.version;
-      const int op = core->options.activations() && !modified ? FollowUpOps::find(op_name) : -1;
+      const int op = core->options.activations() ? FollowUpOps::find(op_name) : -1;
       // An activation takes the output up, and every view of it (its output is delivered once
       // a call); a view or any other reader leaves it for an activation that comes later.
       if (op >= 0) {
@@ -287,6 +282,11 @@ class Attribution : protected ObserverState {
       } else if (op >= 0) {
         d.kind = Decision::Activation;
         d.follow_up = op;
+        // Changed in place since delivered (`out += identity` before the ReLU, an action
+        // mask's `masked_fill_(mask, -inf)` before `log_softmax`): the activation is still the
+        // module's, of values user code changed (its "input_changed").
+        d.changed = seen.impl && seen.version != kNoVersion &&
+                    version_of(seen.impl->_unsafe_get_target()) != seen.version;
       } else {
         d.kind = Decision::Reader;
       }
@@ -399,7 +399,13 @@ class Attribution : protected ObserverState {
           }
           case Decision::Activation: {
             auto f = d.core->delivery_info(d.module, d.follow_up, d.call);
-            d.core->send(d.module, f->name, out, true, f->md);
+            if (d.changed) {
+              Metadata md = f->md;
+              md.emplace("input_changed", "1");
+              d.core->send(d.module, f->name, out, true, md);
+            } else {
+              d.core->send(d.module, f->name, out, true, f->md);
+            }
             remember(t, t.fed, Derived{d.core->id, d.module, d.call, nullptr, weak_of(out), 0, std::move(f), 0, 0}, kOutputs);
             break;
           }

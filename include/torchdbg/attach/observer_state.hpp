@@ -188,7 +188,8 @@ class ObserverState {
     /// delivery it views.
     std::shared_ptr<const DeliveryInfo> from;
     uint64_t delivery = 0;  // Alias, FedAlias: the delivery it views (Derived::delivery)
-    bool changed = false;   // Alias, FedAlias: what it views changed in place since delivered
+    bool changed = false;   // Alias, FedAlias: what it views changed in place since delivered;
+                            // Activation: its input did
     std::optional<NormCapture> norm;  // Forward: a BatchNorm's running statistics before its update
   };
   /// Backward: an autograd node. Update: an in-place update of a module's own tensor or an

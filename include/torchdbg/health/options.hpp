@@ -117,6 +117,10 @@ struct ActivationInfo {
   bool input_observed = false;
   /// Finite elements of the model's input (attach's "input_count"); -1: not known.
   int64_t input_count = -1;
+  /// An activation of a module output that user code changed in place after its delivery
+  /// (attach's "input_changed": `out += identity`, `masked_fill_(mask, -inf)`): a NaN/Inf in
+  /// it may be that code's, on purpose (an action mask), and is not the step's origin.
+  bool input_changed = false;
   /// A batch of one's output std with its Linear's or Conv's bias taken out (attach's
   /// "std_less_bias"): what its weights made of the input, judged instead of the spread
   /// across the batch that one sample lacks.
@@ -442,6 +446,8 @@ TORCHDBG_INLINE ActivationInfo activation_info(const Metadata& metadata) {
       info.call = integer(value);
     } else if (k == "input_call") {
       info.input_call = integer(value).value_or(-1);
+    } else if (k == "input_changed") {
+      info.input_changed = value == "1";
     } else if (k == "input_count") {
       info.input_count = integer(value).value_or(-1);
     } else if (k == "norm_samples") {

@@ -253,8 +253,9 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
   // mean, not the spread, and is no explosion.
   L.gain = (L.gain_checked && in_rms && std::isfinite(s.std)) ? s.std / *in_rms : detail::kNaN;
   // A NaN/Inf output is the step's origin only when nothing before it in the step (the
-  // model's input included) was non-finite.
-  const bool origin = s.has_non_finite() && !fwd_nonfinite_;
+  // model's input included) was non-finite, and it is not an activation of values user code
+  // changed in place (an action mask's -Inf: the loss shows what was not on purpose).
+  const bool origin = s.has_non_finite() && !fwd_nonfinite_ && !info.input_changed;
   if (s.has_non_finite()) fwd_nonfinite_ = true;
 
   // Dead units (ReLU family) are tracked on every delivery to fill the window.
