@@ -625,49 +625,50 @@ struct BlockKernels {
 #define TORCHDBG_KERNEL_LEAVE_BASELINE() ((void)0)
 
 /// The kernels of one vector width compiled for one target: `<kernel>_<suffix>` functions.
-/// `leave` runs after the kernel, before the wrapper returns.
+/// `leave` runs after the kernel, before the wrapper returns. TORCHDBG_KERNEL_OPT comes before
+/// the target: GCC 14 drops a target given before an optimize attribute.
 #define TORCHDBG_DEFINE_KERNELS(suffix, target_attr, leave, VF, VI, VH, VD)                        \
-  target_attr TORCHDBG_KERNEL_OPT inline bool block_finite_##suffix(const float* p, int64_t n,     \
+  TORCHDBG_KERNEL_OPT target_attr inline bool block_finite_##suffix(const float* p, int64_t n,     \
                                                                     float shift, FloatBlock& o) {  \
     const bool ok = float_block_finite_impl<VF, VI, kBlockSigns>(p, n, shift, o);                  \
     leave();                                                                                       \
     return ok;                                                                                     \
   }                                                                                                \
-  target_attr TORCHDBG_KERNEL_OPT inline bool block_moments_##suffix(const float* p, int64_t n,    \
+  TORCHDBG_KERNEL_OPT target_attr inline bool block_moments_##suffix(const float* p, int64_t n,    \
                                                                      float shift, FloatBlock& o) { \
     const bool ok = float_block_finite_impl<VF, VI, kBlockMoments>(p, n, shift, o);                \
     leave();                                                                                       \
     return ok;                                                                                     \
   }                                                                                                \
-  target_attr TORCHDBG_KERNEL_OPT inline bool block_non_negative_##suffix(                         \
+  TORCHDBG_KERNEL_OPT target_attr inline bool block_non_negative_##suffix(                         \
       const float* p, int64_t n, float shift, FloatBlock& o) {                                     \
     const bool ok = float_block_finite_impl<VF, VI, kBlockNonNegative>(p, n, shift, o);            \
     leave();                                                                                       \
     return ok;                                                                                     \
   }                                                                                                \
-  target_attr TORCHDBG_KERNEL_OPT inline void block_exact_##suffix(const float* p, int64_t n,      \
+  TORCHDBG_KERNEL_OPT target_attr inline void block_exact_##suffix(const float* p, int64_t n,      \
                                                                    float shift, FloatBlock& o) {   \
     float_block_exact_impl<VF, VI>(p, n, shift, o);                                                \
     leave();                                                                                       \
   }                                                                                                \
-  target_attr TORCHDBG_KERNEL_OPT inline void rows_above_##suffix(                                 \
+  TORCHDBG_KERNEL_OPT target_attr inline void rows_above_##suffix(                                 \
       const float* p, int64_t rows, int64_t units, float threshold, int32_t* counts) {             \
     float_rows_above_impl<VF, VI>(p, rows, units, threshold, counts);                              \
     leave();                                                                                       \
   }                                                                                                \
-  target_attr TORCHDBG_KERNEL_OPT inline int64_t count_above_##suffix(const float* p, int64_t n,   \
+  TORCHDBG_KERNEL_OPT target_attr inline int64_t count_above_##suffix(const float* p, int64_t n,   \
                                                                       float threshold) {           \
     const int64_t c = float_count_above_impl<VF, VI>(p, n, threshold);                             \
     leave();                                                                                       \
     return c;                                                                                      \
   }                                                                                                \
-  target_attr TORCHDBG_KERNEL_OPT inline bool block_sums_##suffix(const float* p, int64_t n,       \
+  TORCHDBG_KERNEL_OPT target_attr inline bool block_sums_##suffix(const float* p, int64_t n,       \
                                                                   float shift, FloatBlock& o) {    \
     const bool ok = float_block_finite_impl<VF, VI, kBlockSums>(p, n, shift, o);                   \
     leave();                                                                                       \
     return ok;                                                                                     \
   }                                                                                                \
-  target_attr TORCHDBG_KERNEL_OPT inline void column_deviations_##suffix(                          \
+  TORCHDBG_KERNEL_OPT target_attr inline void column_deviations_##suffix(                          \
       const float* first, const float* p, int64_t rows, int64_t stride, int64_t n, bool fresh,     \
       double* s1, double* s2) {                                                                    \
     float_column_deviations_impl<VH, VD>(first, p, rows, stride, n, fresh, s1, s2);                \
