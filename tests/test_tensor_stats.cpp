@@ -2045,6 +2045,12 @@ TEST_CASE("the wide kernels return with the upper halves of the vector registers
     SUCCEED("this CPU cannot say which of its register states are in use");
     return;
   }
+#if defined(__SANITIZE_ADDRESS__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 13
+  // Newer GCCs' AddressSanitizer (14 here) poisons a kernel's stack shadow with vector stores
+  // at its exit, after the kernel's vzeroupper: the state seen would be the sanitizer's.
+  SUCCEED("AddressSanitizer's exit code dirties the vector registers itself with this GCC");
+  return;
+#endif
   namespace d = torchdbg::detail;
   constexpr uint64_t kDirtyUpper = (1u << 2) | (1u << 6);
   torchdbg_test::SeededRng rng(47);
