@@ -438,6 +438,7 @@ struct Seen {
   std::string input_from;
   int64_t input_call = -1;
   std::optional<double> input_rms;
+  std::optional<bool> input_alike;
 };
 
 struct Result {
@@ -473,6 +474,7 @@ struct Recorder {
       if (auto f = c.metadata_value("input_from")) s.input_from = std::string(*f);
       if (auto k = c.metadata_value("input_call")) s.input_call = std::stoll(std::string(*k));
       if (auto r = c.metadata_value("input_rms")) s.input_rms = std::stod(std::string(*r));
+      if (auto a = c.metadata_value("input_alike")) s.input_alike = *a == "1";
       s.shape = c.tensor().sizes().vec();
       const auto& st = c.stats();
       s.mean = st.mean;
@@ -537,8 +539,12 @@ inline Result run(const Spec& spec, int steps = 3) {
     std::vector<torch::Tensor> trainable;
     for (const auto& p : params)
       if (p.value().requires_grad()) trainable.push_back(p.value());
+    int64_t inputs_made = 0;
     const auto input = [&] {
-      return spec.embedding_vocab > 0 ? torch::randint(0, spec.embedding_vocab, {B}) : torch::randn({B, spec.width});
+      if (spec.embedding_vocab > 0) return torch::randint(0, spec.embedding_vocab, {B});
+      // every third batch of identical samples (copies of an environment reset together)
+      if (inputs_made++ % 3 == 1) return torch::randn({1, spec.width}).expand({B, spec.width}).contiguous();
+      return torch::randn({B, spec.width});
     };
     // Every parameter's gradient now, in double (zeros where none).
     using Grads = std::map<std::string, torch::Tensor>;
@@ -603,6 +609,19 @@ inline Result run(const Spec& spec, int steps = 3) {
             if (!close(*s.input_rms, in_rms, 1e-4))
               fail(where + "'" + e.name + "' call " + std::to_string(call) + " input_rms " +
                    std::to_string(*s.input_rms) + " vs " + std::to_string(in_rms));
+            // Rows 0 and 1 of the input: "0" only where they differ, "1" where they agree.
+            if (e.input.dim() >= 2 && e.input.size(0) >= 2) {
+              const auto rows = e.input.detach().to(torch::kDouble).flatten(1);
+              const double gap = (rows[0] - rows[1]).abs().max().item<double>();
+              const bool same = gap <= 1e-6 * in_rms, finite = std::isfinite(gap);
+              ++res.checks;
+              if (!s.input_alike.has_value() && e.input.is_cpu() && finite)
+                fail(where + "'" + e.name + "' has input_rms but no input_alike");
+              else if (s.input_alike == false && same)
+                fail(where + "'" + e.name + "' input_alike 0 for rows 0 and 1 alike");
+              else if (s.input_alike == true && !same && rows.size(1) <= 64)  // every position looked at
+                fail(where + "'" + e.name + "' input_alike 1 for rows 0 and 1 " + std::to_string(gap) + " apart");
+            }
           } else if (!s.input_from.empty()) {
             const Seen* from = nullptr;
             for (const auto& x : list)

@@ -357,8 +357,13 @@ TEST_CASE(
   CHECK(bias.layer("fc1")->gain > 100.0);  // the whole std over the input's RMS, as documented
   bias.observe_activation("fc0", x, 1);
   bias.observe_activation("fc1", torch::randn({1, 16}).mul(100).expand({32, 16}), 1);
+  // ... which, its input varying, is a constant output (a weight zeroed), not an explosion
+  REQUIRE(bias.incidents().size() == 1);
+  CHECK(bias.incidents()[0].kind == FailureKind::ConstantOutput);
+  CHECK(bias.incidents()[0].details.at("batch_spread") == 0.0);
+  bias.observe_activation("fc0", x.narrow(0, 0, 1).expand({32, 16}), 2);  // an input alike too
+  bias.observe_activation("fc1", torch::randn({1, 16}).mul(100).expand({32, 16}), 2);
   CHECK(bias.layer("fc1")->activation == ActivationHealth::Normal);
-  CHECK(bias.incidents().empty());
   // A batch of one has no spread across the batch: attach's std_less_bias (the std with the
   // module's own bias taken out) is judged instead; without it, only a jump over the layer's
   // history counts.
@@ -466,6 +471,159 @@ TEST_CASE("a normalization's output that is the same for every sample is a const
   }
 }
 
+TEST_CASE("property: a batch of identical samples is no constant output of its normalization layers",
+          "[health]") {
+  // Copies of a vectorised environment reset together: every sample of some batches is the
+  // same observation, so every layer's output is the same for every sample. Normalization
+  // layers with or without an affine weight, several seeds and phases; the weight zeroed
+  // (the output is then the bias whatever the input) is still named, identical batches or not.
+  for (int trial = 0; trial < 8; ++trial) {
+    const bool affine = trial % 2 == 0, zeroed = trial % 4 == 2;
+    const int64_t in = 5 + trial, width = 12 + 4 * trial;
+    INFO("trial " << trial << (affine ? " affine" : " no affine") << (zeroed ? ", LayerNorm weight zeroed at 20" : ""));
+    torch::manual_seed(700 + trial);
+    torch::nn::Sequential model(torch::nn::Linear(in, width),
+                                torch::nn::LayerNorm(torch::nn::LayerNormOptions({width}).elementwise_affine(affine)),
+                                torch::nn::Tanh(), torch::nn::Linear(width, width),
+                                torch::nn::LayerNorm(torch::nn::LayerNormOptions({width}).elementwise_affine(affine)),
+                                torch::nn::ReLU(), torch::nn::Linear(width, 2));
+    torch::optim::Adam opt(model->parameters(), 1e-3);
+    torchdbg::HookManager hooks;
+    HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+    auto fed = m.install(hooks);
+    auto session = torchdbg::attach(*model, hooks);
+    int64_t step = 0;
+    for (; step < 40 && !hooks.is_paused(); ++step) {
+      hooks.set_step(step);
+      if (zeroed && step == 20) {
+        torch::NoGradGuard g;
+        model[4]->named_parameters()["weight"].zero_();
+      }
+      opt.zero_grad();
+      // Identical batches on a third of the steps (every copy reset to one state), from step 0.
+      const bool identical = (step + trial) % 3 == 0;
+      const auto x = identical ? torch::randn({1, in}).expand({16, in}).contiguous() : torch::randn({16, in});
+      auto loss = torch::mse_loss(model->forward(x), torch::tanh(x.narrow(1, 0, 2)));
+      hooks.set_loss(loss.item<double>());
+      loss.backward();
+      if (hooks.is_paused()) break;
+      opt.step();
+    }
+    for (const auto& inc : m.incidents()) UNSCOPED_INFO(inc);
+    if (!zeroed) {
+      CHECK(m.incidents().empty());
+      CHECK_FALSE(hooks.is_paused());
+    } else {
+      REQUIRE_FALSE(m.incidents().empty());
+      CHECK(m.incidents().front().kind == FailureKind::ConstantOutput);
+      CHECK(m.incidents().front().layer == "4");
+      CHECK(m.incidents().front().step == 20);
+    }
+  }
+}
+
+TEST_CASE("property: first_rows_alike against a full comparison of rows 0 and 1", "[health]") {
+  std::mt19937 gen(17);
+  const std::vector<torch::ScalarType> types{torch::kFloat, torch::kDouble, torch::kHalf, torch::kBFloat16};
+  for (int trial = 0; trial < 400; ++trial) {
+    const auto type = types[static_cast<std::size_t>(trial) % types.size()];
+    const int64_t rows = 2 + static_cast<int64_t>(gen() % 4), a = 1 + static_cast<int64_t>(gen() % 12),
+                  b = 1 + static_cast<int64_t>(gen() % 12);
+    const int layout = static_cast<int>(gen() % 3);  // contiguous, transposed inner dims, a slice
+    torch::Tensor t = torch::randn({rows, a, b}).to(type);
+    const int what = static_cast<int>(gen() % 4);  // rows alike, one position apart, all apart, a NaN
+    if (what != 2) t[1] = t[0];
+    const int64_t at_a = static_cast<int64_t>(gen()) % a, at_b = static_cast<int64_t>(gen()) % b;
+    if (what == 1) t[1][at_a][at_b] = t[0][at_a][at_b].item<double>() + 1.0;
+    if (what == 3) t[0][at_a][at_b] = std::nan("");
+    torch::Tensor v = layout == 1 ? t.transpose(1, 2) : layout == 2 ? torch::cat({t, t}, 2).narrow(2, b, b) : t;
+    INFO("trial " << trial << " " << t.scalar_type() << " " << v.sizes() << " layout " << layout << " case " << what);
+    const auto got = torchdbg::detail::first_rows_alike(v, 1e-6);
+    REQUIRE(got.has_value());
+    const bool every_position = a * b <= 64;
+    if (what == 0) CHECK(*got);
+    if (what == 2) CHECK_FALSE(*got);
+    if ((what == 1 || what == 3) && every_position) CHECK_FALSE(*got);
+  }
+  CHECK_FALSE(torchdbg::detail::first_rows_alike(torch::ones({1, 4}), 0.0).has_value());  // one row
+  CHECK_FALSE(torchdbg::detail::first_rows_alike(torch::ones({4}), 0.0).has_value());
+  CHECK_FALSE(torchdbg::detail::first_rows_alike(torch::ones({4, 4}, torch::kLong), 0.0).has_value());
+  CHECK_FALSE(torchdbg::detail::first_rows_alike(torch::ones({0, 4}), 0.0).has_value());
+  CHECK(*torchdbg::detail::first_rows_alike(torch::randn({1, 300}).expand({6, 300}), 0.0));  // stride 0
+}
+
+TEST_CASE("property: a Linear or Conv whose weight was zeroed (its bias intact) is named; identical samples are not",
+          "[health]") {
+  // The layer's output is then its bias for every sample: the same output for every sample
+  // while its input varies. Random depths, widths, activations and layers; healthy runs with
+  // batches of identical samples (copies of an environment reset together) raise nothing.
+  std::mt19937 gen(41);
+  for (int trial = 0; trial < 16; ++trial) {
+    const bool conv = trial % 4 == 3, healthy = trial % 4 == 1;
+    const int depth = 2 + static_cast<int>(gen() % 3);
+    const int64_t in = 4 + static_cast<int64_t>(gen() % 12), width = 8 + static_cast<int64_t>(gen() % 40);
+    const int act = static_cast<int>(gen() % 3);
+    const int target = static_cast<int>(gen() % depth);  // which weighted layer is zeroed
+    const int64_t bad_step = 8 + static_cast<int64_t>(gen() % 20);
+    INFO("trial " << trial << (conv ? " conv" : " mlp") << " depth " << depth << " width " << width << " act " << act
+                  << (healthy ? " healthy" : " zeroed layer " + std::to_string(target) + " at " + std::to_string(bad_step)));
+    torch::manual_seed(900 + trial);
+    torch::nn::Sequential model;
+    std::vector<std::string> weighted;
+    const auto activation = [&] {
+      return act == 0 ? torch::nn::AnyModule(torch::nn::Tanh())
+                      : act == 1 ? torch::nn::AnyModule(torch::nn::ReLU()) : torch::nn::AnyModule(torch::nn::GELU());
+    };
+    for (int l = 0; l < depth; ++l) {
+      weighted.push_back(std::to_string(model->size()));
+      if (conv)
+        model->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(l == 0 ? 3 : 6, 6, 3).padding(1)));
+      else
+        model->push_back(torch::nn::Linear(l == 0 ? in : width, width));
+      model->push_back(activation());
+    }
+    if (conv) model->push_back(torch::nn::Flatten());
+    model->push_back(torch::nn::Linear(conv ? 6 * 5 * 5 : width, 2));
+    torch::optim::Adam opt(model->parameters(), 1e-3);
+    torchdbg::HookManager hooks;
+    HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+    auto fed = m.install(hooks);
+    auto session = torchdbg::attach(*model, hooks);
+    int64_t step = 0;
+    for (; step < 36 && !hooks.is_paused(); ++step) {
+      hooks.set_step(step);
+      if (!healthy && step == bad_step) {
+        torch::NoGradGuard g;
+        model->named_children()[weighted[static_cast<std::size_t>(target)]]->named_parameters(false)["weight"].zero_();
+      }
+      opt.zero_grad();
+      // (not on the zeroing step: Adam moves the weight off 0 at once, and a batch of
+      // identical samples cannot tell a zeroed weight from a working one)
+      const bool identical = step % 5 == 2 && step != bad_step;
+      std::vector<int64_t> shape = conv ? std::vector<int64_t>{12, 3, 5, 5} : std::vector<int64_t>{12, in};
+      torch::Tensor x = torch::randn(shape);
+      if (identical) x = x.narrow(0, 0, 1).expand(shape).contiguous();
+      auto out = model->forward(x);
+      auto loss = torch::mse_loss(out, torch::tanh(x.flatten(1).narrow(1, 0, 2)));
+      hooks.set_loss(loss.item<double>());
+      loss.backward();
+      if (hooks.is_paused()) break;
+      opt.step();
+    }
+    for (const auto& inc : m.incidents()) UNSCOPED_INFO(inc);
+    if (healthy) {
+      CHECK(m.incidents().empty());
+      CHECK_FALSE(hooks.is_paused());
+      continue;
+    }
+    const auto d = torchdbg::diagnose(m);
+    REQUIRE_FALSE(d.hypotheses.empty());
+    CHECK(d.hypotheses[0].kind == FailureKind::ConstantOutput);
+    CHECK(d.hypotheses[0].layer == weighted[static_cast<std::size_t>(target)]);
+    CHECK(d.hypotheses[0].step == bad_step);
+  }
+}
+
 TEST_CASE("property: healthy models fed small inputs raise nothing; their weights blown up are named",
           "[health]") {
   // Inputs of scale 1e-2..1e-5 (unnormalized physical units): every module's output is then
@@ -553,6 +711,66 @@ TEST_CASE("property: healthy models fed small inputs raise nothing; their weight
   }
 }
 
+TEST_CASE("property: regressions on unnormalised targets raise nothing; a gradient explosion is named on its step",
+          "[health]") {
+  // Targets of scale 5e2..5e5 (prices, distances): every gradient is large from the first
+  // step on and stays so. Only growth is an explosion: the backward of one step scaled by 1e6,
+  // from the second step on (before any baseline is warm), is named on that step.
+  std::mt19937 gen(29);
+  for (int trial = 0; trial < 12; ++trial) {
+    const double scale = 5.0 * std::pow(10.0, 2 + trial % 4);
+    const int64_t in = 3 + static_cast<int64_t>(gen() % 8), hidden = 8 + static_cast<int64_t>(gen() % 24);
+    const int arch = trial % 3;
+    const int64_t bad_step = trial % 2 == 0 ? -1 : 1 + static_cast<int64_t>(gen() % 30);
+    INFO("trial " << trial << " scale " << scale << " arch " << arch << " bad step " << bad_step);
+    torch::manual_seed(300 + trial);
+    torch::nn::Sequential model;
+    if (arch == 0) {
+      model->push_back(torch::nn::Linear(in, 1));
+    } else {
+      model->push_back(torch::nn::Linear(in, hidden));
+      model->push_back(arch == 1 ? torch::nn::AnyModule(torch::nn::ReLU()) : torch::nn::AnyModule(torch::nn::Tanh()));
+      model->push_back(torch::nn::Linear(hidden, 1));
+    }
+    const auto w_true = torch::randn({in, 1});
+    torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+    torchdbg::HookManager hooks;
+    HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+    auto fed = m.install(hooks);
+    auto session = torchdbg::attach(*model, hooks);
+    double first_norm = 0.0;
+    int64_t step = 0;
+    for (; step < 60 && !hooks.is_paused(); ++step) {
+      hooks.set_step(step);
+      opt.zero_grad();
+      const auto x = torch::randn({32, in});
+      const auto y = (x.matmul(w_true) + 1.0) * scale;
+      auto loss = torch::mse_loss(model->forward(x), y);
+      hooks.set_loss(loss.item<double>());
+      (step == bad_step ? loss * 1e6 : loss).backward();
+      if (step == 0) {
+        double sq = 0.0;
+        for (const auto& p : model->parameters()) sq += p.grad().pow(2).sum().item<double>();
+        first_norm = std::sqrt(sq);
+      }
+      if (hooks.is_paused()) break;
+      opt.step();
+    }
+    CHECK(first_norm > 1e3);  // the absolute limit alone would fire on the first step
+    for (const auto& inc : m.incidents()) UNSCOPED_INFO(inc);
+    if (bad_step < 0) {
+      CHECK(m.incidents().empty());
+      CHECK_FALSE(hooks.is_paused());
+    } else {
+      REQUIRE(hooks.is_paused());
+      CHECK(step == bad_step);
+      REQUIRE_FALSE(m.incidents().empty());
+      CHECK(m.incidents().front().kind == FailureKind::ExplodingGradient);
+      CHECK(m.incidents().front().step == bad_step);
+    }
+  }
+}
+
 TEST_CASE("gradient norms per module: vanishing, exploding, non-finite, baseline jumps",
           "[health]") {
   HealthMonitor m(HealthOptions().baseline_warmup(3));
@@ -569,7 +787,14 @@ TEST_CASE("gradient norms per module: vanishing, exploding, non-finite, baseline
   CHECK_CLOSE(m.layer("fc0")->gradient_norm, ref, 1e-6);
   CHECK(m.layer("fc0")->gradient == GradientHealth::Vanishing);  // < 1e-4 of the largest
   CHECK(m.layer("fc1")->gradient == GradientHealth::Healthy);
-  CHECK(m.layer("fc2")->gradient == GradientHealth::Exploding);  // > 1e3
+  // Above 1e3 from its first step: the loss's scale, not yet an explosion.
+  CHECK(m.layer("fc2")->gradient == GradientHealth::Healthy);
+  m.observe_gradient("fc2", "weight", w * 2000, 1);
+  m.end_backward();
+  CHECK(m.layer("fc2")->gradient == GradientHealth::Healthy);  // steady
+  m.observe_gradient("fc2", "weight", w * 40000, 2);
+  m.end_backward();
+  CHECK(m.layer("fc2")->gradient == GradientHealth::Exploding);  // > 1e3 and 20x its norms so far
   // Baseline: steady norms, then a 500x jump without crossing the absolute limit.
   HealthMonitor j(HealthOptions().baseline_warmup(3));
   for (int s = 0; s < 5; ++s) {

@@ -241,9 +241,23 @@ TEST_CASE("gradient rules: non-finite at the origin, exploding and vanishing by 
   CHECK_FALSE(nf.check_gradient(s)->incident);
   s.non_finite = 0;
   s.norm = 2e3;
+  CHECK_FALSE(ex.check_gradient(s));  // the layer's first norm: no growth to judge
+  s.recent = 1500.0;                  // steady at its scale
+  CHECK_FALSE(ex.check_gradient(s));
+  s.recent = 150.0;  // grown 13x and above 1e3
+  f = ex.check_gradient(s);
+  REQUIRE(f);
+  CHECK(f->threshold == 1.5e3);
+  CHECK(f->details.at("recent") == 150.0);
+  s.recent = 1.0;  // the absolute limit is the floor of the growth limit
   f = ex.check_gradient(s);
   REQUIRE(f);
   CHECK(f->threshold == 1e3);
+  s.norm = 900.0;
+  CHECK_FALSE(ex.check_gradient(s));
+  CHECK(torchdbg::ExplodingGradientRule(torchdbg::ExplodingGradientRuleOptions().norm(500.0))
+            .check_gradient(s));
+  s.recent = std::nan("");
   s.norm = 50.0;
   CHECK_FALSE(ex.check_gradient(s));
   s.baseline = 0.4;  // 50 > 100 * 0.4

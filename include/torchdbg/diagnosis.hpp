@@ -707,6 +707,14 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
                inc[blockers.begin()->second].kind == K::ConstantOutput ||
                inc[blockers.begin()->second].kind == K::NormWeightCollapse))
             c = blockers.begin()->second;
+          // Its own module's output the same for every sample (a weight zeroed, its bias
+          // left): the units the bias keeps below 0 (or in a tail) follow from it.
+          if (!c) {
+            const auto own = blockers.find(x.order);
+            if (own != blockers.end() && inc[own->second].kind == K::ConstantOutput &&
+                inc[own->second].module == x.module && inc[own->second].step <= x.step)
+              c = own->second;
+          }
           break;
         case K::ConstantOutput:
           if (!blockers.empty() && blockers.begin()->first < x.order) c = blockers.begin()->second;

@@ -30,6 +30,7 @@
 #include "torchdbg/attach/options.hpp"
 #include "torchdbg/attach/pass_end.hpp"
 #include "torchdbg/attach/pass_ledger.hpp"
+#include "torchdbg/detail/rows_alike.hpp"
 #include "torchdbg/detail/text.hpp"
 #include "torchdbg/hook_context.hpp"
 #include "torchdbg/tensor_stats.hpp"
@@ -42,6 +43,9 @@ namespace torchdbg::detail {
 /// running statistics' error against the batch ("norm_stats_error", "norm_samples").
 struct InputMoments {
   std::optional<Moments> host;
+  /// A host input's rows 0 and 1 alike within 1e-6 of its RMS ("input_alike", from
+  /// first_rows_alike); nullopt: not told.
+  std::optional<bool> alike;
   at::Tensor packed;
   bool model_input = false;
   std::optional<NormError> norm;
@@ -148,12 +152,12 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     }
     DeliveringScope scope;  // the statistics' operators and the hooks' are not forward outputs
     std::optional<Metadata> own;  // base_md plus "input_rms", once a step
-    const auto md_with_input = [&](const Moments& m, bool model_input) {
+    const auto md_with_input = [&](const Moments& m, bool model_input, std::optional<bool> alike) {
       if (!own) own = base_md;
-      add_input_rms(*own, m, model_input);
+      add_input_rms(*own, m, model_input, alike);
     };
     try {
-      if (input.host) md_with_input(*input.host, input.model_input);
+      if (input.host) md_with_input(*input.host, input.model_input, input.alike);
       if (is_forward) {
         add_std_less_bias(module, t, base_md, own);
         add_norm_signals(module, base_md, input.norm, own);
@@ -175,7 +179,8 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       }
     }
     try {
-      if (input.packed.defined()) md_with_input(unpack_moments(input.packed.to(at::kCPU)), input.model_input);
+      if (input.packed.defined())
+        md_with_input(unpack_moments(input.packed.to(at::kCPU)), input.model_input, std::nullopt);
       deliver(name, t, is_forward, own ? *own : base_md, precomputed, nullptr);
     } catch (...) {
       // execute_hooks turns hook failures into results; anything else (bad_alloc) is
@@ -195,7 +200,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       try {
         std::optional<TensorStats> s;
         if (fetched[i].stats) s = stats_from_moments(*fetched[i].stats, d.tensor);
-        if (fetched[i].input) add_input_rms(d.md, *fetched[i].input, d.model_input);
+        if (fetched[i].input) add_input_rms(d.md, *fetched[i].input, d.model_input, std::nullopt);
         if (d.pass && s && options.gradient_norms()) passes_.add(*d.pass, d.module, s->l2_norm * s->l2_norm);
         if (active.load()) deliver(d.name, d.tensor, d.is_forward, d.md, s ? &*s : nullptr, &fetched[i].extras);
       } catch (...) {
@@ -257,9 +262,9 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   }
 
  private:
-  /// The data input's "input_rms" and, for the model's input, its "input_nan" and "input_inf"
-  /// counts.
-  static void add_input_rms(Metadata& md, const Moments& m, bool model_input) {
+  /// The data input's "input_rms" and "input_alike" and, for the model's input, its
+  /// "input_nan" and "input_inf" counts.
+  static void add_input_rms(Metadata& md, const Moments& m, bool model_input, std::optional<bool> alike) {
     if (model_input) {
       md.emplace("input_nan", std::to_string(m.nan));
       md.emplace("input_inf", std::to_string(m.pos_inf + m.neg_inf));
@@ -267,6 +272,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     }
     if (m.finite <= 0) return;
     md.emplace("input_rms", number_text(m.rms()));
+    if (alike) md.emplace("input_alike", *alike ? "1" : "0");
   }
 
   /// A batch of one has no spread across the batch to tell a module's bias from what its
@@ -298,7 +304,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   }
 
   /// A normalization module's own output: its weight's RMS ("norm_weight_rms", a host weight
-  /// of any shape) and, for a BatchNorm's training call, the running statistics' error.
+  /// of any shape; 1 for a normalization without parameters) and, for a BatchNorm's training call, the running statistics' error.
   void add_norm_signals(std::size_t module, const Metadata& base_md, const std::optional<NormError>& norm,
                         std::optional<Metadata>& own) const {
     if (module >= modules.size() || base_md.count("activation") != 0 || base_md.count("op") != 0) return;
@@ -313,14 +319,20 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       own->emplace("norm_samples", std::to_string(norm->samples));
       number("norm_momentum", norm->momentum);
     }
+    bool weighted = false;
     for (const Param& p : mod.params) {
-      if (p.name != "weight") continue;
       const at::Tensor w(p.impl.lock());
-      if (!w.defined() || w.numel() == 0 || !w.is_cpu() || !w.is_floating_point()) return;
+      if (!w.defined()) continue;
+      weighted = true;
+      if (p.name != "weight") continue;
+      if (w.numel() == 0 || !w.is_cpu() || !w.is_floating_point()) return;
       const Moments m = compute_moments(w.detach(), /*signs=*/false);
       if (m.finite == m.count) number("norm_weight_rms", m.rms());
       return;
     }
+    // No parameters (elementwise_affine false, InstanceNorm's default): the normalized input
+    // passes as with a weight of ones.
+    if (!weighted) number("norm_weight_rms", 1.0);
   }
 
   void note_order(std::size_t m) {

@@ -151,6 +151,7 @@ TORCHDBG_INLINE auto GradientTracker::measure(std::vector<HealthLayer>& layers,
   g.sig.count = L.g_count;
   g.sig.max_norm = pass.max_norm;
   g.sig.baseline = base;
+  g.sig.recent = L.g_base_n > 0 && std::isfinite(L.g_log_base) ? std::pow(10.0, L.g_log_base) : kNaN;
   g.sig.origin = pass.nf_origin && *pass.nf_origin == pass.mods[k];
   // An exactly-zero gradient while a module zero-initialized on purpose is still at 0 is that
   // module's doing: the layer is behind a gate, and its gradient grows with the gate's weights.

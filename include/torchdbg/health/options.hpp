@@ -107,6 +107,9 @@ struct ActivationInfo {
   /// observed it in this step.
   std::string_view input_from;
   int64_t input_call = -1;
+  /// Whether the rows of this call's data input measured by attach (`input_rms`) were alike
+  /// (attach's "input_alike": rows 0 and 1 at a few positions); nullopt: not looked at.
+  std::optional<bool> input_alike;
   /// The module's call in the step (attach's "call"); unset for outputs not from attach,
   /// whose input scale is then taken as the previous output's (a plain sequential model).
   std::optional<int64_t> call;
@@ -249,8 +252,11 @@ struct HealthOptions {
   TORCH_ARG(double, vanishing_norm) = 1e-7;
   /// Norm below this fraction of the step's largest layer norm: vanishing.
   TORCH_ARG(double, vanishing_ratio) = 1e-4;
-  /// Norm above this: exploding.
+  /// Norm above this and `exploding_growth` times the layer's norms so far: exploding. A
+  /// layer's first norm is not judged by it, nor a large norm that stays steady (the
+  /// gradients of a regression on unnormalised targets).
   TORCH_ARG(double, exploding_norm) = 1e3;
+  TORCH_ARG(double, exploding_growth) = 10.0;
   /// Norm above `gradient_jump` times the layer's baseline: exploding; below baseline /
   /// `gradient_collapse`: vanishing. Also the adjacent-layer ratio that marks where an
   /// explosion starts.
@@ -321,7 +327,10 @@ inline std::vector<HealthRulePtr> builtin_health_rules(const HealthOptions& o) {
       std::make_shared<NormStatisticsRule>(NormStatisticsRuleOptions().limit(o.norm_stats_limit())),
       std::make_shared<NonFiniteGradientRule>(),
       std::make_shared<ExplodingGradientRule>(
-          ExplodingGradientRuleOptions().norm(o.exploding_norm()).jump(o.gradient_jump())),
+          ExplodingGradientRuleOptions()
+                                                  .norm(o.exploding_norm())
+                                                  .growth(o.exploding_growth())
+                                                  .jump(o.gradient_jump())),
       std::make_shared<VanishingGradientRule>(VanishingGradientRuleOptions()
                                                   .norm(o.vanishing_norm())
                                                   .ratio(o.vanishing_ratio())
@@ -394,6 +403,9 @@ TORCHDBG_INLINE void validate(const HealthOptions& o) {
                 std::to_string(o.input_scale_jump()));
   positive(o.vanishing_ratio(), "vanishing_ratio");
   positive(o.exploding_norm(), "exploding_norm");
+  if (!(o.exploding_growth() > 1.0))
+    throw Error("torchdbg: HealthOptions::exploding_growth must be > 1, got " +
+                std::to_string(o.exploding_growth()));
   positive(o.gradient_jump(), "gradient_jump");
   positive(o.gradient_collapse(), "gradient_collapse");
   positive(o.loss_spike_factor(), "loss_spike_factor");
@@ -454,6 +466,8 @@ TORCHDBG_INLINE ActivationInfo activation_info(const Metadata& metadata) {
       info.norm_samples = integer(value).value_or(0);
     } else if (k == "input_rms") {
       if (auto x = real(value)) info.input_rms = x;
+    } else if (k == "input_alike") {
+      if (value == "1" || value == "0") info.input_alike = value == "1";
     } else if (k == "std_less_bias") {
       if (auto x = real(value)) info.std_less_bias = x;
     } else if (k == "norm_stats_error") {

@@ -177,9 +177,10 @@ struct ActivationSignals {
   /// taken out) over its input's RMS, where `gain` is above 1 and there is a batch; else NaN.
   double gain_spread = std::nan("");
   double gain_spread_baseline = std::nan("");  ///< EMA of the healthy spread gains once warmed up
-  /// The output's spread across the batch (`gain_spread`'s numerator) where it was measured:
-  /// where `gain` is above 1, or for a normalization layer's CPU output whose first two
-  /// samples are alike; else NaN.
+  /// The output's spread across the batch where it tells whether the output is the same for
+  /// every sample: a normalization layer's CPU output whose first two samples are alike, or
+  /// a module's (not an activation's) whose first two samples are alike at a few positions
+  /// while those of its data input differ (a Linear whose weight was zeroed); else NaN.
   double batch_spread = std::nan("");
   double dead_fraction = std::nan("");  ///< ReLU family, once the window holds enough samples
   int64_t dead_since = 0;  ///< the first step of the dead units' unbroken inactive run
@@ -223,6 +224,8 @@ struct GradientSignals {
   int64_t count = 0;       ///< gradient elements
   double max_norm = 0.0;   ///< the step's largest finite layer norm
   double baseline = std::nan("");  ///< EMA (in log10) of its healthy norms once warmed up
+  /// The same EMA from the layer's first healthy norm on, warm-up or not (NaN before it).
+  double recent = std::nan("");
   /// The first non-finite gradient in backward order: the backward origin.
   bool origin = false;
   /// A module zero-initialized on purpose (ActivationSignals::zero_initialized) produced an
@@ -453,11 +456,18 @@ struct ConstantOutputRuleOptions {
   /// Output std, or its spread across the batch, below this fraction of its RMS (with >= 2
   /// elements, or samples): near-constant.
   TORCH_ARG(double, ratio) = 1e-6;
+  /// A normalization's output the same for every sample is its doing only where its weight
+  /// RMS is below this fraction of the output's RMS (the output is its bias); with a weight
+  /// that passes the normalized input on (attach reports 1 for a normalization without one),
+  /// the samples were alike before it (a vectorised environment's copies reset together) and
+  /// nothing is reported. A weight RMS not known (no attach metadata): judged as constant.
+  TORCH_ARG(double, norm_weight_ratio) = 1e-3;
 };
 
 /// An output that is (nearly) one value everywhere, or the same for every sample of the batch
 /// where `batch_spread` is measured (a normalization whose weight collapsed to 0 outputs its
-/// bias for every input). A ReLU-family output that is all zero is left to the dead-units rule
+/// bias for every input, ConstantOutputRuleOptions::norm_weight_ratio; a Linear or Conv
+/// whose weight was zeroed, its bias, for an input that varies). A ReLU-family output that is all zero is left to the dead-units rule
 /// (its window confirms it), and a module zero-initialized on purpose
 /// (ActivationSignals::zero_initialized) to its warm-up: still exactly 0 after it, it is stuck.
 class ConstantOutputRule : public HealthRule {
@@ -471,6 +481,8 @@ class ConstantOutputRule : public HealthRule {
     if (!(st.numel >= 2 && st.finite_count == st.numel && std::isfinite(s.rms))) return std::nullopt;
     const bool everywhere = st.std <= o_.ratio() * s.rms;
     if (!everywhere && !(s.batch_spread <= o_.ratio() * s.rms)) return std::nullopt;
+    if (!everywhere && std::isfinite(s.norm_weight_rms) && !(s.norm_weight_rms < o_.norm_weight_ratio() * s.rms))
+      return std::nullopt;  // the normalized input was alike across the batch
     const double spread = everywhere ? st.std : s.batch_spread;
     Finding f;
     f.kind = FailureKind::ConstantOutput;
@@ -478,7 +490,10 @@ class ConstantOutputRule : public HealthRule {
     f.threshold = o_.ratio();
     f.margin = f.value > 0.0 ? detail::decade_margin(f.threshold, f.value) : 1.0;
     f.details = {{"std", st.std}};
-    if (!everywhere) f.details["batch_spread"] = s.batch_spread;
+    if (!everywhere) {
+      f.details["batch_spread"] = s.batch_spread;
+      if (std::isfinite(s.norm_weight_rms)) f.details["weight_rms"] = s.norm_weight_rms;
+    }
     f.reason = everywhere ? "near-constant output" : "the same output for every sample";
     if (s.input_zero && !(s.rms > 0.0)) {
       f.details["input_zero"] = true;
@@ -602,8 +617,11 @@ class NonFiniteGradientRule : public HealthRule {
 };
 
 struct ExplodingGradientRuleOptions {
-  /// Norm above this: exploding.
+  /// Norm above this, and above `growth` times the layer's norms so far
+  /// (GradientSignals::recent): exploding. A norm large from the layer's first step on and
+  /// steady is the loss's scale (a regression on unnormalised targets), not an explosion.
   TORCH_ARG(double, norm) = 1e3;
+  TORCH_ARG(double, growth) = 10.0;
   /// Norm above this multiple of the layer's baseline: exploding.
   TORCH_ARG(double, jump) = 100.0;
 };
@@ -613,13 +631,16 @@ class ExplodingGradientRule : public HealthRule {
   explicit ExplodingGradientRule(ExplodingGradientRuleOptions o = {}) : o_(o) {}
   std::string name() const override { return "exploding_gradient"; }
   std::optional<Finding> check_gradient(const GradientSignals& s) override {
-    const bool base = std::isfinite(s.baseline);
-    if (!(s.norm > o_.norm() || (base && s.norm > o_.jump() * s.baseline))) return std::nullopt;
+    const double grown = std::isfinite(s.recent) ? std::max(o_.norm(), o_.growth() * s.recent) : detail::kInf;
+    const double jumped = std::isfinite(s.baseline) ? o_.jump() * s.baseline : detail::kInf;
+    const double threshold = std::min(grown, jumped);
+    if (!(s.norm > threshold)) return std::nullopt;
     Finding f;
     f.kind = FailureKind::ExplodingGradient;
     f.value = s.norm;
-    f.threshold = s.norm > o_.norm() ? o_.norm() : o_.jump() * s.baseline;
+    f.threshold = threshold;
     f.margin = detail::decade_margin(s.norm, f.threshold);
+    if (std::isfinite(s.recent)) f.details = {{"recent", s.recent}};
     return f;
   }
   [[nodiscard]] const ExplodingGradientRuleOptions& options() const noexcept { return o_; }

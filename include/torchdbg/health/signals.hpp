@@ -20,6 +20,7 @@
 
 #include "torchdbg/detail/compiled.hpp"
 #include "torchdbg/detail/pattern.hpp"
+#include "torchdbg/detail/rows_alike.hpp"
 #include "torchdbg/detail/stats_kernel.hpp"
 #include "torchdbg/health/layer.hpp"
 #include "torchdbg/health/ledger.hpp"
@@ -95,6 +96,9 @@ class HealthSignals {
  private:
   /// The RMS of output `name`'s call `call` in `step`, when observed and finite.
   std::optional<double> output_rms(std::string_view name, int64_t call, int64_t step) const;
+  /// Whether output `name`'s call `call` in `step` was the same for every sample, when
+  /// observed and that could be told.
+  std::optional<bool> output_alike(std::string_view name, int64_t call, int64_t step) const;
 
   // Gains up to this (an output no wider than its input) are not measured again on the
   // output's spread across the batch (never larger): ExplodingActivationRule's limits are at
@@ -113,6 +117,7 @@ class HealthSignals {
   int64_t fwd_seq_ = 0;
   bool sparse_forward_ = false;
   std::optional<double> prev_rms_;
+  std::optional<bool> prev_alike_;
   bool fwd_nonfinite_ = false;
   bool zero_init_in_step_ = false;
   // The step before which this step's zero-initialized modules are in their warm-up, and the
@@ -158,6 +163,15 @@ TORCHDBG_INLINE auto HealthSignals::output_rms(std::string_view name, int64_t ca
   return P.rms;
 }
 
+TORCHDBG_INLINE auto HealthSignals::output_alike(std::string_view name, int64_t call,
+                                                 int64_t step) const -> std::optional<bool> {
+  auto it = index_.find(std::string(name));
+  if (it == index_.end()) return std::nullopt;
+  const Layer& P = layers_[it->second];
+  if (!P.seen_fwd || P.act_step != step || P.rms_call != call) return std::nullopt;
+  return P.rows_alike;
+}
+
 TORCHDBG_INLINE auto HealthSignals::layer_rec(std::string_view name) -> Layer* {
   // Deliveries come in the same order every step: the last layer (a module's next
   // parameter) or the one after it is almost always the one asked for.
@@ -197,6 +211,7 @@ TORCHDBG_INLINE void HealthSignals::begin_step() {
   zero_init_until_ = std::numeric_limits<int64_t>::min();
   fwd_seq_ = 0;
   prev_rms_.reset();
+  prev_alike_.reset();
   fwd_nonfinite_ = false;
   zero_init_in_step_ = false;
   step_loss_.reset();
@@ -249,6 +264,30 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
   L.rms_call = info.call.value_or(-1);
   prev_rms_ = (s.has_non_finite() || !(L.rms > 0.0)) ? std::optional<double>()
                                                      : std::optional<double>(L.rms);
+  // The same output for every sample: two rows looked at, the whole batch measured where they
+  // are alike (a Linear whose weight was zeroed gives its bias for any input). Its data input
+  // varying across the batch makes it the module's doing (`alike_spread` reaches the rules);
+  // an input alike too (copies of an environment reset together) does not.
+  std::optional<bool> input_alike;
+  if (info.input_alike) {
+    input_alike = info.input_alike;
+  } else if (!info.input_from.empty()) {
+    input_alike = output_alike(info.input_from, info.input_call, step);
+  } else if (!info.call) {
+    input_alike = prev_alike_;
+  }
+  std::optional<bool> rows_alike;
+  double alike_spread = detail::kNaN;
+  if (!s.has_non_finite() && L.rms > 0.0) {
+    const double tol = options_.constant_ratio() * L.rms;
+    rows_alike = detail::first_rows_alike(y, tol);
+    if (rows_alike && *rows_alike) {
+      alike_spread = detail::batch_spread(y);
+      rows_alike = alike_spread <= tol;
+    }
+  }
+  L.rows_alike = rows_alike;
+  prev_alike_ = rows_alike;
   // The gain compares the output's spread with the input's scale: a shifted bias moves the
   // mean, not the spread, and is no explosion.
   L.gain = (L.gain_checked && in_rms && std::isfinite(s.std)) ? s.std / *in_rms : detail::kNaN;
@@ -333,7 +372,9 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
   sig.gain = L.gain;
   sig.gain_baseline = base_ready ? L.gain_base : detail::kNaN;
   sig.gain_spread = L.spread_gain;
-  sig.batch_spread = normalization ? batch_spread : detail::kNaN;
+  sig.batch_spread = normalization                                                ? batch_spread
+                     : L.gain_checked && rows_alike == true && input_alike == false ? alike_spread
+                                                                                    : detail::kNaN;
   sig.gain_spread_baseline = spread_ready ? L.spread_base : detail::kNaN;
   sig.dead_fraction = detail::is_dead_capable(L.act_kind) ? L.dead_frac : detail::kNaN;
   sig.dead_since = std::min(step, L.dead_since);
@@ -438,6 +479,7 @@ TORCHDBG_INLINE void HealthSignals::clear() {
   ignored_ = 0;
   fwd_seq_ = 0;
   prev_rms_.reset();
+  prev_alike_.reset();
   fwd_nonfinite_ = false;
   zero_init_in_step_ = false;
   zero_init_until_ = zero_init_until_carried_ = std::numeric_limits<int64_t>::min();

@@ -1,0 +1,62 @@
+// torchdbg — module hooks and a training debugger for LibTorch.
+// SPDX-License-Identifier: MIT
+#pragma once
+
+// A cheap first look at whether every sample of a batch gives the same values: rows 0 and 1
+// compared at a few positions, before a full pass measures the spread across the batch.
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+
+namespace torchdbg::detail {
+
+/// Whether rows 0 and 1 of `t` (its first dimension) differ by at most `tol` at up to
+/// `samples` positions spread evenly over a row; a NaN/Inf at a position looked at is a
+/// difference. nullopt where it cannot tell: not a host floating (strided) tensor of two
+/// dimensions or more and two rows or more. Reads 2 x `samples` values; never throws.
+///
+/// ```cpp
+/// first_rows_alike(torch::ones({8, 4}), 0.0);  // true
+/// ```
+inline std::optional<bool> first_rows_alike(const at::Tensor& t, double tol, int64_t samples = 64) noexcept {
+  try {
+    if (!t.defined() || t.layout() != at::kStrided || t.is_meta() || !t.device().is_cpu() ||
+        !t.is_floating_point() || t.dim() < 2 || t.size(0) < 2 || t.numel() == 0 || !(tol >= 0.0))
+      return std::nullopt;
+    const int64_t inner = t.numel() / t.size(0);
+    const int64_t n = std::min(samples, inner);
+    const bool dense = t.is_contiguous();
+    const auto run = [&](const auto* base) -> std::optional<bool> {
+      for (int64_t k = 0; k < n; ++k) {
+        int64_t rem = n == inner ? k : k * inner / n, off = dense ? rem : 0;
+        for (int64_t d = t.dim() - 1; !dense && d >= 1; --d) {
+          off += (rem % t.size(d)) * t.stride(d);
+          rem /= t.size(d);
+        }
+        const double a = static_cast<double>(base[off]), b = static_cast<double>(base[t.stride(0) + off]);
+        if (!(std::isfinite(a) && std::isfinite(b) && std::abs(a - b) <= tol)) return false;
+      }
+      return true;
+    };
+    switch (t.scalar_type()) {
+      case at::kFloat:
+        return run(t.data_ptr<float>());
+      case at::kDouble:
+        return run(t.data_ptr<double>());
+      case at::kHalf:
+        return run(t.data_ptr<at::Half>());
+      case at::kBFloat16:
+        return run(t.data_ptr<at::BFloat16>());
+      default:
+        return std::nullopt;
+    }
+  } catch (...) {
+    return std::nullopt;
+  }
+}
+
+}  // namespace torchdbg::detail
