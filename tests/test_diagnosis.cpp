@@ -878,3 +878,34 @@ TEST_CASE("property: with activation_interval, dead units induced between judged
     check_top(o, FailureKind::DeadUnits, "fc" + std::to_string(layer), sc.onset, 2);
   }
 }
+
+TEST_CASE("property: a state that explains only loss spikes does not outrank a later explosion",
+          "[diagnosis]") {
+  // A GAN's discriminator sigmoid saturating while it wins (the discriminator's loss spiking
+  // later as the generator catches up), then its learning rate x1000: the explosion that
+  // paused the run comes first. A state that explains a NaN loss still does.
+  using P = torchdbg::Phase;
+  std::mt19937 gen(23);
+  for (int trial = 0; trial < 60; ++trial) {
+    const bool divergence = trial % 3 == 2;
+    const auto state = trial % 2 == 0 ? FailureKind::Saturation : FailureKind::DeadUnits;
+    const int64_t onset = 5 + static_cast<int64_t>(gen() % 400), spike_at = onset + 1 + static_cast<int64_t>(gen() % 50),
+                  boom = spike_at + 3 + static_cast<int64_t>(gen() % 20);  // beyond the spike's update
+    const int64_t state_order = 2 + static_cast<int64_t>(gen() % 6), boom_order = static_cast<int64_t>(gen() % 8);
+    INFO("trial " << trial << " state " << torchdbg::to_string(state) << " at " << onset << ", "
+                  << (divergence ? "divergence" : "spike") << " at " << spike_at << ", explosion at " << boom);
+    torchdbg::HealthReport r;
+    r.step = boom;
+    auto st = incident(state, "d.out" + std::to_string(state_order) + (state == FailureKind::Saturation ? "/sigmoid" : "/relu"),
+                       onset, P::Forward, state_order);
+    st.last_step = boom;
+    st.persisted = boom - onset + 1;
+    r.incidents = {st,
+                   incident(divergence ? FailureKind::LossDivergence : FailureKind::LossSpike, "loss", spike_at, P::Loss, 1 << 30),
+                   incident(FailureKind::ExplodingActivation, "d.conv" + std::to_string(boom_order), boom, P::Forward,
+                            boom_order, 0.45)};
+    const auto d = torchdbg::diagnose(r);
+    REQUIRE(d.top() != nullptr);
+    CHECK(d.top()->kind == (divergence ? state : FailureKind::ExplodingActivation));
+  }
+}

@@ -104,11 +104,13 @@ struct Hypothesis {
     for (const auto& c : causal_chain) t = std::max(t, failure_tier(c.kind));
     return t;
   }
-  /// Whether the root or what it explains is acute (is_acute).
+  /// Whether the root or what it explains is acute (is_acute); a loss spike that a state (a
+  /// saturation, dead units) explains does not make it so: a GAN's or an RL run's loss swings
+  /// while its discriminator or policy saturates, and training goes on.
   [[nodiscard]] bool acute() const noexcept {
     if (is_acute(kind)) return true;
     for (const auto& c : causal_chain)
-      if (is_acute(c.kind)) return true;
+      if (is_acute(c.kind) && c.kind != FailureKind::LossSpike) return true;
     return false;
   }
 };
