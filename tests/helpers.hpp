@@ -13,6 +13,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -115,6 +117,114 @@ inline double ref_quantile(const std::vector<double>& sorted, double q) {
   const auto lo = static_cast<std::size_t>(std::floor(pos));
   const std::size_t hi = std::min(lo + 1, sorted.size() - 1);
   return sorted[lo] + (pos - static_cast<double>(lo)) * (sorted[hi] - sorted[lo]);
+}
+
+/// Whether long double holds the square of any double (x86's 80-bit format: a 15-bit
+/// exponent); where it does not, wide_reference's std and L2 norm are not a reference.
+constexpr bool kWideLongDouble = std::numeric_limits<long double>::max_exponent > 2000;
+
+/// Reference statistics of the finite values of float64 data of any magnitude (1e-308 to
+/// 1e308), naively in long double: two passes, no scaling, nothing shared with torchdbg.
+struct WideReference {
+  int64_t finite = 0, nan = 0, pos_inf = 0, neg_inf = 0;
+  long double mean = std::nanl(""), std = std::nanl(""), min = std::nanl(""), max = std::nanl("");
+  long double l2 = 0, abs_max = 0;
+};
+
+inline WideReference wide_reference(const std::vector<double>& v) {
+  WideReference r;
+  long double sum = 0, ss = 0;
+  for (double x : v) {
+    if (std::isnan(x)) {
+      ++r.nan;
+    } else if (std::isinf(x)) {
+      (x > 0 ? r.pos_inf : r.neg_inf) += 1;
+    } else {
+      const long double y = x;
+      sum += y;
+      ss += y * y;
+      r.min = r.finite == 0 ? y : std::min(r.min, y);
+      r.max = r.finite == 0 ? y : std::max(r.max, y);
+      r.abs_max = std::max(r.abs_max, std::fabs(y));
+      ++r.finite;
+    }
+  }
+  r.l2 = std::sqrt(ss);
+  if (r.finite > 0) {
+    r.mean = sum / static_cast<long double>(r.finite);
+    long double dev2 = 0;
+    for (double x : v)
+      if (std::isfinite(x)) dev2 += (x - r.mean) * (x - r.mean);
+    r.std = std::sqrt(dev2 / static_cast<long double>(r.finite));
+  }
+  return r;
+}
+
+/// |got - want| <= rel * |want| for a wide_reference value; a `want` beyond a double's range
+/// needs an infinite `got`, a `want` of 0 an exact 0.
+inline bool wide_near(double got, long double want, double rel) {
+  if (std::isnan(static_cast<double>(want))) return std::isnan(got);
+  if (std::isinf(static_cast<double>(want))) return std::isinf(got) && (got > 0) == (want > 0);
+  return std::fabs(static_cast<long double>(got) - want) <= rel * std::fabs(want);
+}
+
+/// A generated float64 case for the wide-range properties: values near 10^decade (decades
+/// -300 to 307) in one of five shapes, NaN/+-Inf among them in some cases, and `cuts`: the
+/// bounds of consecutive pieces (ranks, chunks; some pieces empty) that together hold them.
+struct WideCase {
+  int decade = 0;
+  int shape = 0;  // 0 one-signed, 1 mixed signs, 2 offset, 3 +-v, 4 decades apart
+  std::vector<double> values;
+  std::vector<std::size_t> cuts;  // pieces + 1 ascending bounds, from 0 to values.size()
+  [[nodiscard]] std::vector<double> piece(std::size_t i) const {
+    return std::vector<double>(values.begin() + static_cast<std::ptrdiff_t>(cuts[i]),
+                               values.begin() + static_cast<std::ptrdiff_t>(cuts[i + 1]));
+  }
+  /// The case as code to paste into a regression test (its values when there are at most 60).
+  [[nodiscard]] std::string code() const {
+    std::ostringstream o;
+    o.precision(17);
+    o << values.size() << " values (decade " << decade << ", shape " << shape << ")";
+    if (values.size() <= 60) {
+      o << " {";
+      for (std::size_t i = 0; i < values.size(); ++i) o << (i ? ", " : "") << values[i];
+      o << "}";
+    }
+    o << ", cuts {";
+    for (std::size_t i = 0; i < cuts.size(); ++i) o << (i ? ", " : "") << cuts[i];
+    o << "}";
+    return o.str();
+  }
+};
+
+/// 1 to `max_n` values cut into `pieces` pieces at random (a piece may be empty).
+inline WideCase wide_case(std::mt19937_64& gen, int64_t max_n, int pieces) {
+  WideCase c;
+  c.decade = std::uniform_int_distribution<int>(-300, 307)(gen);
+  c.shape = std::uniform_int_distribution<int>(0, 4)(gen);
+  const auto n =
+      std::uniform_int_distribution<std::size_t>(1, static_cast<std::size_t>(max_n))(gen);
+  std::uniform_real_distribution<double> u(0.1, 1.7);
+  const double p = std::pow(10.0, c.decade);
+  for (std::size_t i = 0; i < n; ++i) {
+    double x = u(gen) * p;
+    if (c.shape == 1 && (gen() & 1)) x = -x;
+    if (c.shape == 2) x = p * (1.0 + 1e-3 * u(gen));
+    if (c.shape == 3) x = (i % 2 ? -1.0 : 1.0) * p;
+    if (c.shape == 4) {  // each value 1 to 1e30 times smaller, either sign
+      const int down = std::uniform_int_distribution<int>(0, 30)(gen);
+      x = ((gen() & 1) ? -x : x) * std::pow(10.0, -down);
+    }
+    c.values.push_back(std::isfinite(x) ? x : 1.7e308);
+  }
+  if (gen() % 3 == 0) {  // a few NaN/+-Inf
+    const double odd[] = {std::nan(""), HUGE_VAL, -HUGE_VAL};
+    for (auto k = gen() % 3 + 1; k > 0; --k) c.values[gen() % n] = odd[gen() % 3];
+  }
+  c.cuts = {0, n};
+  for (int i = 1; i < pieces; ++i) c.cuts.push_back(gen() % (n + 1));
+  std::sort(c.cuts.begin(), c.cuts.end());
+  return c;
 }
 
 }  // namespace torchdbg_test

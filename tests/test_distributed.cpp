@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <thread>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -227,6 +228,69 @@ void failure_scenario(int rank, int world, const std::string& store_path, bool h
   std::_Exit(ok ? 0 : 1);  // the group's peer is gone: skip destructors that would talk to it
 }
 
+/// One layer's moments against torchdbg_test::wide_reference of `v`.
+void check_layer(const torchdbg::LayerMoments& m, const std::vector<double>& v) {
+  const auto r = torchdbg_test::wide_reference(v);
+  INFO("finite " << m.finite << " mean " << m.mean << " std " << m.std() << " min " << m.min
+                 << " max " << m.max);
+  CHECK(m.finite == r.finite);
+  CHECK(m.nan == r.nan);
+  CHECK(m.inf == r.pos_inf + r.neg_inf);
+  if (r.finite == 0) {
+    CHECK(std::isnan(m.std()));
+    return;
+  }
+  // to the data's scale: a mean that cancels to about 0 included
+  CHECK(std::fabs(m.mean - r.mean) <= 1e-12L * r.abs_max);
+  CHECK(m.min == r.min);
+  CHECK(m.max == r.max);
+  CHECK(std::isfinite(m.std()));
+  if (torchdbg_test::kWideLongDouble) CHECK(torchdbg_test::wide_near(m.std(), r.std, 1e-9));
+}
+
+/// Every rank generates the same cases, delivers its share in up to 3 chunks (each merged
+/// into the rank's moments) and checks the exchanged global and per-rank moments.
+void magnitudes_scenario(int rank, int world, const std::string& store_path) {
+  torch::set_num_threads(1);
+  auto store = c10::make_intrusive<c10d::FileStore>(store_path, world);
+  auto group = torchdbg::make_gloo_group(store, rank, world, std::chrono::seconds(30));
+  torchdbg::HookManager hooks(
+      torchdbg::HookManagerOptions().inspector(torchdbg::InspectorOptions().sample_rate(0.0)));
+  torchdbg::DistributedMonitor dist(group, store, hooks, nullptr,
+                                    torchdbg::DistributedOptions().report_interval(1));
+  constexpr int kChunks = 3;
+  for (int64_t step = 0; step < 80; ++step) {
+    std::mt19937_64 gen(9000 + static_cast<uint64_t>(step));
+    const auto c = torchdbg_test::wide_case(gen, step % 4 == 0 ? 3000 : 40, kChunks * world);
+    INFO("step " << step << ": rank r delivers pieces " << kChunks << "r to " << kChunks << "r+"
+                 << kChunks - 1 << " of " << c.code() << " (wide_case with seed " << 9000 + step
+                 << ")");
+    hooks.set_step(step);
+    for (int k = 0; k < kChunks; ++k) {
+      const auto piece = c.piece(static_cast<std::size_t>(kChunks * rank + k));
+      if (!piece.empty())
+        (void)hooks.execute_hooks("layer", torch::tensor(piece, torch::kDouble), true);
+    }
+    REQUIRE(dist.step_boundary(step).reported);
+    const auto got = dist.global_layer("layer");
+    REQUIRE(got.has_value());
+    check_layer(got->global, c.values);
+    REQUIRE(got->per_rank.size() == static_cast<std::size_t>(world));
+    for (int r = 0; r < world; ++r) {
+      const auto& share = got->per_rank[static_cast<std::size_t>(r)];
+      const std::size_t lo = c.cuts[static_cast<std::size_t>(kChunks * r)],
+                        hi = c.cuts[static_cast<std::size_t>(kChunks * r + kChunks)];
+      INFO("rank " << r << "'s share");
+      CHECK(share.has_value() == (hi > lo));
+      if (share) {
+        check_layer(*share,
+                    std::vector<double>(c.values.begin() + static_cast<std::ptrdiff_t>(lo),
+                                        c.values.begin() + static_cast<std::ptrdiff_t>(hi)));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 TEST_CASE("distributed worker", "[.distributed_worker]") {
@@ -237,6 +301,7 @@ TEST_CASE("distributed worker", "[.distributed_worker]") {
   if (scenario == "train") train_scenario(rank, world, store);
   if (scenario == "dead") failure_scenario(rank, world, store, false);
   if (scenario == "hang") failure_scenario(rank, world, store, true);
+  if (scenario == "magnitudes") magnitudes_scenario(rank, world, store);
 }
 
 TEST_CASE(
@@ -249,6 +314,17 @@ TEST_CASE(
       INFO("world " << world << " rank " << r << " output:\n" << res[r].output);
       CHECK(res[r].status == 0);
     }
+  }
+}
+
+TEST_CASE(
+    "property: global and per-rank mean, std, min and max of float64 data of any magnitude, "
+    "1e-300 to 1e307, split across 3 processes and chunks, are a long-double reference's",
+    "[distributed]") {
+  const auto res = launch(3, "magnitudes");
+  for (std::size_t r = 0; r < res.size(); ++r) {
+    INFO("rank " << r << " output:\n" << res[r].output);
+    CHECK(res[r].status == 0);
   }
 }
 

@@ -2200,3 +2200,99 @@ TEST_CASE("property: float64 data of any magnitude, 1e-300 to 1e308, gives a lon
   CHECK(counted == 3);
   for (double e : top.distribution->bin_edges) CHECK(std::isfinite(e));
 }
+
+TEST_CASE(
+    "property: the on-device reduction of float64 data of any magnitude, 1e-300 to 1e307, "
+    "whole, in chunks and batched, gives a long-double reference's moments",
+    "[stats]") {
+  // pack_moments and MomentsBatch (what non-CPU tensors use; they run on CPU tensors too)
+  // against torchdbg_test::wide_reference: squares of such values leave a double's range.
+  using torchdbg::detail::Moments;
+  const auto check = [](const Moments& m, const std::vector<double>& v, const char* what) {
+    const auto r = torchdbg_test::wide_reference(v);
+    INFO(what << ": mean " << m.mean << " std " << m.std_dev() << " l2 " << m.l2_norm() << " min "
+              << m.min << " max " << m.max);
+    CHECK(m.count == static_cast<int64_t>(v.size()));
+    CHECK(m.finite == r.finite);
+    CHECK(m.nan == r.nan);
+    CHECK(m.pos_inf == r.pos_inf);
+    CHECK(m.neg_inf == r.neg_inf);
+    if (r.finite == 0) {
+      CHECK(std::isnan(m.std_dev()));
+      return;
+    }
+    // to the data's scale: a mean that cancels to about 0 included
+    CHECK(std::fabs(m.mean - r.mean) <= 1e-12L * r.abs_max);
+    CHECK(m.min == r.min);
+    CHECK(m.max == r.max);
+    CHECK(m.abs_max == r.abs_max);
+    if (torchdbg_test::kWideLongDouble) {
+      CHECK(std::isfinite(m.std_dev()));
+      CHECK(torchdbg_test::wide_near(m.std_dev(), r.std, 1e-9));
+      CHECK(torchdbg_test::wide_near(m.l2_norm(), r.l2, 1e-12));
+      CHECK(torchdbg_test::wide_near(m.rms(), r.l2 / std::sqrt(static_cast<long double>(r.finite)),
+                                     1e-12));
+    }
+  };
+  for (int trial = 0; trial < 150; ++trial) {
+    std::mt19937_64 gen(20260311 + static_cast<uint64_t>(trial));
+    const auto c = torchdbg_test::wide_case(gen, trial % 5 == 0 ? 5000 : 40, 1 + trial % 5);
+    INFO("trial " << trial << ": " << c.code() << " (wide_case with seed " << 20260311 + trial
+                  << ")");
+    const auto n = static_cast<int64_t>(c.values.size());
+    torch::Tensor t = torch::tensor(c.values, torch::kDouble);
+    if (trial % 3 == 0 && n % 2 == 0) t = t.view({2, -1}).t();  // a strided view
+    check(torchdbg::detail::unpack_moments(torchdbg::detail::pack_moments(t)), c.values, "whole");
+    // The chunks on their own and merged: each a packed vector, and again as rows of one batch.
+    Moments merged;
+    torchdbg::detail::MomentsBatch batch;
+    std::vector<std::size_t> batched;
+    for (std::size_t i = 0; i + 1 < c.cuts.size(); ++i) {
+      const auto piece = c.piece(i);
+      const auto tp = torch::tensor(piece, torch::kDouble);
+      const Moments m = torchdbg::detail::unpack_moments(torchdbg::detail::pack_moments(tp));
+      check(m, piece, "a chunk");
+      merged.merge(m);
+      if (torchdbg::detail::MomentsBatch::accepts(tp)) {
+        (void)batch.add(tp);
+        batched.push_back(i);
+      }
+    }
+    check(merged, c.values, "chunks merged");
+    if (batched.empty()) continue;
+    const torch::Tensor rows = batch.reduce().contiguous();
+    Moments rows_merged;
+    for (std::size_t k = 0; k < batched.size(); ++k) {
+      const Moments m = torchdbg::detail::unpack_moments(
+          rows.data_ptr<double>() + static_cast<int64_t>(k) * torchdbg::detail::kPackedMoments);
+      check(m, c.piece(batched[k]), "a batched row");
+      rows_merged.merge(m);
+    }
+    check(rows_merged, c.values, "batched rows merged");
+  }
+  // The ends of the range, as the CPU kernel gives them; an RMS whose L2 norm leaves a double
+  // stays finite.
+  const auto packed = [](std::vector<double> v) {
+    return torchdbg::detail::unpack_moments(
+        torchdbg::detail::pack_moments(torch::tensor(v, torch::kDouble)));
+  };
+  const auto two = packed({1e200, -1e200});
+  CHECK(two.std_dev() == 1e200);
+  CHECK(two.mean == 0.0);
+  CHECK_CLOSE(two.l2_norm(), std::sqrt(2.0) * 1e200, 1e-15);
+  const auto edge = packed({1.5e308, -1.5e308, 1.5e308});
+  CHECK_CLOSE(edge.mean, 0.5e308, 1e-15);
+  CHECK_CLOSE(edge.std_dev(), std::sqrt(2.0) * 1e308, 1e-15);
+  const auto tiny = packed({1e-200, -1e-200});
+  CHECK(tiny.std_dev() == 1e-200);
+  CHECK_CLOSE(tiny.rms(), 1e-200, 1e-15);
+  const auto constant = packed({1.7e308, 1.7e308, 1.7e308});
+  CHECK(constant.std_dev() == 0.0);
+  CHECK(constant.mean == 1.7e308);
+  CHECK_CLOSE(constant.rms(), 1.7e308, 1e-15);
+  CHECK(torchdbg::detail::compute_moments(torch::full({4}, 1.5e308, torch::kDouble)).rms() == 1.5e308);
+  // Ordinary magnitudes: the packed vector's columns are those a float64 reckoning gives.
+  const auto ordinary = packed({1.0, 2.0, 4.0, kNaN});
+  CHECK(std::fabs(ordinary.m2 - 14.0 / 3.0) < 1e-14);
+  CHECK(ordinary.scale == 0);
+}

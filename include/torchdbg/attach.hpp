@@ -70,7 +70,7 @@
 //   weights it applies itself, has gradients but no forward output of its own (as in
 //   PyTorch, where out_proj's forward never runs).
 // * Tensors on a device (StatsBatching::Device, the default): a delivery never syncs. Its
-//   statistics are reduced on the device into 14 doubles and queued; at the end of the
+//   statistics are reduced on the device into 15 doubles and queued; at the end of the
 //   backward pass (or at the next step change, `flush()`, or when `max_deferred` deliveries
 //   are queued) every queued vector of a device is stacked and copied to the host at once,
 //   and the queued deliveries run their hooks then, in arrival order, with those statistics.

@@ -11,10 +11,11 @@
 // allreduce (3 x world_size floats: who paused, who asked to resume, how many incidents each
 // rank has), so a pause raised on any rank is seen by every rank at the same boundary. Every
 // `report_interval` steps it also runs one allgather of every layer's packed moments (count,
-// mean, M2, min, max, NaN, Inf per layer and rank), from which every rank computes exact
-// global mean/std/min/max (Chan's merge, not an average of means); per-rank statistics stay
-// available. Collectives wait at most `timeout_ms`: a rank that died or hangs makes the
-// boundary throw torchdbg::Error saying so, instead of blocking forever.
+// mean, M2 and its power-of-two scale, min, max, NaN, Inf per layer and rank), from which every
+// rank computes exact global mean/std/min/max for values of any finite magnitude (Chan's
+// merge, not an average of means); per-rank statistics stay available. Collectives wait at
+// most `timeout_ms`: a rank that died or hangs makes the boundary throw torchdbg::Error
+// saying so, instead of blocking forever.
 //
 // ```cpp
 // auto store = c10::make_intrusive<c10d::FileStore>(path, world);
@@ -36,6 +37,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/arg.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -49,11 +51,13 @@
 #include <utility>
 #include <vector>
 
+#include "torchdbg/detail/stats_kernel.hpp"
 #include "torchdbg/detail/text.hpp"
 #include "torchdbg/diagnosis.hpp"
 #include "torchdbg/error.hpp"
 #include "torchdbg/health.hpp"
 #include "torchdbg/hook_manager.hpp"
+#include "torchdbg/tensor_stats.hpp"
 
 namespace torchdbg {
 
@@ -68,29 +72,62 @@ struct DistributedOptions {
   TORCH_ARG(std::string, key_prefix) = "torchdbg";
 };
 
-/// Moments of one layer's values: on one rank or merged over all.
+/// Moments of one layer's values: on one rank or merged over all. Exact for finite values of
+/// any magnitude: `m2`, the sum of squared deviations from `mean`, is held in units of
+/// 4^`scale` (detail::Moments's scale: 0 for magnitudes from about 2^-400 to 2^400, beyond
+/// which sums of squares could leave a double's range); `std()` has the spread.
 struct LayerMoments {
   int64_t finite = 0, nan = 0, inf = 0;
   double mean = detail::kNaN, m2 = 0.0, min = detail::kNaN, max = detail::kNaN;
-  [[nodiscard]] double std() const noexcept {
-    return finite > 0 ? std::sqrt(m2 / static_cast<double>(finite)) : detail::kNaN;
-  }
-  void merge(const LayerMoments& o) {
-    if (o.finite > 0) {
-      if (finite == 0) {
-        mean = o.mean, m2 = o.m2, min = o.min, max = o.max;
-      } else {
-        const double n = static_cast<double>(finite), m = static_cast<double>(o.finite),
-                     d = o.mean - mean;
-        mean += d * m / (n + m);
-        m2 += o.m2 + d * d * n * m / (n + m);
-        min = std::min(min, o.min);
-        max = std::max(max, o.max);
-      }
-      finite += o.finite;
+  int scale = 0;
+
+  /// The moments of the values `s` summarises (its counts, mean, std and extrema).
+  [[nodiscard]] static LayerMoments of(const TensorStats& s) {
+    LayerMoments m;
+    m.finite = s.finite_count;
+    m.nan = s.nan_count;
+    m.inf = s.inf_count;
+    if (s.finite_count > 0) {
+      m.mean = s.mean;
+      m.min = s.min;
+      m.max = s.max;
+      m.scale = detail::Moments::scale_for(std::max(std::fabs(s.min), std::fabs(s.max)));
+      const double sd = std::ldexp(s.std, -m.scale);
+      m.m2 = sd * sd * static_cast<double>(s.finite_count);
     }
+    return m;
+  }
+  /// Population standard deviation of the finite values; NaN when there are none.
+  [[nodiscard]] double std() const noexcept { return finite_moments().std_dev(); }
+  /// Adds the values `o` summarises (Chan's merge, as detail::Moments::merge).
+  void merge(const LayerMoments& o) {
+    detail::Moments a = finite_moments();
+    a.merge(o.finite_moments());
+    if (a.finite > 0) {
+      mean = a.mean;
+      m2 = a.m2;
+      scale = a.scale;
+      min = a.min;
+      max = a.max;
+    }
+    finite = a.finite;
     nan += o.nan;
     inf += o.inf;
+  }
+
+ private:
+  [[nodiscard]] detail::Moments finite_moments() const noexcept {
+    detail::Moments m;
+    if (finite > 0) {
+      m.count = m.finite = finite;
+      m.mean = mean;
+      m.m2 = m2;
+      m.scale = scale;
+      m.min = min;
+      m.max = max;
+      m.abs_max = std::max(std::fabs(min), std::fabs(max));
+    }
+    return m;
   }
 };
 
@@ -176,7 +213,8 @@ inline Incident incident_from_json(const nlohmann::json& j) {
   return i;
 }
 
-constexpr int64_t kPackedLayer = 9;  // hash hi, hash lo, finite, nan, inf, mean, m2, min, max
+// hash hi, hash lo, finite, nan, inf, mean, m2, min, max, scale (LayerMoments's m2 in its units)
+constexpr int64_t kPackedLayer = 10;
 
 }  // namespace detail
 
@@ -437,17 +475,7 @@ class BasicDistributedMonitor {
       const auto p = ctx.metadata_value("parameter");
       name += "." + std::string(p ? *p : "?") + "/grad";
     }
-    const TensorStats& s = ctx.moment_stats();
-    LayerMoments m;
-    m.finite = s.finite_count;
-    m.nan = s.nan_count;
-    m.inf = s.inf_count;
-    if (s.finite_count > 0) {
-      m.mean = s.mean;
-      m.m2 = s.std * s.std * static_cast<double>(s.finite_count);
-      m.min = s.min;
-      m.max = s.max;
-    }
+    const LayerMoments m = LayerMoments::of(ctx.moment_stats());
     std::lock_guard<std::mutex> lock(mutex_);
     if (ctx.step() != local_step_) {
       local_.clear();
@@ -484,6 +512,7 @@ class BasicDistributedMonitor {
           q[6] = m.m2;
           q[7] = m.min;
           q[8] = m.max;
+          q[9] = static_cast<double>(m.scale);
           ++k;
         }
       }
@@ -513,6 +542,7 @@ class BasicDistributedMonitor {
         m.m2 = q[6];
         m.min = q[7];
         m.max = q[8];
+        m.scale = static_cast<int>(q[9]);
         GlobalLayerStats& g = merged[name];
         g.name = name;
         g.step = step;

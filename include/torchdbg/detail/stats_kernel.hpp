@@ -131,17 +131,25 @@ struct Moments {
   }
   /// Sum of squares of the finite values (+Inf beyond a double's range: l2_norm() has it).
   [[nodiscard]] double sum_squares() const noexcept {
-    const double ms = std::ldexp(mean, -scale);
-    return std::ldexp(m2 + static_cast<double>(finite) * ms * ms, 2 * scale);
+    return std::ldexp(scaled_sum_squares(), 2 * scale);
   }
   /// The L2 norm of the finite values: sqrt(sum_squares()) without its overflow.
   [[nodiscard]] double l2_norm() const noexcept {
-    const double ms = std::ldexp(mean, -scale);
-    return std::ldexp(std::sqrt(std::max(0.0, m2 + static_cast<double>(finite) * ms * ms)), scale);
+    return std::ldexp(std::sqrt(std::max(0.0, scaled_sum_squares())), scale);
   }
-  /// Root mean square of the finite values; NaN when there are none.
+  /// Root mean square of the finite values; NaN when there are none. Finite whenever the
+  /// values are (an L2 norm beyond a double's range included).
   [[nodiscard]] double rms() const noexcept {
-    return finite > 0 ? l2_norm() / std::sqrt(static_cast<double>(finite)) : kNaN;
+    if (finite == 0) return kNaN;
+    const double mean_square = scaled_sum_squares() / static_cast<double>(finite);
+    return std::ldexp(std::sqrt(std::max(0.0, mean_square)), scale);
+  }
+
+ private:
+  /// Sum of squares of the finite values in units of 4^scale.
+  [[nodiscard]] double scaled_sum_squares() const noexcept {
+    const double ms = std::ldexp(mean, -scale);
+    return m2 + static_cast<double>(finite) * ms * ms;
   }
 };
 
@@ -1104,8 +1112,9 @@ decltype(auto) dispatch_dtype(c10::ScalarType st, F&& f) {
   }
 }
 
-/// Number of packed values `pack_moments` produces.
-constexpr int64_t kPackedMoments = 14;
+/// Number of packed values `pack_moments` produces: Moments's count, finite, nan, pos_inf,
+/// neg_inf, zeros, negatives, positives, mean, m2, min, max, abs_sum, abs_max and scale.
+constexpr int64_t kPackedMoments = 15;
 
 /// The moments of a tensor on any device, reduced on that device and packed into a float64
 /// vector of kPackedMoments values (still on the device: no host sync here).
@@ -1229,11 +1238,17 @@ at::Tensor moments_rows(const at::Tensor& x, const Reduce& red) {
     abs_sum = red.sum(a);
     abs_max = red.max(a);
   }
-  // Mean and squared deviations of the finite values shifted by their minimum and scaled by a
-  // power of two near their range (both exact): a constant segment has no deviation at all,
-  // and neither the sums nor the squares overflow from the values' magnitude alone.
-  const at::Tensor shift = at::where(at::isfinite(lo), lo, zero);
-  const at::Tensor d = (xf - red.spread(shift)) * finite;
+  // Mean and squared deviations of the finite values in units of 2^s, s = Moments::scale_for
+  // of the largest magnitude (0 unless the squares of float64 values would overflow or
+  // underflow: m2 comes in units of 4^s, as Moments::m2), shifted by their minimum and scaled
+  // by a power of two near their range (all exact): a constant segment has no deviation at
+  // all, and neither the sums nor the squares overflow or underflow from the values'
+  // magnitude alone.
+  const at::Tensor e = std::get<1>(at::frexp(abs_max)).to(at::kDouble) - 1.0;  // ilogb; 0 gives -1
+  const at::Tensor s = at::where(e > 400.0, e - 400.0, at::where(e < -400.0, e + 400.0, zero));
+  const at::Tensor unit = at::exp2(-s);  // 1 for s = 0: the same results as without units
+  const at::Tensor shift = at::where(at::isfinite(lo), lo * unit, zero);
+  const at::Tensor d = at::addcmul(-red.spread(shift), xf, red.spread(unit)) * finite;
   const at::Tensor range = red.max(d);
   const at::Tensor scale = at::exp2(at::floor(at::log2(at::where(range > 0, range, one))));
   const at::Tensor ds = d / red.spread(scale);
@@ -1241,7 +1256,7 @@ at::Tensor moments_rows(const at::Tensor& x, const Reduce& red) {
   const at::Tensor dev = (ds - red.spread(mean_s)) * finite;
   const at::Tensor m2 = red.sum(dev * dev) * scale * scale;
   return at::stack({red.count(), counts[0], counts[1], counts[2], counts[3], counts[4], counts[5], counts[6],
-                    shift + mean_s * scale, m2, lo, hi, abs_sum, abs_max},
+                    (shift + mean_s * scale) / unit, m2, lo, hi, abs_sum, abs_max, s},
                    1);
 }
 
@@ -1287,7 +1302,7 @@ inline at::Tensor pack_moments(const at::Tensor& t) {
   const Repeated r = collapse_repeats(t);
   if (r.repeats > 1) {  // counts and sums scale with the copies; mean and extrema do not
     const double k = static_cast<double>(r.repeats);
-    const at::Tensor scale = at::tensor(std::vector<double>{k, k, k, k, k, k, k, k, 1, k, 1, 1, k, 1},
+    const at::Tensor scale = at::tensor(std::vector<double>{k, k, k, k, k, k, k, k, 1, k, 1, 1, k, 1, 1},
                                         at::TensorOptions().dtype(at::kDouble));
     return pack_moments(r.base) * scale.to(t.device());
   }
@@ -1332,7 +1347,7 @@ class MomentsBatch {
     return rows_++;
   }
   [[nodiscard]] int64_t rows() const { return rows_; }
-  /// Every added tensor's kPackedMoments doubles, row by row, in the order added: [rows, 14]
+  /// Every added tensor's kPackedMoments doubles, row by row, in the order added: [rows, 15]
   /// on the tensors' device (no host sync). Empties the batch; needs rows() > 0.
   at::Tensor reduce() {
     reduce_held();
@@ -1378,6 +1393,7 @@ inline Moments unpack_moments(const double* v) {
   m.max = v[11];
   m.abs_sum = v[12];
   m.abs_max = v[13];
+  m.scale = static_cast<int>(v[14]);
   return m;
 }
 
@@ -1457,8 +1473,8 @@ Moments accumulate_gathered(const at::Tensor& t, bool signs) {
 
 /// The one-pass summary of any tensor. CPU tensors are read in place (a small strided float,
 /// half or bfloat16 tensor through its strides, another strided one made contiguous first, an
-/// overlapping one piece by piece); other devices reduce on the
-/// device and copy 14 doubles back. Expanded dimensions are read once (collapse_repeats).
+/// overlapping one piece by piece); other devices reduce on the device and copy
+/// kPackedMoments doubles back. Expanded dimensions are read once (collapse_repeats).
 /// `signs` false: the zero/negative/positive counts and the absolute sum may be skipped
 /// (float32, half and bfloat16 CPU data without NaN/Inf: about twice as fast);
 /// Moments::signs says whether they are there.
