@@ -600,6 +600,21 @@ inline Result run(const Spec& spec, int steps = 3) {
         else if (!same_values(s))
           fail(where + "'" + e.name + "' call " + std::to_string(call) + " holds other values (mean " +
                std::to_string(s.mean) + " vs " + std::to_string(v.mean().item<double>()) + ")");
+        // Rows 0 and 1 of the input as the call read it: "0" only where they differ, "1" where
+        // they agree within 1e-4 of their largest magnitude (every position looked at up to 64).
+        if (e.input.defined() && e.input.is_floating_point() && e.input.dim() >= 2 && e.input.size(0) >= 2 &&
+            e.input.numel() > 0) {
+          const auto rows = e.input.detach().to(torch::kDouble).flatten(1);
+          const double gap = (rows[0] - rows[1]).abs().max().item<double>();
+          const double largest = rows.narrow(0, 0, 2).abs().max().item<double>();
+          ++res.checks;
+          if (!s.input_alike.has_value() && e.input.is_cpu() && std::isfinite(largest))
+            fail(where + "'" + e.name + "' has no input_alike");
+          else if (s.input_alike == false && gap == 0.0)
+            fail(where + "'" + e.name + "' input_alike 0 for equal rows 0 and 1");
+          else if (s.input_alike == true && rows.size(1) <= 64 && !(gap <= 1e-4 * largest * (1 + 1e-9)))
+            fail(where + "'" + e.name + "' input_alike 1 for rows 0 and 1 " + std::to_string(gap) + " apart");
+        }
         // The call's input scale: measured, or the output of the delivery it names.
         if (e.input.defined() && e.input.is_floating_point() && e.input.numel() > 0) {
           const double in_rms = e.input.detach().to(torch::kDouble).pow(2).mean().sqrt().item<double>();
@@ -609,19 +624,6 @@ inline Result run(const Spec& spec, int steps = 3) {
             if (!close(*s.input_rms, in_rms, 1e-4))
               fail(where + "'" + e.name + "' call " + std::to_string(call) + " input_rms " +
                    std::to_string(*s.input_rms) + " vs " + std::to_string(in_rms));
-            // Rows 0 and 1 of the input: "0" only where they differ, "1" where they agree.
-            if (e.input.dim() >= 2 && e.input.size(0) >= 2) {
-              const auto rows = e.input.detach().to(torch::kDouble).flatten(1);
-              const double gap = (rows[0] - rows[1]).abs().max().item<double>();
-              const bool same = gap <= 1e-6 * in_rms, finite = std::isfinite(gap);
-              ++res.checks;
-              if (!s.input_alike.has_value() && e.input.is_cpu() && finite)
-                fail(where + "'" + e.name + "' has input_rms but no input_alike");
-              else if (s.input_alike == false && same)
-                fail(where + "'" + e.name + "' input_alike 0 for rows 0 and 1 alike");
-              else if (s.input_alike == true && !same && rows.size(1) <= 64)  // every position looked at
-                fail(where + "'" + e.name + "' input_alike 1 for rows 0 and 1 " + std::to_string(gap) + " apart");
-            }
           } else if (!s.input_from.empty()) {
             const Seen* from = nullptr;
             for (const auto& x : list)

@@ -7,6 +7,7 @@
 #include <random>
 #include <sstream>
 #include <thread>
+#include <utility>
 #include <torchdbg/attach.hpp>
 #include <torchdbg/diagnosis.hpp>
 #include <torchdbg/health.hpp>
@@ -36,6 +37,17 @@ std::vector<torchdbg::SemanticEvent> of_type(const HealthMonitor& m, EventType t
     if (e.type == t) out.push_back(e);
   return out;
 }
+
+/// A model watched as the README's quick start watches it: a manager, a health monitor that
+/// pauses on failures, attach.
+struct Watched {
+  torchdbg::HookManager hooks;
+  HealthMonitor m;
+  decltype(std::declval<HealthMonitor&>().install(std::declval<torchdbg::HookManager&>())) fed;
+  decltype(torchdbg::attach(std::declval<torch::nn::Module&>(), std::declval<torchdbg::HookManager&>())) session;
+  explicit Watched(torch::nn::Module& model)
+      : m(HealthOptions().on_failure(torchdbg::OnFailure::Pause)), fed(m.install(hooks)), session(torchdbg::attach(model, hooks)) {}
+};
 
 }  // namespace
 
@@ -357,13 +369,21 @@ TEST_CASE(
   CHECK(bias.layer("fc1")->gain > 100.0);  // the whole std over the input's RMS, as documented
   bias.observe_activation("fc0", x, 1);
   bias.observe_activation("fc1", torch::randn({1, 16}).mul(100).expand({32, 16}), 1);
-  // ... which, its input varying, is a constant output (a weight zeroed), not an explosion
+  CHECK(bias.layer("fc1")->activation == ActivationHealth::Normal);
+  CHECK(bias.incidents().empty());
+  // ... which, from a Linear (it maps each row alone) whose input varies, is a constant output
+  // (a weight zeroed), not an explosion
+  ActivationInfo linear;
+  linear.module_type = "torch::nn::LinearImpl";
+  bias.observe_activation("fc0", x, 2);
+  bias.observe_activation("fc1", torch::randn({1, 16}).mul(100).expand({32, 16}), 2, linear);
   REQUIRE(bias.incidents().size() == 1);
   CHECK(bias.incidents()[0].kind == FailureKind::ConstantOutput);
   CHECK(bias.incidents()[0].details.at("batch_spread") == 0.0);
-  bias.observe_activation("fc0", x.narrow(0, 0, 1).expand({32, 16}), 2);  // an input alike too
-  bias.observe_activation("fc1", torch::randn({1, 16}).mul(100).expand({32, 16}), 2);
-  CHECK(bias.layer("fc1")->activation == ActivationHealth::Normal);
+  HealthMonitor alike;  // an input alike too
+  alike.observe_activation("fc0", x.narrow(0, 0, 1).expand({32, 16}), 0);
+  alike.observe_activation("fc1", torch::randn({1, 16}).mul(100).expand({32, 16}), 0, linear);
+  CHECK(alike.layer("fc1")->activation == ActivationHealth::Normal);
   // A batch of one has no spread across the batch: attach's std_less_bias (the std with the
   // module's own bias taken out) is judged instead; without it, only a jump over the layer's
   // history counts.
@@ -488,10 +508,9 @@ TEST_CASE("property: a batch of identical samples is no constant output of its n
                                 torch::nn::LayerNorm(torch::nn::LayerNormOptions({width}).elementwise_affine(affine)),
                                 torch::nn::ReLU(), torch::nn::Linear(width, 2));
     torch::optim::Adam opt(model->parameters(), 1e-3);
-    torchdbg::HookManager hooks;
-    HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
-    auto fed = m.install(hooks);
-    auto session = torchdbg::attach(*model, hooks);
+    Watched watched(*model);
+    auto& hooks = watched.hooks;
+    auto& m = watched.m;
     int64_t step = 0;
     for (; step < 40 && !hooks.is_paused(); ++step) {
       hooks.set_step(step);
@@ -585,10 +604,9 @@ TEST_CASE("property: a Linear or Conv whose weight was zeroed (its bias intact) 
     if (conv) model->push_back(torch::nn::Flatten());
     model->push_back(torch::nn::Linear(conv ? 6 * 5 * 5 : width, 2));
     torch::optim::Adam opt(model->parameters(), 1e-3);
-    torchdbg::HookManager hooks;
-    HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
-    auto fed = m.install(hooks);
-    auto session = torchdbg::attach(*model, hooks);
+    Watched watched(*model);
+    auto& hooks = watched.hooks;
+    auto& m = watched.m;
     int64_t step = 0;
     for (; step < 36 && !hooks.is_paused(); ++step) {
       hooks.set_step(step);
@@ -621,6 +639,113 @@ TEST_CASE("property: a Linear or Conv whose weight was zeroed (its bias intact) 
     CHECK(d.hypotheses[0].kind == FailureKind::ConstantOutput);
     CHECK(d.hypotheses[0].layer == weighted[static_cast<std::size_t>(target)]);
     CHECK(d.hypotheses[0].step == bad_step);
+  }
+}
+
+TEST_CASE("the same output for every sample: sequence-first layouts, attention to one key, a head that starts at its bias",
+          "[health]") {
+  namespace nn = torch::nn;
+  // A per-sample context repeated over time (a view that puts time first): rows 0 and 1 of the
+  // Linear's input and output are time steps, equal by design.
+  struct Repeat : nn::Module {
+    nn::Linear a{nullptr}, b{nullptr};
+    Repeat() : a(register_module("a", nn::Linear(6, 8))), b(register_module("b", nn::Linear(8, 5))) {}
+    torch::Tensor forward(const torch::Tensor& x) {
+      return b->forward(torch::relu(a->forward(x)).unsqueeze(0).expand({7, -1, -1}));
+    }
+  };
+  // Sequence-first cross-attention to a single memory token: the same output at every time.
+  struct Cross : nn::Module {
+    nn::Linear inp{nullptr}, out{nullptr};
+    nn::MultiheadAttention mha{nullptr};
+    Cross()
+        : inp(register_module("inp", nn::Linear(8, 16))),
+          out(register_module("out", nn::Linear(16, 1))),
+          mha(register_module("mha", nn::MultiheadAttention(16, 2))) {}
+    torch::Tensor forward(const torch::Tensor& x) {
+      const auto q = inp->forward(x);
+      const auto mem = torch::randn({1, x.size(1), 16});
+      return out->forward(std::get<0>(mha->forward(q, mem, mem)) + q);
+    }
+  };
+  // An output head whose weight starts at 0 and bias at the prior ("predict the prior"); with
+  // its weight frozen it stays so, and is reported once its warm-up is over.
+  struct Head : nn::Module {
+    nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+    Head()
+        : fc1(register_module("fc1", nn::Linear(10, 32))),
+          fc2(register_module("fc2", nn::Linear(32, 32))),
+          fc3(register_module("fc3", nn::Linear(32, 3))) {}
+    torch::Tensor forward(const torch::Tensor& x) {
+      return fc3->forward(torch::relu(fc2->forward(torch::relu(fc1->forward(x)))));
+    }
+  };
+  for (int variant = 0; variant < 4; ++variant) {
+    for (int seed = 0; seed < 2; ++seed) {
+      INFO("variant " << variant << " seed " << seed);
+      torch::manual_seed(40 + seed);
+      std::shared_ptr<nn::Module> model;
+      std::function<torch::Tensor()> loss_of;
+      torch::Tensor x;
+      if (variant == 0) {
+        auto m = std::make_shared<Repeat>();
+        loss_of = [m, &x] { return m->forward(x).pow(2).mean(); };
+        model = m;
+      } else if (variant == 1) {
+        auto m = std::make_shared<Cross>();
+        loss_of = [m, &x] { return m->forward(x).pow(2).mean(); };
+        model = m;
+      } else {
+        auto m = std::make_shared<Head>();
+        {
+          torch::NoGradGuard g;
+          m->fc3->weight.zero_();
+          m->fc3->bias.fill_(0.1);
+        }
+        if (variant == 3) m->fc3->weight.set_requires_grad(false);
+        loss_of = [m, &x] { return torch::nn::functional::cross_entropy(m->forward(x), torch::randint(0, 3, {x.size(0)})); };
+        model = m;
+      }
+      std::vector<torch::Tensor> params;
+      for (const auto& p : model->parameters())
+        if (p.requires_grad()) params.push_back(p);
+      torch::optim::Adam opt(params, 1e-3);
+      Watched watched(*model);
+      auto& hooks = watched.hooks;
+      auto& m = watched.m;
+      int64_t step = 0;
+      for (; step < 20 && !hooks.is_paused(); ++step) {
+        hooks.set_step(step);
+        opt.zero_grad();
+        x = variant == 0 ? torch::randn({8, 6}) : variant == 1 ? torch::randn({6, 8, 8}) : torch::randn({2 + seed, 10});
+        auto loss = loss_of();
+        hooks.set_loss(loss.item<double>());
+        loss.backward();
+        if (hooks.is_paused()) break;
+        opt.step();
+      }
+      for (const auto& inc : m.incidents()) UNSCOPED_INFO(inc);
+      if (variant < 3) {
+        CHECK(m.incidents().empty());
+        continue;
+      }
+      const auto incidents = m.incidents();
+      REQUIRE_FALSE(incidents.empty());
+      for (const auto& inc : incidents) UNSCOPED_INFO(inc << " " << inc.details.dump());
+      const auto d = torchdbg::diagnose(m);
+      REQUIRE(d.top() != nullptr);
+      CHECK(d.top()->kind == FailureKind::ConstantOutput);
+      CHECK(d.top()->layer == "fc3");
+      CHECK(d.top()->step == 0);  // the same output since its first call
+      const auto head = std::find_if(incidents.begin(), incidents.end(),
+                                     [](const torchdbg::Incident& i) {
+                                       return i.layer == "fc3" && i.kind == FailureKind::ConstantOutput;
+                                     });
+      REQUIRE(head != incidents.end());
+      INFO(*head << " " << head->details.dump());
+      REQUIRE(head->details.contains("zero_steps"));
+      CHECK(head->details.at("zero_steps").get<int64_t>() == HealthOptions().baseline_warmup() + 1);
+    }
   }
 }
 
@@ -734,10 +859,9 @@ TEST_CASE("property: regressions on unnormalised targets raise nothing; a gradie
     }
     const auto w_true = torch::randn({in, 1});
     torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
-    torchdbg::HookManager hooks;
-    HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
-    auto fed = m.install(hooks);
-    auto session = torchdbg::attach(*model, hooks);
+    Watched watched(*model);
+    auto& hooks = watched.hooks;
+    auto& m = watched.m;
     double first_norm = 0.0;
     int64_t step = 0;
     for (; step < 60 && !hooks.is_paused(); ++step) {
@@ -806,6 +930,16 @@ TEST_CASE("gradient norms per module: vanishing, exploding, non-finite, baseline
   j.observe_gradient("fc", "weight", w * 0.5, 5);
   j.end_backward();
   CHECK(j.layer("fc")->gradient == GradientHealth::Exploding);
+  // Growth of 1.5x a step: its EMA lags more than 10x behind once above 1e3.
+  HealthMonitor fast;
+  int64_t flagged = -1;
+  for (int64_t s = 0; s < 60 && flagged < 0; ++s) {
+    fast.observe_gradient("fc", "weight", w * std::pow(1.5, static_cast<double>(s)), s);
+    fast.end_backward();
+    if (fast.layer("fc")->gradient == GradientHealth::Exploding) flagged = s;
+  }
+  CHECK(flagged > 0);
+  CHECK(w.norm().item<double>() * std::pow(1.5, static_cast<double>(flagged)) > 1e3);
   // Non-finite: the first in arrival (backward) order is the origin.
   HealthMonitor nf;
   auto g = w.clone();

@@ -460,6 +460,13 @@ class Attribution : protected ObserverState {
       const bool model_input = core.input_due.exchange(false);
       in.input = input_moments(core, x, model_input);
     }
+    // Whether the rows of the input as the call reads it (a view of a delivery may put
+    // another axis first) are alike: within 1e-4 of their largest magnitude, two rows at up to
+    // 64 positions (no device sync: host tensors only).
+    if (const auto alike = first_rows_alike(x, 0.0, 1e-4)) {
+      if (!in.input) in.input.emplace();
+      in.input->alike = alike;
+    }
     return in;
   }
   /// A BatchNorm call's running statistics before it updates them (norm_stats.hpp).
@@ -507,7 +514,6 @@ class Attribution : protected ObserverState {
         in.packed = pack_moments(x.detach());  // no sync: comes with the batch
       } else {
         in.host = compute_moments(x, /*signs=*/false);  // the RMS only; reads the data, records nothing
-        if (in.host->finite == in.host->count) in.alike = first_rows_alike(x, 1e-6 * in.host->rms());
       }
       return in;
     } catch (...) {

@@ -43,8 +43,8 @@ namespace torchdbg::detail {
 /// running statistics' error against the batch ("norm_stats_error", "norm_samples").
 struct InputMoments {
   std::optional<Moments> host;
-  /// A host input's rows 0 and 1 alike within 1e-6 of its RMS ("input_alike", from
-  /// first_rows_alike); nullopt: not told.
+  /// Whether a host input's rows 0 and 1 are alike ("input_alike", first_rows_alike within
+  /// 1e-4 of their largest magnitude), for any call's data input; nullopt: not told.
   std::optional<bool> alike;
   at::Tensor packed;
   bool model_input = false;
@@ -152,12 +152,16 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     }
     DeliveringScope scope;  // the statistics' operators and the hooks' are not forward outputs
     std::optional<Metadata> own;  // base_md plus "input_rms", once a step
-    const auto md_with_input = [&](const Moments& m, bool model_input, std::optional<bool> alike) {
+    const auto md_with_input = [&](const Moments& m, bool model_input) {
       if (!own) own = base_md;
-      add_input_rms(*own, m, model_input, alike);
+      add_input_rms(*own, m, model_input);
     };
     try {
-      if (input.host) md_with_input(*input.host, input.model_input, input.alike);
+      if (input.host) md_with_input(*input.host, input.model_input);
+      if (input.alike) {
+        if (!own) own = base_md;
+        own->emplace("input_alike", *input.alike ? "1" : "0");
+      }
       if (is_forward) {
         add_std_less_bias(module, t, base_md, own);
         add_norm_signals(module, base_md, input.norm, own);
@@ -180,7 +184,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     }
     try {
       if (input.packed.defined())
-        md_with_input(unpack_moments(input.packed.to(at::kCPU)), input.model_input, std::nullopt);
+        md_with_input(unpack_moments(input.packed.to(at::kCPU)), input.model_input);
       deliver(name, t, is_forward, own ? *own : base_md, precomputed, nullptr);
     } catch (...) {
       // execute_hooks turns hook failures into results; anything else (bad_alloc) is
@@ -200,7 +204,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       try {
         std::optional<TensorStats> s;
         if (fetched[i].stats) s = stats_from_moments(*fetched[i].stats, d.tensor);
-        if (fetched[i].input) add_input_rms(d.md, *fetched[i].input, d.model_input, std::nullopt);
+        if (fetched[i].input) add_input_rms(d.md, *fetched[i].input, d.model_input);
         if (d.pass && s && options.gradient_norms()) passes_.add(*d.pass, d.module, s->l2_norm * s->l2_norm);
         if (active.load()) deliver(d.name, d.tensor, d.is_forward, d.md, s ? &*s : nullptr, &fetched[i].extras);
       } catch (...) {
@@ -262,9 +266,9 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   }
 
  private:
-  /// The data input's "input_rms" and "input_alike" and, for the model's input, its
-  /// "input_nan" and "input_inf" counts.
-  static void add_input_rms(Metadata& md, const Moments& m, bool model_input, std::optional<bool> alike) {
+  /// The data input's "input_rms" and, for the model's input, its "input_nan" and "input_inf"
+  /// counts.
+  static void add_input_rms(Metadata& md, const Moments& m, bool model_input) {
     if (model_input) {
       md.emplace("input_nan", std::to_string(m.nan));
       md.emplace("input_inf", std::to_string(m.pos_inf + m.neg_inf));
@@ -272,7 +276,6 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     }
     if (m.finite <= 0) return;
     md.emplace("input_rms", number_text(m.rms()));
-    if (alike) md.emplace("input_alike", *alike ? "1" : "0");
   }
 
   /// A batch of one has no spread across the batch to tell a module's bias from what its

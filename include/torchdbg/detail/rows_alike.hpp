@@ -14,23 +14,27 @@
 
 namespace torchdbg::detail {
 
-/// Whether rows 0 and 1 of `t` (its first dimension) differ by at most `tol` at up to
-/// `samples` positions spread evenly over a row; a NaN/Inf at a position looked at is a
-/// difference. nullopt where it cannot tell: not a host floating (strided) tensor of two
-/// dimensions or more and two rows or more. Reads 2 x `samples` values; never throws.
+/// Whether rows 0 and 1 of `t` (its first dimension) differ by at most `tol` plus `rel` times
+/// the largest magnitude among the values looked at, at up to `samples` positions spread
+/// evenly over a row; a NaN/Inf at a position looked at is a difference. nullopt where it
+/// cannot tell: not a host floating (strided) tensor of two dimensions or more and two rows
+/// or more. Reads 2 x `samples` values; never throws.
 ///
 /// ```cpp
 /// first_rows_alike(torch::ones({8, 4}), 0.0);  // true
 /// ```
-inline std::optional<bool> first_rows_alike(const at::Tensor& t, double tol, int64_t samples = 64) noexcept {
+inline std::optional<bool> first_rows_alike(const at::Tensor& t, double tol, double rel = 0.0,
+                                            int64_t samples = 64) noexcept {
   try {
     if (!t.defined() || t.layout() != at::kStrided || t.is_meta() || !t.device().is_cpu() ||
-        !t.is_floating_point() || t.dim() < 2 || t.size(0) < 2 || t.numel() == 0 || !(tol >= 0.0))
+        !t.is_floating_point() || t.dim() < 2 || t.size(0) < 2 || t.numel() == 0 || !(tol >= 0.0) ||
+        !(rel >= 0.0))
       return std::nullopt;
     const int64_t inner = t.numel() / t.size(0);
     const int64_t n = std::min(samples, inner);
     const bool dense = t.is_contiguous();
     const auto run = [&](const auto* base) -> std::optional<bool> {
+      double gap = 0.0, largest = 0.0;
       for (int64_t k = 0; k < n; ++k) {
         int64_t rem = n == inner ? k : k * inner / n, off = dense ? rem : 0;
         for (int64_t d = t.dim() - 1; !dense && d >= 1; --d) {
@@ -38,9 +42,11 @@ inline std::optional<bool> first_rows_alike(const at::Tensor& t, double tol, int
           rem /= t.size(d);
         }
         const double a = static_cast<double>(base[off]), b = static_cast<double>(base[t.stride(0) + off]);
-        if (!(std::isfinite(a) && std::isfinite(b) && std::abs(a - b) <= tol)) return false;
+        if (!(std::isfinite(a) && std::isfinite(b))) return false;
+        gap = std::max(gap, std::abs(a - b));
+        largest = std::max({largest, std::abs(a), std::abs(b)});
       }
-      return true;
+      return gap <= tol + rel * largest;
     };
     switch (t.scalar_type()) {
       case at::kFloat:

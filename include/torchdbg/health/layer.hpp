@@ -35,7 +35,7 @@ struct HealthLayer {
   int64_t act_step = 0;  // the step of the last judged output
   double rms = kNaN, gain = kNaN, sat_frac = kNaN, dead_frac = kNaN;
   int64_t rms_call = -1;  // the call (ActivationInfo::call) `rms` was measured on
-  std::optional<bool> rows_alike;  // that output the same for every sample (nullopt: not told)
+  bool alike_from_start = true;  // no output with rows 0 and 1 apart yet (zero-initialized weight)
   double nonfinite_frac = 0.0;
   double gain_base = kNaN;
   int64_t gain_n = 0;

@@ -252,9 +252,9 @@ struct HealthOptions {
   TORCH_ARG(double, vanishing_norm) = 1e-7;
   /// Norm below this fraction of the step's largest layer norm: vanishing.
   TORCH_ARG(double, vanishing_ratio) = 1e-4;
-  /// Norm above this and `exploding_growth` times the layer's norms so far: exploding. A
-  /// layer's first norm is not judged by it, nor a large norm that stays steady (the
-  /// gradients of a regression on unnormalised targets).
+  /// Norm above this and `exploding_growth` times the layer's recent norms (an EMA):
+  /// exploding. A layer's first norm is not judged by it, nor a large norm that stays steady
+  /// or grows slowly (the gradients of a regression on unnormalised targets).
   TORCH_ARG(double, exploding_norm) = 1e3;
   TORCH_ARG(double, exploding_growth) = 10.0;
   /// Norm above `gradient_jump` times the layer's baseline: exploding; below baseline /

@@ -501,7 +501,8 @@ class ConstantOutputRule : public HealthRule {
     } else if (s.zero_steps > 0) {
       f.details["zero_steps"] = s.zero_steps;
       f.since = s.zero_since;  // exactly 0 from then on
-      f.reason = "exactly 0 since its first call, " + std::to_string(s.zero_steps) +
+      f.reason = (everywhere ? "exactly 0 since its first call, " : "the same output for every sample since its first call, ") +
+                 std::to_string(s.zero_steps) +
                  " steps: a zero-initialized module whose weights do not move (frozen, or no "
                  "gradient reaches them)";
     }
@@ -617,9 +618,10 @@ class NonFiniteGradientRule : public HealthRule {
 };
 
 struct ExplodingGradientRuleOptions {
-  /// Norm above this, and above `growth` times the layer's norms so far
-  /// (GradientSignals::recent): exploding. A norm large from the layer's first step on and
-  /// steady is the loss's scale (a regression on unnormalised targets), not an explosion.
+  /// Norm above this, and above `growth` times the layer's recent norms (GradientSignals::
+  /// recent, an EMA from its first healthy norm on): exploding. A norm large from the layer's
+  /// first step on and steady, or growing as slowly as its weights (a regression on
+  /// unnormalised targets), is the loss's scale, not an explosion.
   TORCH_ARG(double, norm) = 1e3;
   TORCH_ARG(double, growth) = 10.0;
   /// Norm above this multiple of the layer's baseline: exploding.

@@ -96,9 +96,6 @@ class HealthSignals {
  private:
   /// The RMS of output `name`'s call `call` in `step`, when observed and finite.
   std::optional<double> output_rms(std::string_view name, int64_t call, int64_t step) const;
-  /// Whether output `name`'s call `call` in `step` was the same for every sample, when
-  /// observed and that could be told.
-  std::optional<bool> output_alike(std::string_view name, int64_t call, int64_t step) const;
 
   // Gains up to this (an output no wider than its input) are not measured again on the
   // output's spread across the batch (never larger): ExplodingActivationRule's limits are at
@@ -161,15 +158,6 @@ TORCHDBG_INLINE auto HealthSignals::output_rms(std::string_view name, int64_t ca
       !(P.rms > 0.0))
     return std::nullopt;
   return P.rms;
-}
-
-TORCHDBG_INLINE auto HealthSignals::output_alike(std::string_view name, int64_t call,
-                                                 int64_t step) const -> std::optional<bool> {
-  auto it = index_.find(std::string(name));
-  if (it == index_.end()) return std::nullopt;
-  const Layer& P = layers_[it->second];
-  if (!P.seen_fwd || P.act_step != step || P.rms_call != call) return std::nullopt;
-  return P.rows_alike;
 }
 
 TORCHDBG_INLINE auto HealthSignals::layer_rec(std::string_view name) -> Layer* {
@@ -265,14 +253,17 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
   prev_rms_ = (s.has_non_finite() || !(L.rms > 0.0)) ? std::optional<double>()
                                                      : std::optional<double>(L.rms);
   // The same output for every sample: two rows looked at, the whole batch measured where they
-  // are alike (a Linear whose weight was zeroed gives its bias for any input). Its data input
-  // varying across the batch makes it the module's doing (`alike_spread` reaches the rules);
-  // an input alike too (copies of an environment reset together) does not.
+  // are alike (a Linear whose weight was zeroed gives its bias for any input). A module that
+  // maps each row of its input alone (a Linear or Conv: whatever the first dimension holds,
+  // time steps of a sequence-first input too) whose input rows differ makes that its doing
+  // (`alike_spread` reaches the rules); an input alike too (copies of an environment reset
+  // together) does not. The input's rows as attach read them (`input_alike`), or without
+  // attach's metadata the previous output's.
+  const bool per_row = module_type.find("Linear") != std::string_view::npos ||
+                       module_type.find("Conv") != std::string_view::npos;
   std::optional<bool> input_alike;
   if (info.input_alike) {
     input_alike = info.input_alike;
-  } else if (!info.input_from.empty()) {
-    input_alike = output_alike(info.input_from, info.input_call, step);
   } else if (!info.call) {
     input_alike = prev_alike_;
   }
@@ -286,8 +277,9 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
       rows_alike = alike_spread <= tol;
     }
   }
-  L.rows_alike = rows_alike;
   prev_alike_ = rows_alike;
+  const bool alike_own = L.gain_checked && per_row && rows_alike == true && input_alike == false;
+  if (rows_alike == false) L.alike_from_start = false;
   // The gain compares the output's spread with the input's scale: a shifted bias moves the
   // mean, not the spread, and is no explosion.
   L.gain = (L.gain_checked && in_rms && std::isfinite(s.std)) ? s.std / *in_rms : detail::kNaN;
@@ -373,8 +365,8 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
   sig.gain_baseline = base_ready ? L.gain_base : detail::kNaN;
   sig.gain_spread = L.spread_gain;
   sig.batch_spread = normalization                                                ? batch_spread
-                     : L.gain_checked && rows_alike == true && input_alike == false ? alike_spread
-                                                                                    : detail::kNaN;
+                     : alike_own ? alike_spread
+                                 : detail::kNaN;
   sig.gain_spread_baseline = spread_ready ? L.spread_base : detail::kNaN;
   sig.dead_fraction = detail::is_dead_capable(L.act_kind) ? L.dead_frac : detail::kNaN;
   sig.dead_since = std::min(step, L.dead_since);
@@ -401,12 +393,15 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
     sig.norm_weight_peak = L.norm_weight_peak;
   }
   // Zero-initialized on purpose: exactly 0 since the first call (the output, or a
-  // normalization's weight whose bias alone comes out), for the first `baseline_warmup` steps;
-  // an output that is 0 because its input is (nothing reaches it) is not, nor a ReLU-family
-  // activation's all-zero output of a nonzero input (dead units: no weights of its own).
+  // normalization's weight whose bias alone comes out; or a Linear's or Conv's output the same
+  // for every sample since then, its weight 0 and its bias not: an output head that starts at
+  // the prior), for the first `baseline_warmup` steps; an output that is 0 because its input is
+  // (nothing reaches it) is not, nor a ReLU-family activation's all-zero output of a nonzero
+  // input (dead units: no weights of its own).
   sig.input_zero = info.input_rms && *info.input_rms == 0.0;
   const bool dead_capable_output = !L.pre_activation && detail::is_dead_capable(L.act_kind);
-  const bool zero = ((L.rms == 0.0 && !L.output_nonzero) || sig.norm_weight_peak == 0.0) &&
+  const bool zero = ((L.rms == 0.0 && !L.output_nonzero) || sig.norm_weight_peak == 0.0 ||
+                     (alike_own && L.alike_from_start)) &&
                     !sig.input_zero && !dead_capable_output;
   if (L.rms > 0.0) L.output_nonzero = true;
   if (!zero) {
