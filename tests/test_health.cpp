@@ -2461,6 +2461,72 @@ TEST_CASE("property: an action mask's -inf written in place before log_softmax i
   }
 }
 
+TEST_CASE("property: a learning rate past the stable limit pauses while the loss is finite; below it nothing is raised",
+          "[health]") {
+  // Least squares with SGD: stable iff lr < 2 / (the largest eigenvalue of the loss's Hessian,
+  // computed here in double from the data). lr = c x that limit: for c > 1 the loss grows
+  // about (2c - 1)^2 a step, steadily, never 10x its recent mean at once (no spike); before
+  // the loss rule for growth a loop that reports only its loss ran on until float32 overflow.
+  std::mt19937 rng(20261207);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  int diverged = 0, stable = 0;
+  for (int trial = 0; trial < 16; ++trial) {
+    torch::manual_seed(static_cast<uint64_t>(trial) + 40);
+    const int64_t d = 3 + static_cast<int64_t>(rng() % 30), o = 1 + static_cast<int64_t>(rng() % 4), n = 512;
+    const int64_t batch = int64_t{16} << (rng() % 3);
+    const bool diverging = trial % 2 == 0;
+    const double c = diverging ? 1.04 + 0.3 * u(rng) : 0.1 + 0.8 * u(rng);
+    const double target_scale = std::pow(10.0, -2.0 + 4.0 * u(rng));
+    const auto x = torch::randn({n, d}) * torch::exp(torch::randn({d}) * 0.7);
+    const auto y = (x.mm(torch::randn({d, o})) + 0.1 * torch::randn({n, o})) * target_scale;
+    const auto xa = torch::cat({x, torch::ones({n, 1})}, 1).to(torch::kDouble);
+    const double top = torch::linalg::eigvalsh(xa.t().mm(xa) * (2.0 / static_cast<double>(n * o)), "L").max().item<double>();
+    torch::nn::Linear model(d, o);
+    torch::optim::SGD opt(model->parameters(), c * 2.0 / top);
+    torchdbg::HookManager hooks;
+    HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+    auto fed = m.install(hooks);  // the loss only: no attach
+    int64_t step = 0;
+    bool finite = true;
+    for (; step < 400 && !hooks.is_paused(); ++step) {
+      hooks.set_step(step);
+      opt.zero_grad();
+      const auto idx = torch::randint(0, n, {batch});
+      auto loss = torch::mse_loss(model->forward(x.index_select(0, idx)), y.index_select(0, idx));
+      const double l = loss.item<double>();
+      finite = finite && std::isfinite(l);
+      hooks.set_loss(l);
+      loss.backward();
+      if (hooks.is_paused()) break;
+      opt.step();
+    }
+    INFO("trial " << trial << " c " << c << " d " << d << " o " << o << " batch " << batch << " step " << step);
+    if (!diverging) {
+      ++stable;
+      CHECK_FALSE(hooks.is_paused());
+      for (const auto& i : m.incidents()) CHECK(i.kind != FailureKind::LossDivergence);
+      continue;
+    }
+    ++diverged;
+    REQUIRE(hooks.is_paused());
+    const auto incidents = m.incidents();
+    const auto div = std::find_if(incidents.begin(), incidents.end(),
+                                  [](const auto& i) { return i.kind == FailureKind::LossDivergence; });
+    REQUIRE(div != incidents.end());
+    CHECK(std::isfinite(div->value));  // named while finite, not at the overflow
+    CHECK(finite);
+    CHECK(div->details.at("growth").get<double>() > 100.0);
+    const auto d0 = torchdbg::diagnose(m);
+    REQUIRE_FALSE(d0.hypotheses.empty());
+    for (const auto& h : d0.hypotheses) UNSCOPED_INFO(h.description);
+    CHECK(d0.hypotheses[0].kind == FailureKind::LossDivergence);
+    CHECK(d0.hypotheses[0].layer == "loss");
+    CHECK_THAT(d0.hypotheses[0].description, Catch::Contains("diverges steadily"));
+  }
+  CHECK(diverged == 8);
+  CHECK(stable == 8);
+}
+
 TEST_CASE("property: a loss that turns non-finite on a step whose outputs were not judged says so, on judged steps it does not",
           "[health][attach]") {
   std::mt19937_64 rng(20261206);

@@ -381,6 +381,130 @@ TEST_CASE("property: the plateau rule's relative improvement is the two half-win
   CHECK(passed > 40);
 }
 
+TEST_CASE("property: a steadily growing loss diverges, by a reference loop over random loss sequences", "[rules]") {
+  // The reference: the definition read off the whole sequence (a loss above `growth` x the
+  // lowest of the `window` before it and `floor` x the first, risen on `rising` of its last
+  // `rising_of` steps; any loss <= 0 in that window: no verdict).
+  const auto reference = [](const std::vector<double>& seq, std::size_t t, double growth, std::size_t window,
+                            double floor, int rising, std::size_t rising_of) {
+    const std::size_t steps = std::min(t, rising_of);
+    if (steps < 3 || !(seq[t] > 0.0)) return false;
+    const std::size_t from = t > window ? t - window : 0;
+    const std::vector<double> before(seq.begin() + static_cast<std::ptrdiff_t>(from),
+                                     seq.begin() + static_cast<std::ptrdiff_t>(t));
+    if (std::any_of(before.begin(), before.end(), [](double v) { return !(v > 0.0); })) return false;
+    const double lowest = *std::min_element(before.begin(), before.end());
+    int rises = 0;
+    for (std::size_t k = t + 1 - steps; k <= t; ++k) rises += seq[k] > seq[k - 1];
+    const double share = static_cast<double>(rises) / static_cast<double>(steps);
+    return seq[t] > growth * lowest && seq[t] > floor * std::fabs(seq[0]) &&
+           share >= static_cast<double>(rising) / static_cast<double>(rising_of) - 1e-12;
+  };
+  std::mt19937 rng(20261207);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::normal_distribution<double> z(0.0, 1.0);
+  int healthy_runs = 0, diverging_runs = 0, signed_runs = 0, flagged_steps = 0;
+  for (int trial = 0; trial < 600; ++trial) {
+    const bool defaults = trial % 3 != 0;
+    const double growth = defaults ? 100.0 : std::pow(10.0, 0.5 + 2.5 * u(rng));
+    const std::size_t window = defaults ? 100 : 2 + static_cast<std::size_t>(u(rng) * 150);
+    const double floor = defaults ? 10.0 : (u(rng) < 0.3 ? 0.0 : 30.0 * u(rng));
+    const std::size_t rising_of = defaults ? 12 : 2 + static_cast<std::size_t>(u(rng) * 20);
+    const int rising = defaults ? 9 : static_cast<int>(u(rng) * static_cast<double>(rising_of + 1));
+    torchdbg::LossDivergenceRule rule(torchdbg::LossDivergenceRuleOptions()
+                                          .growth(growth)
+                                          .window(static_cast<int64_t>(window))
+                                          .floor(floor)
+                                          .rising(rising)
+                                          .rising_of(static_cast<int64_t>(rising_of)));
+    // healthy: falling towards a floor with log-normal batch noise and rare spikes;
+    // diverging: the same, then growing r x a step; signed: a loss that crosses 0 or sits at 0.
+    const int family = trial % 4 == 3 ? 2 : trial % 2;
+    const int n = 150 + static_cast<int>(u(rng) * 350), onset = 20 + static_cast<int>(u(rng) * 180);
+    const double l0 = std::pow(10.0, -3.0 + 6.0 * u(rng)), fall = std::log(10.0) * 6.0 * u(rng);
+    const double tau = 5.0 + 100.0 * u(rng), sigma = 0.5 * u(rng), r = 1.1 + 0.9 * u(rng);
+    const double sigma_d = 0.05 * u(rng);
+    std::vector<double> seq;
+    for (int t = 0; t < n; ++t) {
+      double log_l = std::log(l0) - fall * (1.0 - std::exp(-t / tau));
+      if (family == 1 && t >= onset)
+        log_l = std::log(l0) - fall * (1.0 - std::exp(-onset / tau)) + (t - onset) * std::log(r) + sigma_d * z(rng);
+      else
+        log_l += sigma * z(rng) + (u(rng) < 0.02 ? std::log(2.0 + 6.0 * u(rng)) : 0.0);
+      double l = std::exp(log_l);
+      if (family == 2) l = u(rng) < 0.1 ? 0.0 : l * (u(rng) < 0.3 ? -1.0 : 1.0);
+      if (!std::isfinite(l)) break;
+      seq.push_back(l);
+    }
+    int first_flag = -1;
+    std::vector<double> history;
+    for (std::size_t t = 0; t < seq.size(); ++t) {
+      LossSignals s(seq[t], history);
+      s.step = static_cast<int64_t>(t);
+      s.first_loss = std::fabs(seq[0]);
+      const auto f = rule.check_loss(s);
+      const bool want = reference(seq, t, growth, window, floor, rising, rising_of);
+      // Exactly on the threshold (a product's last bit): either verdict.
+      const std::size_t from = t > window ? t - window : 0;
+      const bool edge = t > from && seq[t] > 0.0 &&
+                        std::fabs(seq[t] / (growth * *std::min_element(seq.begin() + static_cast<std::ptrdiff_t>(from),
+                                                                      seq.begin() + static_cast<std::ptrdiff_t>(t))) -
+                                  1.0) < 1e-12;
+      if (!edge) CHECK(static_cast<bool>(f) == want);
+      if (f) {
+        ++flagged_steps;
+        CHECK(f->kind == FailureKind::LossDivergence);
+        CHECK(f->value == seq[t]);
+        CHECK(f->details["growth"].get<double>() > growth * (1.0 - 1e-12));
+        CHECK(f->margin >= 0.0);
+        CHECK(f->margin <= 1.0);
+        if (first_flag < 0) first_flag = static_cast<int>(t);
+      }
+      history.push_back(seq[t]);
+    }
+    if (!defaults) continue;
+    if (family == 0) {
+      ++healthy_runs;
+      CHECK(first_flag == -1);  // a falling loss, however noisy or spiky, never diverges
+    } else if (family == 1 && static_cast<int>(seq.size()) == n) {
+      // Flagged no later than a few steps after the noiseless curve passes 3x both thresholds.
+      int due = -1;
+      for (int t = onset; t < n && due < 0; ++t) {
+        const double clean = l0 * std::exp(-fall * (1.0 - std::exp(-onset / tau)) + (t - onset) * std::log(r));
+        const std::size_t from = t > 100 ? static_cast<std::size_t>(t) - 100 : 0;
+        const double lowest = *std::min_element(seq.begin() + static_cast<std::ptrdiff_t>(from), seq.begin() + t);
+        if (clean > 3.0 * std::max(100.0 * lowest, 10.0 * std::fabs(seq[0]))) due = t;
+      }
+      if (due < 0) continue;
+      ++diverging_runs;
+      CHECK(first_flag >= onset);
+      CHECK(first_flag != -1);
+      CHECK(first_flag <= due + 12);
+    } else if (family == 2) {
+      ++signed_runs;
+      CHECK(first_flag == -1);  // a zero or negative loss in every window: no scale to grow from
+    }
+  }
+  CHECK(healthy_runs > 100);
+  CHECK(diverging_runs > 60);
+  CHECK(signed_runs > 50);
+  CHECK(flagged_steps > 500);
+}
+
+TEST_CASE("loss divergence options: invalid windows and counts are rejected by name", "[rules]") {
+  using torchdbg::LossDivergenceRuleOptions;
+  CHECK_THROWS_WITH(torchdbg::LossDivergenceRule(LossDivergenceRuleOptions().window(1)),
+                    Catch::Contains("window >= 2") && Catch::Contains("window 1"));
+  CHECK_THROWS_WITH(torchdbg::LossDivergenceRule(LossDivergenceRuleOptions().rising(13)),
+                    Catch::Contains("rising 13 of 12"));
+  CHECK_THROWS_WITH(torchdbg::LossDivergenceRule(LossDivergenceRuleOptions().rising_of(1).rising(1)),
+                    Catch::Contains("rising 1 of 1"));
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().loss_growth(1.0)), Catch::Contains("loss_growth must be 0 (off) or > 1, got 1"));
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().loss_growth_window(1)), Catch::Contains("loss_growth_window"));
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().loss_growth_floor(-1.0)), Catch::Contains("loss_growth_floor must be >= 0"));
+  CHECK_NOTHROW(HealthMonitor(HealthOptions().loss_growth(0.0)));
+}
+
 TEST_CASE("the built-in rules take their thresholds from HealthOptions, in evaluation order", "[rules]") {
   const auto rules = torchdbg::builtin_health_rules(HealthOptions().dead_fraction(0.7).saturated_fraction(0.4));
   std::vector<std::string> names;

@@ -446,6 +446,15 @@ TORCHDBG_INLINE std::string describe_root(const Incident& i, std::size_t related
              "it "
              "fade (weight decay on normalization weights, or a destructive update).";
     case FailureKind::LossDivergence:
+      if (i.details.contains("growth"))
+        return "the loss grew " + num3(i.details.value("growth", 0.0)) + "x over its last " +
+               std::to_string(i.details.value("losses_since_lowest", int64_t{0})) +
+               " losses to " + num3(i.value) + " at step " + step + " (from " +
+               num3(i.details.value("lowest", 0.0)) + "), rising on " +
+               std::to_string(i.details.value("rising", int64_t{0})) + " of its last " +
+               std::to_string(i.details.value("rising_of", int64_t{0})) +
+               " steps: training diverges steadily (a learning rate just past the stable limit "
+               "is the usual cause).";
       if (i.details.value("forward_unjudged", false))
         return "the loss became non-finite at step " + step +
                ", a step whose forward outputs were not judged (activation_interval): its batch, "

@@ -267,6 +267,13 @@ struct HealthOptions {
   TORCH_ARG(double, baseline_momentum) = 0.9;
 
   // ---- loss
+  /// A finite loss above `loss_growth` times the lowest of the last `loss_growth_window`
+  /// losses and above `loss_growth_floor` times the first, having risen on 9 of its last 12
+  /// steps (that share from the fourth loss on), diverges (steady growth, never a spike). 0
+  /// turns the check off.
+  TORCH_ARG(double, loss_growth) = 100.0;
+  TORCH_ARG(int64_t, loss_growth_window) = 100;
+  TORCH_ARG(double, loss_growth_floor) = 10.0;
   /// Loss above `loss_spike_factor` times the mean of the last `loss_window` losses: spike.
   TORCH_ARG(double, loss_spike_factor) = 10.0;
   /// That mean is taken as at least this fraction of the first loss (LossSpikeRuleOptions).
@@ -335,7 +342,10 @@ inline std::vector<HealthRulePtr> builtin_health_rules(const HealthOptions& o) {
                                                   .norm(o.vanishing_norm())
                                                   .ratio(o.vanishing_ratio())
                                                   .collapse(o.gradient_collapse())),
-      std::make_shared<LossDivergenceRule>(),
+      std::make_shared<LossDivergenceRule>(LossDivergenceRuleOptions()
+                                               .growth(o.loss_growth())
+                                               .window(o.loss_growth_window())
+                                               .floor(o.loss_growth_floor())),
       std::make_shared<LossSpikeRule>(LossSpikeRuleOptions()
                                           .factor(o.loss_spike_factor())
                                           .window(o.loss_window())
@@ -384,6 +394,13 @@ TORCHDBG_INLINE void validate(const HealthOptions& o) {
   detail::require_at_least<int64_t>(o.dead_window(), 1, "HealthOptions::dead_window");
   detail::require_at_least<int64_t>(o.loss_window(), 2, "HealthOptions::loss_window");
   detail::require_at_least<int64_t>(o.plateau_window(), 4, "HealthOptions::plateau_window");
+  detail::require_at_least<int64_t>(o.loss_growth_window(), 2, "HealthOptions::loss_growth_window");
+  if (!(o.loss_growth() == 0.0 || o.loss_growth() > 1.0))
+    throw Error("torchdbg: HealthOptions::loss_growth must be 0 (off) or > 1, got " +
+                std::to_string(o.loss_growth()));
+  if (!(o.loss_growth_floor() >= 0.0))
+    throw Error("torchdbg: HealthOptions::loss_growth_floor must be >= 0, got " +
+                std::to_string(o.loss_growth_floor()));
   detail::require_at_least<int64_t>(o.persistence_steps(), 1, "HealthOptions::persistence_steps");
   if (o.event_capacity() == 0)
     throw Error("torchdbg: HealthOptions::event_capacity must be >= 1, got 0");

@@ -45,6 +45,7 @@
 #include <utility>
 #include <vector>
 
+#include "torchdbg/error.hpp"
 #include "torchdbg/tensor_stats.hpp"
 
 namespace torchdbg {
@@ -64,7 +65,7 @@ enum class FailureKind {
   /// with other statistics than training does)
   NormStatistics,
   NormWeightCollapse,  ///< a normalization layer's weight fell toward 0 against its own peak
-  LossDivergence,  ///< NaN/Inf loss
+  LossDivergence,  ///< NaN/Inf loss, or one growing steadily by orders of magnitude
   LossSpike,
   LossPlateau,
   Custom,  ///< a user rule's finding (its label and reason are in the incident's details)
@@ -692,18 +693,74 @@ class VanishingGradientRule : public HealthRule {
 
 // ---- built-in loss rules ------------------------------------------------------------------
 
-/// A NaN/Inf loss.
+struct LossDivergenceRuleOptions {
+  /// A finite loss above `growth` times the lowest of the last `window` losses, and above
+  /// `floor` times the first loss, having risen on at least `rising` of its last `rising_of`
+  /// steps (that share of them from the fourth loss on), diverges: steady growth (a learning
+  /// rate just past the stable limit) never jumps far enough over the recent mean to be a
+  /// spike. `growth` 0 judges NaN/Inf losses only.
+  TORCH_ARG(double, growth) = 100.0;
+  TORCH_ARG(int64_t, window) = 100;
+  TORCH_ARG(double, floor) = 10.0;
+  TORCH_ARG(int64_t, rising) = 9;
+  TORCH_ARG(int64_t, rising_of) = 12;
+};
+
+/// A NaN/Inf loss, or a finite one that has grown steadily by orders of magnitude. Losses that
+/// are 0 or negative in the window (a sparse reward, a log-likelihood, a critic's score) have
+/// no scale to grow from and are judged only for NaN/Inf.
 class LossDivergenceRule : public HealthRule {
  public:
+  explicit LossDivergenceRule(LossDivergenceRuleOptions o = {}) : o_(o) {
+    if (o_.window() < 2 || o_.rising_of() < 2 || o_.rising() < 0 || o_.rising() > o_.rising_of())
+      throw Error("torchdbg: LossDivergenceRuleOptions needs window >= 2, rising_of >= 2 and "
+                  "0 <= rising <= rising_of, got window " + std::to_string(o_.window()) +
+                  ", rising " + std::to_string(o_.rising()) + " of " + std::to_string(o_.rising_of()));
+  }
   std::string name() const override { return "loss_divergence"; }
   std::optional<Finding> check_loss(const LossSignals& s) override {
-    if (std::isfinite(s.loss)) return std::nullopt;
+    if (!std::isfinite(s.loss)) {
+      Finding f;
+      f.kind = FailureKind::LossDivergence;
+      f.value = s.loss;
+      f.margin = 1.0;
+      return f;
+    }
+    // From the fourth loss on: the last rising_of steps, or as many as there were.
+    const std::size_t n = s.history.size();
+    const std::size_t steps = std::min(n, static_cast<std::size_t>(o_.rising_of()));
+    if (!(o_.growth() > 0.0) || steps < 3 || !(s.loss > 0.0)) return std::nullopt;
+    // The floor first: it is one comparison, and a healthy loss is below it every step.
+    if (std::isfinite(s.first_loss) && !(s.loss > o_.floor() * s.first_loss)) return std::nullopt;
+    const std::size_t window = static_cast<std::size_t>(o_.window());
+    const std::size_t from = n > window ? n - window : 0;
+    std::size_t low = from;
+    for (std::size_t i = from; i < n; ++i) {
+      if (!(s.history[i] > 0.0)) return std::nullopt;
+      if (s.history[i] < s.history[low]) low = i;
+    }
+    const double threshold = o_.growth() * s.history[low];
+    if (!(s.loss > threshold)) return std::nullopt;
+    int64_t rose = s.loss > s.history[n - 1] ? 1 : 0;
+    for (std::size_t i = n - steps + 1; i < n; ++i) rose += s.history[i] > s.history[i - 1] ? 1 : 0;
+    // rose / steps >= rising / rising_of, in integers
+    if (rose * o_.rising_of() < o_.rising() * static_cast<int64_t>(steps)) return std::nullopt;
     Finding f;
     f.kind = FailureKind::LossDivergence;
     f.value = s.loss;
-    f.margin = 1.0;
+    f.threshold = threshold;
+    f.margin = detail::decade_margin(s.loss, threshold);
+    f.details = {{"growth", s.loss / s.history[low]},
+                 {"lowest", s.history[low]},
+                 {"losses_since_lowest", static_cast<int64_t>(n - low)},
+                 {"rising", rose},
+                 {"rising_of", static_cast<int64_t>(steps)}};
     return f;
   }
+  [[nodiscard]] const LossDivergenceRuleOptions& options() const noexcept { return o_; }
+
+ private:
+  LossDivergenceRuleOptions o_;
 };
 
 struct LossSpikeRuleOptions {

@@ -453,7 +453,8 @@ TORCHDBG_INLINE void HealthSignals::learn_loss(double loss) {
   if (!std::isfinite(loss)) return;
   losses_.push_back(loss);
   const std::size_t keep =
-      static_cast<std::size_t>(std::max(options_.loss_window(), options_.plateau_window()));
+      static_cast<std::size_t>(std::max({options_.loss_window(), options_.plateau_window(),
+                                         options_.loss_growth_window(), int64_t{12}}));
   if (losses_.size() > 2 * keep)
     losses_.erase(losses_.begin(), losses_.end() - static_cast<std::ptrdiff_t>(keep));
 }
