@@ -269,7 +269,9 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
   }
   std::optional<bool> rows_alike;
   double alike_spread = detail::kNaN;
-  if (!s.has_non_finite() && L.rms > 0.0) {
+  // Needed for a Linear's or Conv's own verdict, or as the next output's input without
+  // attach's metadata (no `call`); with attach, every other module's rows go unread.
+  if ((per_row || !info.call) && !s.has_non_finite() && L.rms > 0.0) {
     const double tol = options_.constant_ratio() * L.rms;
     rows_alike = detail::first_rows_alike(y, tol);
     if (rows_alike && *rows_alike) {
