@@ -402,13 +402,17 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
   // input (dead units: no weights of its own).
   sig.input_zero = info.input_rms && *info.input_rms == 0.0;
   const bool dead_capable_output = !L.pre_activation && detail::is_dead_capable(L.act_kind);
+  // A head in that warm-up whose input rows are alike this time (an identical batch) cannot
+  // show whether its weight moved: it stays in the warm-up, which does not advance.
+  const bool undecided = L.zero_steps > 0 && per_row && L.gain_checked && L.alike_from_start &&
+                         rows_alike == true && input_alike == true;
   const bool zero = ((L.rms == 0.0 && !L.output_nonzero) || sig.norm_weight_peak == 0.0 ||
-                     (alike_own && L.alike_from_start)) &&
+                     (alike_own && L.alike_from_start) || undecided) &&
                     !sig.input_zero && !dead_capable_output;
   if (L.rms > 0.0) L.output_nonzero = true;
   if (!zero) {
     L.zero_steps = 0;
-  } else if (new_step) {
+  } else if (new_step && !undecided) {
     if (L.zero_steps == 0) {
       L.zero_first = step;
       L.zero_steps = 1;
