@@ -2476,8 +2476,9 @@ TEST_CASE("property: a learning rate past the stable limit pauses while the loss
           "[health]") {
   // Least squares with SGD: stable iff lr < 2 / (the largest eigenvalue of the loss's Hessian,
   // computed here in double from the data). lr = c x that limit: for c > 1 the loss grows
-  // about (2c - 1)^2 a step, steadily, never 10x its recent mean at once (no spike); before
-  // the loss rule for growth a loop that reports only its loss ran on until float32 overflow.
+  // about (2c - 1)^2 a step, steadily, never 10x its recent mean at once (no spike). With
+  // loss_growth(100) a loop that reports only its loss pauses while the loss is finite; by
+  // default (NaN/Inf only) the same losses raise nothing until they overflow.
   std::mt19937 rng(20261207);
   std::uniform_real_distribution<double> u(0.0, 1.0);
   int diverged = 0, stable = 0;
@@ -2495,8 +2496,10 @@ TEST_CASE("property: a learning rate past the stable limit pauses while the loss
     torch::nn::Linear model(d, o);
     torch::optim::SGD opt(model->parameters(), c * 2.0 / top);
     torchdbg::HookManager hooks;
-    HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause));
+    HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Pause).loss_growth(100.0));
     auto fed = m.install(hooks);  // the loss only: no attach
+    HealthMonitor by_default;     // loss_growth 0: NaN/Inf losses only
+    std::vector<double> losses;
     int64_t step = 0;
     bool finite = true;
     for (; step < 400 && !hooks.is_paused(); ++step) {
@@ -2506,12 +2509,15 @@ TEST_CASE("property: a learning rate past the stable limit pauses while the loss
       auto loss = torch::mse_loss(model->forward(x.index_select(0, idx)), y.index_select(0, idx));
       const double l = loss.item<double>();
       finite = finite && std::isfinite(l);
+      losses.push_back(l);
       hooks.set_loss(l);
       loss.backward();
       if (hooks.is_paused()) break;
       opt.step();
     }
     INFO("trial " << trial << " c " << c << " d " << d << " o " << o << " batch " << batch << " step " << step);
+    for (std::size_t k = 0; k < losses.size(); ++k) by_default.observe_loss(static_cast<int64_t>(k), losses[k]);
+    for (const auto& i : by_default.incidents()) CHECK(i.kind != FailureKind::LossDivergence);
     if (!diverging) {
       ++stable;
       CHECK_FALSE(hooks.is_paused());

@@ -384,7 +384,8 @@ TEST_CASE("property: the plateau rule's relative improvement is the two half-win
 TEST_CASE("property: a steadily growing loss diverges, by a reference loop over random loss sequences", "[rules]") {
   // The reference: the definition read off the whole sequence (a loss above `growth` x the
   // lowest of the `window` before it and `floor` x the first, risen on `rising` of its last
-  // `rising_of` steps; any loss <= 0 in that window: no verdict).
+  // `rising_of` steps or above that threshold on all of them; any loss <= 0 in that window:
+  // no verdict).
   const auto reference = [](const std::vector<double>& seq, std::size_t t, double growth, std::size_t window,
                             double floor, int rising, std::size_t rising_of) {
     const std::size_t steps = std::min(t, rising_of);
@@ -397,8 +398,11 @@ TEST_CASE("property: a steadily growing loss diverges, by a reference loop over 
     int rises = 0;
     for (std::size_t k = t + 1 - steps; k <= t; ++k) rises += seq[k] > seq[k - 1];
     const double share = static_cast<double>(rises) / static_cast<double>(steps);
+    const bool sustained = std::all_of(seq.begin() + static_cast<std::ptrdiff_t>(t - steps),
+                                       seq.begin() + static_cast<std::ptrdiff_t>(t),
+                                       [&](double v) { return v > growth * lowest; });
     return seq[t] > growth * lowest && seq[t] > floor * std::fabs(seq[0]) &&
-           share >= static_cast<double>(rising) / static_cast<double>(rising_of) - 1e-12;
+           (sustained || share >= static_cast<double>(rising) / static_cast<double>(rising_of) - 1e-12);
   };
   std::mt19937 rng(20261207);
   std::uniform_real_distribution<double> u(0.0, 1.0);
@@ -406,7 +410,7 @@ TEST_CASE("property: a steadily growing loss diverges, by a reference loop over 
   int healthy_runs = 0, diverging_runs = 0, signed_runs = 0, flagged_steps = 0;
   for (int trial = 0; trial < 600; ++trial) {
     const bool defaults = trial % 3 != 0;
-    const double growth = defaults ? 100.0 : std::pow(10.0, 0.5 + 2.5 * u(rng));
+    const double growth = defaults ? 100.0 : std::pow(10.0, 0.5 + 2.5 * u(rng));  // 0, the default, is off
     const std::size_t window = defaults ? 100 : 2 + static_cast<std::size_t>(u(rng) * 150);
     const double floor = defaults ? 10.0 : (u(rng) < 0.3 ? 0.0 : 30.0 * u(rng));
     const std::size_t rising_of = defaults ? 12 : 2 + static_cast<std::size_t>(u(rng) * 20);
@@ -444,12 +448,15 @@ TEST_CASE("property: a steadily growing loss diverges, by a reference loop over 
       s.first_loss = std::fabs(seq[0]);
       const auto f = rule.check_loss(s);
       const bool want = reference(seq, t, growth, window, floor, rising, rising_of);
-      // Exactly on the threshold (a product's last bit): either verdict.
+      // A loss exactly on the threshold (a product's last bit): either verdict.
       const std::size_t from = t > window ? t - window : 0;
-      const bool edge = t > from && seq[t] > 0.0 &&
-                        std::fabs(seq[t] / (growth * *std::min_element(seq.begin() + static_cast<std::ptrdiff_t>(from),
-                                                                      seq.begin() + static_cast<std::ptrdiff_t>(t))) -
-                                  1.0) < 1e-12;
+      bool edge = false;
+      if (t > from) {
+        const double lowest = *std::min_element(seq.begin() + static_cast<std::ptrdiff_t>(from),
+                                                seq.begin() + static_cast<std::ptrdiff_t>(t));
+        for (std::size_t k = t >= rising_of ? t - rising_of : 0; k <= t; ++k)
+          edge = edge || std::fabs(seq[k] / (growth * lowest) - 1.0) < 1e-12;
+      }
       if (!edge) CHECK(static_cast<bool>(f) == want);
       if (f) {
         ++flagged_steps;
@@ -493,15 +500,29 @@ TEST_CASE("property: a steadily growing loss diverges, by a reference loop over 
 
 TEST_CASE("loss divergence options: invalid windows and counts are rejected by name", "[rules]") {
   using torchdbg::LossDivergenceRuleOptions;
+  torchdbg::LossDivergenceRule off;  // the default: NaN/Inf only
+  std::vector<double> rising_history{1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0};
+  LossSignals grown(1e6, rising_history);
+  grown.first_loss = 1.0;
+  CHECK_FALSE(off.check_loss(grown));
+  CHECK(torchdbg::LossDivergenceRule(LossDivergenceRuleOptions().growth(100.0)).check_loss(grown));
+  for (const double bad : {0.5, -1.0, 1.0, 0.9999999, std::nan("")})
+    CHECK_THROWS_WITH(torchdbg::LossDivergenceRule(LossDivergenceRuleOptions().growth(bad)),
+                      Catch::Contains("growth must be 0 (off) or > 1, got " + torchdbg::detail::number_text(bad)));
+  for (const double bad : {-1.0, -1e-9, std::nan("")})
+    CHECK_THROWS_WITH(torchdbg::LossDivergenceRule(LossDivergenceRuleOptions().floor(bad)),
+                      Catch::Contains("floor must be >= 0, got " + torchdbg::detail::number_text(bad)));
   CHECK_THROWS_WITH(torchdbg::LossDivergenceRule(LossDivergenceRuleOptions().window(1)),
                     Catch::Contains("window >= 2") && Catch::Contains("window 1"));
   CHECK_THROWS_WITH(torchdbg::LossDivergenceRule(LossDivergenceRuleOptions().rising(13)),
                     Catch::Contains("rising 13 of 12"));
   CHECK_THROWS_WITH(torchdbg::LossDivergenceRule(LossDivergenceRuleOptions().rising_of(1).rising(1)),
                     Catch::Contains("rising 1 of 1"));
-  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().loss_growth(1.0)), Catch::Contains("loss_growth must be 0 (off) or > 1, got 1"));
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().loss_growth(0.9999999)),
+                    Catch::Contains("loss_growth must be 0 (off) or > 1, got 0.9999999"));
   CHECK_THROWS_WITH(HealthMonitor(HealthOptions().loss_growth_window(1)), Catch::Contains("loss_growth_window"));
-  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().loss_growth_floor(-1.0)), Catch::Contains("loss_growth_floor must be >= 0"));
+  CHECK_THROWS_WITH(HealthMonitor(HealthOptions().loss_growth_floor(-1e-9)),
+                    Catch::Contains("loss_growth_floor must be >= 0, got -1e-09"));
   CHECK_NOTHROW(HealthMonitor(HealthOptions().loss_growth(0.0)));
 }
 

@@ -267,11 +267,12 @@ struct HealthOptions {
   TORCH_ARG(double, baseline_momentum) = 0.9;
 
   // ---- loss
-  /// A finite loss above `loss_growth` times the lowest of the last `loss_growth_window`
-  /// losses and above `loss_growth_floor` times the first, having risen on 9 of its last 12
-  /// steps (that share from the fourth loss on), diverges (steady growth, never a spike). 0
-  /// turns the check off.
-  TORCH_ARG(double, loss_growth) = 100.0;
+  /// With `loss_growth` above 1 (e.g. 100), a finite loss above `loss_growth` times the lowest
+  /// of the last `loss_growth_window` losses and above `loss_growth_floor` times the first,
+  /// risen on 9 of its last 12 steps or above that on all of them, diverges
+  /// (LossDivergenceRuleOptions). 0, the default: NaN/Inf losses only, since losses that rise
+  /// by design (RL value losses, distillation from a near-perfect start) grow so too.
+  TORCH_ARG(double, loss_growth) = 0.0;
   TORCH_ARG(int64_t, loss_growth_window) = 100;
   TORCH_ARG(double, loss_growth_floor) = 10.0;
   /// Loss above `loss_spike_factor` times the mean of the last `loss_window` losses: spike.
@@ -397,10 +398,10 @@ TORCHDBG_INLINE void validate(const HealthOptions& o) {
   detail::require_at_least<int64_t>(o.loss_growth_window(), 2, "HealthOptions::loss_growth_window");
   if (!(o.loss_growth() == 0.0 || o.loss_growth() > 1.0))
     throw Error("torchdbg: HealthOptions::loss_growth must be 0 (off) or > 1, got " +
-                std::to_string(o.loss_growth()));
+                detail::number_text(o.loss_growth()));
   if (!(o.loss_growth_floor() >= 0.0))
     throw Error("torchdbg: HealthOptions::loss_growth_floor must be >= 0, got " +
-                std::to_string(o.loss_growth_floor()));
+                detail::number_text(o.loss_growth_floor()));
   detail::require_at_least<int64_t>(o.persistence_steps(), 1, "HealthOptions::persistence_steps");
   if (o.event_capacity() == 0)
     throw Error("torchdbg: HealthOptions::event_capacity must be >= 1, got 0");

@@ -45,6 +45,7 @@
 #include <utility>
 #include <vector>
 
+#include "torchdbg/detail/text.hpp"
 #include "torchdbg/error.hpp"
 #include "torchdbg/tensor_stats.hpp"
 
@@ -694,24 +695,34 @@ class VanishingGradientRule : public HealthRule {
 // ---- built-in loss rules ------------------------------------------------------------------
 
 struct LossDivergenceRuleOptions {
-  /// A finite loss above `growth` times the lowest of the last `window` losses, and above
-  /// `floor` times the first loss, having risen on at least `rising` of its last `rising_of`
-  /// steps (that share of them from the fourth loss on), diverges: steady growth (a learning
-  /// rate just past the stable limit) never jumps far enough over the recent mean to be a
-  /// spike. `growth` 0 judges NaN/Inf losses only.
-  TORCH_ARG(double, growth) = 100.0;
+  /// With `growth` above 1, a finite loss above `growth` times the lowest of the last `window`
+  /// losses and above `floor` times the first diverges when it rose on at least `rising` of
+  /// its last `rising_of` steps (that share of them from the fourth loss on), or stayed above
+  /// that threshold on all of them: steady growth, such as a learning rate just past the
+  /// stable limit gives, never jumps far enough over the recent mean to be a spike.
+  /// `growth` 0 (the default) judges NaN/Inf losses only: losses that rise by design (an RL
+  /// value loss as returns grow, a distillation loss from a near-perfect start, a loss summed
+  /// over a growing batch) grow by orders of magnitude too.
+  TORCH_ARG(double, growth) = 0.0;
   TORCH_ARG(int64_t, window) = 100;
   TORCH_ARG(double, floor) = 10.0;
   TORCH_ARG(int64_t, rising) = 9;
   TORCH_ARG(int64_t, rising_of) = 12;
 };
 
-/// A NaN/Inf loss, or a finite one that has grown steadily by orders of magnitude. Losses that
-/// are 0 or negative in the window (a sparse reward, a log-likelihood, a critic's score) have
-/// no scale to grow from and are judged only for NaN/Inf.
+/// A NaN/Inf loss, or (`LossDivergenceRuleOptions::growth`) a finite one that has grown
+/// steadily by orders of magnitude. Losses that are 0 or negative in the window (a sparse
+/// reward, a log-likelihood, a critic's score) have no scale to grow from and are judged only
+/// for NaN/Inf.
 class LossDivergenceRule : public HealthRule {
  public:
   explicit LossDivergenceRule(LossDivergenceRuleOptions o = {}) : o_(o) {
+    if (!(o_.growth() == 0.0 || o_.growth() > 1.0))
+      throw Error("torchdbg: LossDivergenceRuleOptions::growth must be 0 (off) or > 1, got " +
+                  detail::number_text(o_.growth()));
+    if (!(o_.floor() >= 0.0))
+      throw Error("torchdbg: LossDivergenceRuleOptions::floor must be >= 0, got " +
+                  detail::number_text(o_.floor()));
     if (o_.window() < 2 || o_.rising_of() < 2 || o_.rising() < 0 || o_.rising() > o_.rising_of())
       throw Error("torchdbg: LossDivergenceRuleOptions needs window >= 2, rising_of >= 2 and "
                   "0 <= rising <= rising_of, got window " + std::to_string(o_.window()) +
@@ -742,9 +753,13 @@ class LossDivergenceRule : public HealthRule {
     const double threshold = o_.growth() * s.history[low];
     if (!(s.loss > threshold)) return std::nullopt;
     int64_t rose = s.loss > s.history[n - 1] ? 1 : 0;
-    for (std::size_t i = n - steps + 1; i < n; ++i) rose += s.history[i] > s.history[i - 1] ? 1 : 0;
+    bool sustained = true;
+    for (std::size_t i = n - steps; i < n; ++i) {
+      if (i > n - steps) rose += s.history[i] > s.history[i - 1] ? 1 : 0;
+      sustained = sustained && s.history[i] > threshold;
+    }
     // rose / steps >= rising / rising_of, in integers
-    if (rose * o_.rising_of() < o_.rising() * static_cast<int64_t>(steps)) return std::nullopt;
+    if (!sustained && rose * o_.rising_of() < o_.rising() * static_cast<int64_t>(steps)) return std::nullopt;
     Finding f;
     f.kind = FailureKind::LossDivergence;
     f.value = s.loss;
@@ -754,7 +769,8 @@ class LossDivergenceRule : public HealthRule {
                  {"lowest", s.history[low]},
                  {"losses_since_lowest", static_cast<int64_t>(n - low)},
                  {"rising", rose},
-                 {"rising_of", static_cast<int64_t>(steps)}};
+                 {"rising_of", static_cast<int64_t>(steps)},
+                 {"sustained", sustained}};
     return f;
   }
   [[nodiscard]] const LossDivergenceRuleOptions& options() const noexcept { return o_; }
