@@ -2496,3 +2496,64 @@ TEST_CASE("a sampling manager's gradient norms are estimates within their sampli
   CHECK(s.sampled_count == 0);
   CHECK(s.nan_count == net[0]->as<torch::nn::Linear>()->weight.grad().isnan().sum().item<int64_t>());
 }
+
+TEST_CASE("property: a call reading data made from deliveries (token + position embeddings) does not take the model's input",
+          "[attach]") {
+  // Embeddings read token ids; what the first floating call reads is their sum (or product,
+  // or concatenation), not the model's input. A dense input a Linear reads after the
+  // embeddings ran is the model's input (a recommender's dense features).
+  struct Mixed : torch::nn::Module {
+    torch::nn::Embedding tok{nullptr}, pos{nullptr};
+    torch::nn::Linear dense{nullptr}, first{nullptr}, head{nullptr};
+    int combine = 0;
+    bool dense_first = false;
+    Mixed(int64_t vocab, int64_t d, int combine_, bool dense_first_) : combine(combine_), dense_first(dense_first_) {
+      tok = register_module("tok", torch::nn::Embedding(vocab, d));
+      pos = register_module("pos", torch::nn::Embedding(16, d));
+      dense = register_module("dense", torch::nn::Linear(5, d));
+      first = register_module("first", torch::nn::Linear(combine == 2 ? 2 * d : d, d));
+      head = register_module("head", torch::nn::Linear(2 * d, 3));
+    }
+    torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& x) {
+      torch::Tensor dn;
+      if (dense_first) dn = dense->forward(x);
+      const auto t = tok->forward(ids), p = pos->forward(torch::arange(ids.size(1)));
+      const auto e = combine == 0 ? t + p : combine == 1 ? t * p.sigmoid() : torch::cat({t, p.expand_as(t)}, -1);
+      const auto h = first->forward(e).mean(1);
+      if (!dense_first) dn = dense->forward(x);
+      return head->forward(torch::cat({h, dn}, -1));
+    }
+  };
+  std::mt19937 rng(20261207);
+  for (int trial = 0; trial < 12; ++trial) {
+    torch::manual_seed(static_cast<uint64_t>(trial));
+    auto net = std::make_shared<Mixed>(10 + static_cast<int64_t>(rng() % 30), 4 + static_cast<int64_t>(rng() % 8),
+                                       static_cast<int>(rng() % 3), rng() % 2 == 0);
+    HookManager hooks;
+    std::map<std::string, std::map<std::string, std::string>> md;
+    hooks.register_callback("md", [&](const torchdbg::HookContext& c) {
+      if (!c.is_forward()) return;
+      auto& m = md[std::string(c.layer_name())];
+      for (const char* k : {"input_nan", "input_rms"})
+        if (auto v = c.metadata_value(k)) m[k] = std::string(*v);
+    });
+    hooks.register_hook(HookConfig().name("md").trigger(HookTrigger::every_n_steps(1)).actions(
+        {HookAction::custom_callback("md")}));
+    auto session = torchdbg::attach(*net, hooks);
+    for (int64_t step = 0; step < 2; ++step) {
+      md.clear();
+      hooks.set_step(step);
+      const int64_t batch = 2 + static_cast<int64_t>(rng() % 4), len = 2 + static_cast<int64_t>(rng() % 14);
+      auto x = torch::randn({batch, 5});
+      net->forward(torch::randint(0, 10, {batch, len}), x).sum().backward();
+      INFO("trial " << trial << " combine " << net->combine << " dense first " << net->dense_first << " step " << step);
+      REQUIRE(md.count("first") == 1);
+      REQUIRE(md.count("dense") == 1);
+      CHECK(md["first"].count("input_nan") == 0);  // made from the embeddings' deliveries
+      CHECK(md["first"].count("input_rms") == 1);  // its scale measured all the same
+      CHECK(md["dense"].count("input_nan") == 1);  // the model's floating input
+      CHECK(md["head"].count("input_nan") == 0);
+      CHECK(md["tok"].count("input_nan") == 0);
+    }
+  }
+}

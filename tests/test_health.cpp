@@ -3030,3 +3030,86 @@ TEST_CASE("property: dead units judged through a hook call, counted with the out
     }
   }
 }
+
+TEST_CASE("property: an embedding whose weights blow up is named, not the model's input; healthy language models raise nothing",
+          "[health][attach]") {
+  // A language model as users write one: token (+ position) embeddings summed, pre-LN residual
+  // blocks, a head. The first block reads the embeddings' sum, made from deliveries: not the
+  // model's input (token ids). The embedding has no input scale; its output's std is judged
+  // against its own history.
+  namespace nn = torch::nn;
+  struct Lm : nn::Module {
+    nn::Embedding tok{nullptr}, pos{nullptr};
+    std::vector<nn::LayerNorm> lns;
+    std::vector<nn::Linear> ups, downs;
+    nn::LayerNorm lnf{nullptr};
+    nn::Linear head{nullptr};
+    Lm(int64_t vocab, int64_t d, int blocks, bool with_pos) {
+      tok = register_module("tok", nn::Embedding(vocab, d));
+      if (with_pos) pos = register_module("pos", nn::Embedding(32, d));
+      for (int b = 0; b < blocks; ++b) {
+        lns.push_back(register_module("ln" + std::to_string(b), nn::LayerNorm(nn::LayerNormOptions({d}))));
+        ups.push_back(register_module("up" + std::to_string(b), nn::Linear(d, 2 * d)));
+        downs.push_back(register_module("down" + std::to_string(b), nn::Linear(2 * d, d)));
+      }
+      lnf = register_module("lnf", nn::LayerNorm(nn::LayerNormOptions({d})));
+      head = register_module("head", nn::Linear(d, vocab));
+    }
+    torch::Tensor forward(const torch::Tensor& ids) {
+      auto x = tok->forward(ids);
+      if (pos) x = x + pos->forward(torch::arange(ids.size(1)));
+      for (std::size_t b = 0; b < lns.size(); ++b) x = x + downs[b]->forward(torch::gelu(ups[b]->forward(lns[b]->forward(x))));
+      return head->forward(lnf->forward(x));
+    }
+  };
+  std::mt19937 rng(20261207);
+  int healthy = 0, failing = 0;
+  for (int trial = 0; trial < 10; ++trial) {
+    torch::manual_seed(static_cast<uint64_t>(trial) + 7);
+    const int64_t vocab = 24 + static_cast<int64_t>(rng() % 64), d = 8 * (2 + static_cast<int64_t>(rng() % 3));
+    const int64_t len = 6 + static_cast<int64_t>(rng() % 10), batch = 4 + static_cast<int64_t>(rng() % 5);
+    const bool with_pos = rng() % 4 != 0, adam = rng() % 2 == 0;
+    const double factor = trial % 3 == 0 ? 1.0 : (trial % 3 == 1 ? 30.0 : 1000.0);
+    const int64_t bad_step = 15 + static_cast<int64_t>(rng() % 10);
+    auto model = std::make_shared<Lm>(vocab, d, 1 + static_cast<int>(rng() % 2), with_pos);
+    std::unique_ptr<torch::optim::Optimizer> opt;
+    if (adam) opt = std::make_unique<torch::optim::Adam>(model->parameters(), 1e-3);
+    else opt = std::make_unique<torch::optim::SGD>(model->parameters(), 0.05);
+    Watched watched(*model);
+    auto& hooks = watched.hooks;
+    int64_t step = 0;
+    for (; step < 35 && !hooks.is_paused(); ++step) {
+      hooks.set_step(step);
+      if (step == bad_step && factor != 1.0) {
+        torch::NoGradGuard g;
+        model->tok->weight.mul_(factor);
+      }
+      opt->zero_grad();
+      const auto ids = torch::randint(0, vocab, {batch, len});
+      auto loss = torch::nn::functional::cross_entropy(model->forward(ids).reshape({-1, vocab}),
+                                                       torch::roll(ids, -1, 1).reshape({-1}));
+      hooks.set_loss(loss.item<double>());
+      loss.backward();
+      if (hooks.is_paused()) break;
+      opt->step();
+    }
+    INFO("trial " << trial << " vocab " << vocab << " d " << d << " pos " << with_pos << " adam " << adam << " factor "
+                  << factor << " at " << bad_step);
+    for (const auto& inc : watched.m.incidents()) UNSCOPED_INFO(inc);
+    if (factor == 1.0) {
+      ++healthy;
+      CHECK(watched.m.incidents().empty());
+      continue;
+    }
+    ++failing;
+    CHECK(hooks.is_paused());
+    const auto diag = torchdbg::diagnose(watched.m);
+    REQUIRE(diag.top() != nullptr);
+    CHECK(diag.top()->kind == FailureKind::ExplodingActivation);
+    CHECK(diag.top()->layer == "tok");
+    CHECK(diag.top()->step == bad_step);
+    CHECK_THAT(diag.top()->description, Catch::Contains("its usual std"));
+  }
+  CHECK(healthy == 4);
+  CHECK(failing == 6);
+}

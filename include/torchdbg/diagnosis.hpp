@@ -383,6 +383,11 @@ TORCHDBG_INLINE std::string describe_root(const Incident& i, std::size_t related
       return "the first non-finite gradient in backward order appeared at " + at + " at step " +
              step + " while the forward pass was finite.";
     case FailureKind::ExplodingActivation:
+      if (i.details.value("measure", std::string()) == "std_jump")
+        return "the output of " + at + " jumped to " + num3(i.value) + "x its usual std at step " + step +
+               " (" + num3(i.details.value("std", 0.0)) + " against " + num3(i.details.value("usual_std", 0.0)) +
+               ", limit " + num3(i.threshold) + "x): its weights blew up (its input, token ids, has no scale "
+               "to compare with).";
       return at + " amplifies its input " + num3(i.value) + "x at step " + step + " (limit " +
              num3(i.threshold) + "x): its weights make activations, and then gradients, explode.";
     case FailureKind::ExplodingGradient: {

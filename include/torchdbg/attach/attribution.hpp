@@ -368,7 +368,7 @@ class Attribution : protected ObserverState {
     at::Tensor out;
     bool have_out = false;
     ctx.each([&](Decision& d) {
-      if (d.kind == Decision::Internal || d.kind == Decision::Reader) return;
+      if (d.kind == Decision::Internal) return;
       if (!have_out) {
         out = first_output(fn);
         have_out = true;
@@ -376,6 +376,10 @@ class Attribution : protected ObserverState {
       if (!out.defined()) return;
       try {
         switch (d.kind) {
+          case Decision::Reader:
+            if (out.is_floating_point())
+              remember(t, t.mixed, Derived{d.core->id, 0, 0, nullptr, weak_of(out), 0, nullptr, 0, 0}, kOutputs);
+            break;
           case Decision::Weights:
             remember(t, t.derived, Derived{d.core->id, d.module, 0, d.source, weak_of(out), 0, nullptr, 0, 0}, kDerived);
             break;
@@ -456,8 +460,10 @@ class Attribution : protected ObserverState {
     CallInput in{core.id, m, nullptr, std::nullopt};
     if (x.defined()) in.from = delivered_as(t, core, x.unsafeGetTensorImpl());
     if (!in.from && x.defined() && x.is_floating_point()) {
-      // The step's model input: its first call on floating data (not token ids).
-      const bool model_input = core.input_due.exchange(false);
+      // The step's model input: its first call on floating data (not token ids), unless that
+      // data was made from a delivery (`tok(ids) + pos(t)`).
+      const bool made = slot_of(t.mixed, core.id, x.unsafeGetTensorImpl()) < t.mixed.size();
+      const bool model_input = !made && core.input_due.exchange(false);
       in.input = input_moments(core, x, model_input);
     }
     // Whether the rows of the input as the call reads it (a view of a delivery may put

@@ -145,6 +145,9 @@ class ObserverState {
     /// Activations' outputs delivered, and views of them, up to kOutputs a session: a module
     /// call reading one is told where its input came from ("input_from").
     std::vector<Derived> fed;
+    /// Outputs of other operators reading a module's delivered output (`tok(ids) + pos(t)`),
+    /// up to kOutputs a session: a module call reading one does not take the model's input.
+    std::vector<Derived> mixed;
     /// The input of a call whose first operators are internal (MultiheadAttention's q/k/v
     /// projection), until the operator that makes its output.
     std::vector<CallInput> call_inputs;

@@ -39,6 +39,7 @@ struct HealthLayer {
   double nonfinite_frac = 0.0;
   double gain_base = kNaN;
   int64_t gain_n = 0;
+  bool unscaled = false;  // `gain` is the output's std (no input scale: token ids), its base too
   double spread_gain = kNaN;       // the gain on the output's spread across the batch
   double spread_base = kNaN;       // and its baseline (updated with gain_base)
   double norm_weight_peak = kNaN;  // a normalization's highest weight RMS so far

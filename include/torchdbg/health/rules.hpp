@@ -179,6 +179,9 @@ struct ActivationSignals {
   /// taken out) over its input's RMS, where `gain` is above 1 and there is a batch; else NaN.
   double gain_spread = std::nan("");
   double gain_spread_baseline = std::nan("");  ///< EMA of the healthy spread gains once warmed up
+  /// A module output whose call had no input scale (an embedding reads token ids): `gain` and
+  /// `gain_baseline` are its std and the EMA of its healthy ones, judged on a jump only.
+  bool unscaled_gain = false;
   /// The output's spread across the batch where it tells whether the output is the same for
   /// every sample: a normalization layer's CPU output whose first two samples are alike, or
   /// a module's (not an activation's) whose first two samples are alike at a few positions
@@ -398,6 +401,18 @@ class ExplodingActivationRule : public HealthRule {
   std::string name() const override { return "exploding_activation"; }
   std::optional<Finding> check_activation(const ActivationSignals& s) override {
     if (!s.module_output || !std::isfinite(s.gain)) return std::nullopt;
+    if (s.unscaled_gain) {
+      // No input to compare with: the output's std against its own history.
+      if (!(s.gain_baseline > 0.0) || !(s.gain > o_.jump() * s.gain_baseline)) return std::nullopt;
+      Finding f;
+      f.kind = FailureKind::ExplodingActivation;
+      f.value = s.gain / s.gain_baseline;
+      f.threshold = o_.jump();
+      f.margin = detail::decade_margin(f.value, f.threshold);
+      f.details = {{"std", s.gain}, {"usual_std", s.gain_baseline}, {"measure", "std_jump"}};
+      f.reason = "output std " + detail::fmt_num(f.value) + "x its usual (no input scale)";
+      return f;
+    }
     // With the layer's own healthy gain known: a head whose logits grew as it learned may
     // exceed `gain` up to `tolerance` times its history, and a jump of `jump` times its
     // history is an explosion even below `gain`.

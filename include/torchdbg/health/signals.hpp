@@ -284,7 +284,19 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
   if (rows_alike == false) L.alike_from_start = false;
   // The gain compares the output's spread with the input's scale: a shifted bias moves the
   // mean, not the spread, and is no explosion.
-  L.gain = (L.gain_checked && in_rms && std::isfinite(s.std)) ? s.std / *in_rms : detail::kNaN;
+  // A module call with no input scale (attach saw its data input, and it was not floating
+  // or not there: an embedding's token ids) is judged on its output's std against its own
+  // history; a layer that changes between the two starts its history again.
+  const bool unscaled = L.gain_checked && !in_rms && info.call && !info.input_rms &&
+                        info.input_from.empty();
+  if (unscaled != L.unscaled) {
+    L.unscaled = unscaled;
+    L.gain_base = L.spread_base = detail::kNaN;
+    L.gain_n = 0;
+  }
+  L.gain = (L.gain_checked && in_rms && std::isfinite(s.std)) ? s.std / *in_rms
+           : unscaled && std::isfinite(s.std)                 ? s.std
+                                                              : detail::kNaN;
   // A NaN/Inf output is the step's origin only when nothing before it in the step (the
   // model's input included) was non-finite, and it is not an activation of values user code
   // changed in place (an action mask's -Inf: the loss shows what was not on purpose).
@@ -333,7 +345,7 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
   // std's gain stands for it (an upper bound) in its baseline.
   L.spread_gain = detail::kNaN;
   double batch_spread = detail::kNaN;
-  if (L.gain > std::min(kGainSpreadFrom, options_.activation_gain()) && !s.has_non_finite()) {
+  if (in_rms && L.gain > std::min(kGainSpreadFrom, options_.activation_gain()) && !s.has_non_finite()) {
     batch_spread = detail::batch_spread(y);
     L.spread_gain = batch_spread / *in_rms;
     // One sample: what varies besides the module's own bias (measured by attach).
@@ -365,6 +377,7 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
   sig.rms = L.rms;
   sig.gain = L.gain;
   sig.gain_baseline = base_ready ? L.gain_base : detail::kNaN;
+  sig.unscaled_gain = L.unscaled;
   sig.gain_spread = L.spread_gain;
   sig.batch_spread = normalization                                                ? batch_spread
                      : alike_own ? alike_spread
