@@ -247,6 +247,15 @@ class Attribution : protected ObserverState {
         slot = output_slot(t, core->id, t.data[i]);
       if (!grad_mode && !core->options.no_grad_forward()) continue;  // metrics, evaluation
       if (slot == t.outputs.size()) {
+        // Data made from deliveries only, passed on (`drop(tok + pos)`, `(tok + pos) * s`).
+        if (!fresh_op && reads_made(t, core->id) && made_from_deliveries(t, *core)) {
+          Decision d;
+          d.core = core;
+          d.kind = Decision::Reader;
+          d.made = true;
+          add(std::move(d));
+          continue;
+        }
         // A view of an activation's delivered output (`relu(conv(x)).flatten(1)`) is still
         // that delivery, for the module call that reads it.
         if (fresh_op || !is_alias_op(op_name, t)) continue;
@@ -289,6 +298,7 @@ class Attribution : protected ObserverState {
                     version_of(seen.impl->_unsafe_get_target()) != seen.version;
       } else {
         d.kind = Decision::Reader;
+        d.made = made_from_deliveries(t, *core);
       }
       add(std::move(d));
     }
@@ -377,7 +387,7 @@ class Attribution : protected ObserverState {
       try {
         switch (d.kind) {
           case Decision::Reader:
-            if (out.is_floating_point())
+            if (d.made && out.is_floating_point())
               remember(t, t.mixed, Derived{d.core->id, 0, 0, nullptr, weak_of(out), 0, nullptr, 0, 0}, kOutputs);
             break;
           case Decision::Weights:
@@ -447,10 +457,33 @@ class Attribution : protected ObserverState {
   static bool held(const Tls& t, const c10::TensorImpl* impl) {
     for (const auto& p : t.pending)
       if (p.core && p.out.defined() && p.out.unsafeGetTensorImpl() == impl) return true;
-    for (const std::vector<Derived>* list : {&t.outputs, &t.derived, &t.fed})
+    for (const std::vector<Derived>* list : {&t.outputs, &t.derived, &t.fed, &t.mixed})
       for (const Derived& d : *list)
         if (d.core != 0 && d.impl && d.impl->_unsafe_get_target() == impl) return true;
     return false;
+  }
+  /// Whether the operator's data inputs include a tensor made from deliveries of `core`.
+  static bool reads_made(const Tls& t, uint64_t core) {
+    for (const c10::TensorImpl* impl : t.data)
+      if (slot_of(t.mixed, core, impl) < t.mixed.size()) return true;
+    return false;
+  }
+  /// Whether every floating data input of the operator is a delivery of `core` (pending, a
+  /// module's or an activation's output, a view of one) or made from deliveries only: then
+  /// so is its output, and a call reading it does not take the model's input. One raw
+  /// floating input (`emb(ids) + x`) makes it the model's input still.
+  static bool made_from_deliveries(const Tls& t, const AttachCore& core) {
+    bool any = false;
+    for (const c10::TensorImpl* impl : t.data) {
+      if (impl == nullptr || !c10::isFloatingType(c10::typeMetaToScalarType(impl->dtype()))) continue;
+      any = true;
+      bool known = slot_of(t.outputs, core.id, impl) < t.outputs.size() ||
+                   slot_of(t.fed, core.id, impl) < t.fed.size() || slot_of(t.mixed, core.id, impl) < t.mixed.size();
+      for (const auto& p : t.pending)
+        known = known || (p.core.get() == &core && p.out.defined() && p.out.unsafeGetTensorImpl() == impl);
+      if (!known) return false;
+    }
+    return any;
   }
 
   /// Where a new call of module `m` of `core` takes its data input `x` from: another

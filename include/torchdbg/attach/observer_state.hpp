@@ -194,6 +194,7 @@ class ObserverState {
     bool changed = false;   // Alias, FedAlias: what it views changed in place since delivered;
                             // Activation: its input did
     std::optional<NormCapture> norm;  // Forward: a BatchNorm's running statistics before its update
+    bool made = false;  // Reader: its floating data inputs are all deliveries (or made from them)
   };
   /// Backward: an autograd node. Update: an in-place update of a module's own tensor or an
   /// optimizer's arithmetic. Decided: what each session that sees the operator makes of it.

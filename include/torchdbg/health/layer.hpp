@@ -39,7 +39,9 @@ struct HealthLayer {
   double nonfinite_frac = 0.0;
   double gain_base = kNaN;
   int64_t gain_n = 0;
-  bool unscaled = false;  // `gain` is the output's std (no input scale: token ids), its base too
+  bool unscaled = false;  // this output's `gain` is its std (an embedding's: no input scale)
+  double std_base = kNaN;  // the EMA of those healthy stds
+  int64_t std_n = 0;
   double spread_gain = kNaN;       // the gain on the output's spread across the batch
   double spread_base = kNaN;       // and its baseline (updated with gain_base)
   double norm_weight_peak = kNaN;  // a normalization's highest weight RMS so far

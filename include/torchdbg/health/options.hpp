@@ -396,12 +396,8 @@ TORCHDBG_INLINE void validate(const HealthOptions& o) {
   detail::require_at_least<int64_t>(o.loss_window(), 2, "HealthOptions::loss_window");
   detail::require_at_least<int64_t>(o.plateau_window(), 4, "HealthOptions::plateau_window");
   detail::require_at_least<int64_t>(o.loss_growth_window(), 2, "HealthOptions::loss_growth_window");
-  if (!(o.loss_growth() == 0.0 || o.loss_growth() > 1.0))
-    throw Error("torchdbg: HealthOptions::loss_growth must be 0 (off) or > 1, got " +
-                detail::number_text(o.loss_growth()));
-  if (!(o.loss_growth_floor() >= 0.0))
-    throw Error("torchdbg: HealthOptions::loss_growth_floor must be >= 0, got " +
-                detail::number_text(o.loss_growth_floor()));
+  detail::require_growth_factor(o.loss_growth(), "HealthOptions::loss_growth");
+  detail::require_non_negative(o.loss_growth_floor(), "HealthOptions::loss_growth_floor");
   detail::require_at_least<int64_t>(o.persistence_steps(), 1, "HealthOptions::persistence_steps");
   if (o.event_capacity() == 0)
     throw Error("torchdbg: HealthOptions::event_capacity must be >= 1, got 0");
@@ -427,9 +423,7 @@ TORCHDBG_INLINE void validate(const HealthOptions& o) {
   positive(o.gradient_jump(), "gradient_jump");
   positive(o.gradient_collapse(), "gradient_collapse");
   positive(o.loss_spike_factor(), "loss_spike_factor");
-  if (!(o.loss_spike_floor() >= 0.0))
-    throw Error("torchdbg: HealthOptions::loss_spike_floor must be >= 0, got " +
-                std::to_string(o.loss_spike_floor()));
+  detail::require_non_negative(o.loss_spike_floor(), "HealthOptions::loss_spike_floor");
   positive(o.plateau_tolerance(), "plateau_tolerance");
   if (o.sigmoid_low() >= o.sigmoid_high())
     throw Error("torchdbg: HealthOptions::sigmoid_low must be below sigmoid_high");

@@ -179,7 +179,7 @@ struct ActivationSignals {
   /// taken out) over its input's RMS, where `gain` is above 1 and there is a batch; else NaN.
   double gain_spread = std::nan("");
   double gain_spread_baseline = std::nan("");  ///< EMA of the healthy spread gains once warmed up
-  /// A module output whose call had no input scale (an embedding reads token ids): `gain` and
+  /// An embedding's output (its call had no input scale: token ids): `gain` and
   /// `gain_baseline` are its std and the EMA of its healthy ones, judged on a jump only.
   bool unscaled_gain = false;
   /// The output's spread across the batch where it tells whether the output is the same for
@@ -392,6 +392,10 @@ struct ExplodingActivationRuleOptions {
   /// A jump to this multiple of the baseline is an explosion at any gain above `min_gain`.
   TORCH_ARG(double, jump) = 10.0;
   TORCH_ARG(double, min_gain) = 2.0;
+  /// An embedding's output (no input scale: token ids) whose std jumps to this multiple of
+  /// its own history. Its std also moves with what the batch holds (the share of padding,
+  /// a bag's size) and as a small initialization first learns: only a jump this far counts.
+  TORCH_ARG(double, unscaled_jump) = 100.0;
 };
 
 /// A module output whose spread jumps far above its input's scale.
@@ -403,11 +407,11 @@ class ExplodingActivationRule : public HealthRule {
     if (!s.module_output || !std::isfinite(s.gain)) return std::nullopt;
     if (s.unscaled_gain) {
       // No input to compare with: the output's std against its own history.
-      if (!(s.gain_baseline > 0.0) || !(s.gain > o_.jump() * s.gain_baseline)) return std::nullopt;
+      if (!(s.gain_baseline > 0.0) || !(s.gain > o_.unscaled_jump() * s.gain_baseline)) return std::nullopt;
       Finding f;
       f.kind = FailureKind::ExplodingActivation;
       f.value = s.gain / s.gain_baseline;
-      f.threshold = o_.jump();
+      f.threshold = o_.unscaled_jump();
       f.margin = detail::decade_margin(f.value, f.threshold);
       f.details = {{"std", s.gain}, {"usual_std", s.gain_baseline}, {"measure", "std_jump"}};
       f.reason = "output std " + detail::fmt_num(f.value) + "x its usual (no input scale)";
@@ -709,6 +713,18 @@ class VanishingGradientRule : public HealthRule {
 
 // ---- built-in loss rules ------------------------------------------------------------------
 
+namespace detail {
+/// Throws unless `v` is 0 (off) or above 1 (a growth factor), naming `what` and `v` exactly.
+inline void require_growth_factor(double v, const char* what) {
+  if (!(v == 0.0 || v > 1.0))
+    throw Error(std::string("torchdbg: ") + what + " must be 0 (off) or > 1, got " + number_text(v));
+}
+/// Throws unless `v` >= 0 (NaN fails), naming `what` and `v` exactly.
+inline void require_non_negative(double v, const char* what) {
+  if (!(v >= 0.0)) throw Error(std::string("torchdbg: ") + what + " must be >= 0, got " + number_text(v));
+}
+}  // namespace detail
+
 struct LossDivergenceRuleOptions {
   /// With `growth` above 1, a finite loss above `growth` times the lowest of the last `window`
   /// losses and above `floor` times the first diverges when it rose on at least `rising` of
@@ -732,12 +748,8 @@ struct LossDivergenceRuleOptions {
 class LossDivergenceRule : public HealthRule {
  public:
   explicit LossDivergenceRule(LossDivergenceRuleOptions o = {}) : o_(o) {
-    if (!(o_.growth() == 0.0 || o_.growth() > 1.0))
-      throw Error("torchdbg: LossDivergenceRuleOptions::growth must be 0 (off) or > 1, got " +
-                  detail::number_text(o_.growth()));
-    if (!(o_.floor() >= 0.0))
-      throw Error("torchdbg: LossDivergenceRuleOptions::floor must be >= 0, got " +
-                  detail::number_text(o_.floor()));
+    detail::require_growth_factor(o_.growth(), "LossDivergenceRuleOptions::growth");
+    detail::require_non_negative(o_.floor(), "LossDivergenceRuleOptions::floor");
     if (o_.window() < 2 || o_.rising_of() < 2 || o_.rising() < 0 || o_.rising() > o_.rising_of())
       throw Error("torchdbg: LossDivergenceRuleOptions needs window >= 2, rising_of >= 2 and "
                   "0 <= rising <= rising_of, got window " + std::to_string(o_.window()) +

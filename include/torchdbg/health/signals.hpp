@@ -284,16 +284,12 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
   if (rows_alike == false) L.alike_from_start = false;
   // The gain compares the output's spread with the input's scale: a shifted bias moves the
   // mean, not the spread, and is no explosion.
-  // A module call with no input scale (attach saw its data input, and it was not floating
-  // or not there: an embedding's token ids) is judged on its output's std against its own
-  // history; a layer that changes between the two starts its history again.
+  // An embedding's call (attach saw its data input: token ids, no scale) is judged on its
+  // output's std against its own history, kept apart from the gains of the layer's other
+  // calls (a tied output head).
   const bool unscaled = L.gain_checked && !in_rms && info.call && !info.input_rms &&
-                        info.input_from.empty();
-  if (unscaled != L.unscaled) {
-    L.unscaled = unscaled;
-    L.gain_base = L.spread_base = detail::kNaN;
-    L.gain_n = 0;
-  }
+                        info.input_from.empty() && module_type.find("Embedding") != std::string_view::npos;
+  L.unscaled = unscaled;
   L.gain = (L.gain_checked && in_rms && std::isfinite(s.std)) ? s.std / *in_rms
            : unscaled && std::isfinite(s.std)                 ? s.std
                                                               : detail::kNaN;
@@ -378,6 +374,8 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
   sig.gain = L.gain;
   sig.gain_baseline = base_ready ? L.gain_base : detail::kNaN;
   sig.unscaled_gain = L.unscaled;
+  if (L.unscaled)
+    sig.gain_baseline = L.std_n >= options_.baseline_warmup() && std::isfinite(L.std_base) ? L.std_base : detail::kNaN;
   sig.gain_spread = L.spread_gain;
   sig.batch_spread = normalization                                                ? batch_spread
                      : alike_own ? alike_spread
@@ -452,6 +450,11 @@ TORCHDBG_INLINE ActivationSignals HealthSignals::measure_activation(Layer& L, co
 TORCHDBG_INLINE void HealthSignals::learn_activation(Layer& L) const {
   if (!std::isfinite(L.gain)) return;
   const double m = options_.baseline_momentum();
+  if (L.unscaled) {
+    L.std_base = std::isfinite(L.std_base) ? m * L.std_base + (1.0 - m) * L.gain : L.gain;
+    ++L.std_n;
+    return;
+  }
   L.gain_base = std::isfinite(L.gain_base) ? m * L.gain_base + (1.0 - m) * L.gain : L.gain;
   ++L.gain_n;
   const double g = std::isfinite(L.spread_gain) ? L.spread_gain : L.gain;
