@@ -2492,7 +2492,7 @@ TEST_CASE("property: a learning rate past the stable limit pauses while the loss
     const auto x = torch::randn({n, d}) * torch::exp(torch::randn({d}) * 0.7);
     const auto y = (x.mm(torch::randn({d, o})) + 0.1 * torch::randn({n, o})) * target_scale;
     const auto xa = torch::cat({x, torch::ones({n, 1})}, 1).to(torch::kDouble);
-    const double top = torch::linalg::eigvalsh(xa.t().mm(xa) * (2.0 / static_cast<double>(n * o)), "L").max().item<double>();
+    const double top = at::linalg_eigvalsh(xa.t().mm(xa) * (2.0 / static_cast<double>(n * o)), "L").max().item<double>();
     torch::nn::Linear model(d, o);
     torch::optim::SGD opt(model->parameters(), c * 2.0 / top);
     torchdbg::HookManager hooks;
