@@ -3113,3 +3113,114 @@ TEST_CASE("property: an embedding whose weights blow up is named, not the model'
   CHECK(healthy == 4);
   CHECK(failing == 6);
 }
+
+TEST_CASE("property: a tied embedding's lookup and output-head calls keep one state; a blow-up is one incident",
+          "[health][attach]") {
+  // The embedding's weight is also the output head's (`torch::linear(h, tok->weight)`, or a
+  // head Linear given that tensor): its lookup is judged on its std's history, its head call
+  // on its gain. A failure seen by one call only neither ends nor restarts at the other's
+  // healthy call: one incident, over its span.
+  namespace nn = torch::nn;
+  struct TiedLm : nn::Module {
+    nn::Embedding tok{nullptr}, pos{nullptr};
+    nn::LayerNorm ln{nullptr}, lnf{nullptr};
+    nn::Linear up{nullptr}, down{nullptr}, head{nullptr};
+    TiedLm(int64_t vocab, int64_t d, bool functional) {
+      tok = register_module("tok", nn::Embedding(vocab, d));
+      pos = register_module("pos", nn::Embedding(32, d));
+      ln = register_module("ln", nn::LayerNorm(nn::LayerNormOptions({d})));
+      up = register_module("up", nn::Linear(d, 2 * d));
+      down = register_module("down", nn::Linear(2 * d, d));
+      lnf = register_module("lnf", nn::LayerNorm(nn::LayerNormOptions({d})));
+      if (!functional) {
+        head = register_module("head", nn::Linear(nn::LinearOptions(d, vocab).bias(false)));
+        head->weight = tok->weight;
+      }
+    }
+    torch::Tensor forward(const torch::Tensor& ids) {
+      auto x = tok->forward(ids) + pos->forward(torch::arange(ids.size(1)));
+      x = x + down->forward(torch::gelu(up->forward(ln->forward(x))));
+      const auto h = lnf->forward(x);
+      return head ? head->forward(h) : torch::linear(h, tok->weight);
+    }
+  };
+  const auto run = [](TiedLm& model, int64_t vocab, int64_t steps, int64_t bad_step, double factor, HealthMonitor& m) {
+    torch::optim::Adam opt(model.parameters(), 1e-3);
+    torchdbg::HookManager hooks;
+    auto fed = m.install(hooks);
+    auto session = torchdbg::attach(model, hooks);
+    for (int64_t step = 0; step < steps; ++step) {
+      hooks.set_step(step);
+      if (step == bad_step && factor != 1.0) {
+        torch::NoGradGuard g;
+        model.tok->weight.mul_(factor);
+      }
+      opt.zero_grad();
+      const auto ids = torch::randint(0, vocab, {6, 12});
+      auto loss = torch::nn::functional::cross_entropy(model.forward(ids).reshape({-1, vocab}),
+                                                       torch::roll(ids, -1, 1).reshape({-1}));
+      hooks.set_loss(loss.item<double>());
+      loss.backward();
+      opt.step();
+    }
+  };
+  const auto exploding = [](const HealthMonitor& m) {
+    std::vector<torchdbg::Incident> out;
+    for (const auto& inc : m.incidents())
+      if (inc.kind == FailureKind::ExplodingActivation) out.push_back(inc);
+    return out;
+  };
+  std::mt19937 rng(2026120701);
+  for (int trial = 0; trial < 8; ++trial) {
+    torch::manual_seed(static_cast<uint64_t>(trial) + 101);
+    const int64_t vocab = 20 + static_cast<int64_t>(rng() % 40), d = 8 * (2 + static_cast<int64_t>(rng() % 3));
+    const bool functional = trial % 2 == 0;
+    const double factor = std::array<double, 4>{1.0, 20.0, 50.0, 1000.0}[static_cast<std::size_t>(trial / 2)];
+    const int64_t bad_step = 8 + static_cast<int64_t>(rng() % 8), steps = bad_step + 12;
+    TiedLm model(vocab, d, functional);
+    HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Record));
+    run(model, vocab, steps, bad_step, factor, m);
+    INFO("trial " << trial << " vocab " << vocab << " d " << d << " functional " << functional << " factor " << factor
+                  << " at " << bad_step);
+    for (const auto& inc : m.incidents()) UNSCOPED_INFO(inc);
+    const auto found = exploding(m);
+    if (factor == 1.0) {
+      CHECK(m.incidents().empty());
+      continue;
+    }
+    // One incident per layer that sees the shared tensor (the embedding; the head Linear
+    // reading it), from the blow-up on.
+    REQUIRE(!found.empty());
+    CHECK(found.size() <= (functional ? 1u : 2u));
+    for (const auto& inc : found) {
+      CHECK((inc.layer == "tok" || (!functional && inc.layer == "head")));
+      CHECK(inc.step == bad_step);
+      CHECK(inc.last_step == steps - 1);
+      CHECK(inc.persisted == steps - bad_step);
+    }
+    if (found.size() == 2) CHECK(found[0].layer != found[1].layer);
+    const auto diag = torchdbg::diagnose(m);
+    REQUIRE(diag.top() != nullptr);
+    CHECK(diag.top()->kind == FailureKind::ExplodingActivation);
+    CHECK((diag.top()->layer == "tok" || (!functional && diag.top()->layer == "head")));
+    CHECK_THAT(diag.top()->description, !Catch::Contains("from its first step"));
+  }
+  // An embedding of nn::Embedding's N(0, 1) initialization used as a wide output head amplifies
+  // its input about sqrt(d) times from the start: one incident, said to be the initial scale.
+  torch::manual_seed(3);
+  const int64_t vocab = 50;
+  TiedLm wide(vocab, 128, true);
+  HealthMonitor m(HealthOptions().on_failure(torchdbg::OnFailure::Record));
+  run(wide, vocab, 12, -1, 1.0, m);
+  for (const auto& inc : m.incidents()) UNSCOPED_INFO(inc);
+  const auto found = exploding(m);
+  REQUIRE(found.size() == 1);
+  CHECK(found[0].layer == "tok");
+  CHECK(found[0].step == 0);
+  CHECK(found[0].persisted == 12);
+  CHECK(found[0].details.value("from_first_step", false));
+  const auto diag = torchdbg::diagnose(m);
+  REQUIRE(diag.top() != nullptr);
+  CHECK(diag.top()->layer == "tok");
+  CHECK_THAT(diag.top()->description, Catch::Contains("from its first step, 0") && Catch::Contains("too large from the start"));
+}

@@ -388,6 +388,11 @@ TORCHDBG_INLINE std::string describe_root(const Incident& i, std::size_t related
                " (" + num3(i.details.value("std", 0.0)) + " against " + num3(i.details.value("usual_std", 0.0)) +
                ", limit " + num3(i.threshold) + "x): its weights blew up (its input, token ids, has no scale "
                "to compare with).";
+      if (i.details.value("from_first_step", false))
+        return at + " amplifies its input " + num3(i.value) + "x (limit " + num3(i.threshold) +
+               "x) from its first step, " + step +
+               ": its weights are too large from the start (their initialization, or the values they were "
+               "loaded with; an embedding used as the output head keeps the embedding's scale).";
       return at + " amplifies its input " + num3(i.value) + "x at step " + step + " (limit " +
              num3(i.threshold) + "x): its weights make activations, and then gradients, explode.";
     case FailureKind::ExplodingGradient: {

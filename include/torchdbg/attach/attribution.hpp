@@ -494,7 +494,7 @@ class Attribution : protected ObserverState {
     if (x.defined()) in.from = delivered_as(t, core, x.unsafeGetTensorImpl());
     if (!in.from && x.defined() && x.is_floating_point()) {
       // The step's model input: its first call on floating data (not token ids), unless that
-      // data was made from a delivery (`tok(ids) + pos(t)`).
+      // data was made from deliveries alone (`tok(ids) + pos(t)`).
       const bool made = slot_of(t.mixed, core.id, x.unsafeGetTensorImpl()) < t.mixed.size();
       const bool model_input = !made && core.input_due.exchange(false);
       in.input = input_moments(core, x, model_input);

@@ -256,8 +256,14 @@ TORCHDBG_INLINE void HealthCore::judge_activation(Layer& L, const at::Tensor& y,
   bool new_step = false;
   const ActivationSignals sig = signals_.measure_activation(L, y, s, step, info, new_step);
   const HealthRule* by = nullptr;
-  const std::optional<Finding> found = judge(
+  std::optional<Finding> found = judge(
       sig, [](HealthRule& r, const auto& x) { return r.check_activation(x); }, by);
+  // An amplification from the layer's first step on (its first output, or a tied head's call
+  // after its lookup) is its weights' initial scale or the values they were loaded with, not
+  // something training did.
+  if (!L.seen_fwd) L.first_act_step = step;
+  if (found && found->kind == FailureKind::ExplodingActivation && L.first_act_step == step)
+    found->details["from_first_step"] = true;
   ActivationHealth state = ActivationHealth::Normal;
   if (found) {
     switch (found->kind) {
@@ -281,10 +287,13 @@ TORCHDBG_INLINE void HealthCore::judge_activation(Layer& L, const at::Tensor& y,
   const bool first = !L.seen_fwd;
   L.seen_fwd = true;
   // A call that does not carry the measure behind the current finding (a BatchNorm's other
-  // calls: eval, an operator on its weight outside the forward) neither confirms nor ends it.
+  // calls: eval, an operator on its weight outside the forward; a tied embedding's lookup
+  // while its output head's call is exploding, and the other way round) neither confirms
+  // nor ends it.
   if (!found && !first &&
       ((L.act_found == FailureKind::NormStatistics && !info.norm_stats_error) ||
-       (L.act_found == FailureKind::NormWeightCollapse && !info.norm_weight_rms)))
+       (L.act_found == FailureKind::NormWeightCollapse && !info.norm_weight_rms) ||
+       (L.act_found == FailureKind::ExplodingActivation && L.act_found_unscaled != L.unscaled)))
     return;
   // A finding of another kind in the same state (a collapsing weight at a layer whose running
   // statistics are already off) is a transition of its own; a weight near 0 and the constant
@@ -297,10 +306,11 @@ TORCHDBG_INLINE void HealthCore::judge_activation(Layer& L, const at::Tensor& y,
   };
   const bool same = !first && state == before &&
                     (!found || !L.act_found || one_failure(*L.act_found, found->kind));
-  if (!ledger_.advance(L.act_track, same, found, step, new_step)) return;
+  if (!ledger_.advance(L.act_track, same, found, step)) return;
   raise_alert(found);
   L.act = state;
   L.act_found = found ? std::optional<FailureKind>(found->kind) : std::nullopt;
+  L.act_found_unscaled = found && L.unscaled;
   if (state == ActivationHealth::Normal && first) return;  // a healthy start is no event
   const EventType type =
       state == ActivationHealth::Normal                         ? EventType::ActivationRecovered

@@ -33,6 +33,7 @@ struct HealthLayer {
   ActivationHealth act = ActivationHealth::Normal;
   Track act_track;
   int64_t act_step = 0;  // the step of the last judged output
+  int64_t first_act_step = 0;  // the step of its first output
   double rms = kNaN, gain = kNaN, sat_frac = kNaN, dead_frac = kNaN;
   int64_t rms_call = -1;  // the call (ActivationInfo::call) `rms` was measured on
   bool alike_from_start = true;  // no output with rows 0 and 1 apart yet (zero-initialized weight)
@@ -53,6 +54,7 @@ struct HealthLayer {
   bool gated = false;            // GradientSignals::gated
   int64_t zero_grad_since = -1;  // the first step of the current run of exactly-zero gradients
   std::optional<FailureKind> act_found;  // the finding behind the current state
+  bool act_found_unscaled = false;       // ...found on an embedding's lookup (`unscaled`) call
   UnitWindow units;
   int64_t dead_since = 0;  // the step of the first output of the dead units' inactive run
   // gradient

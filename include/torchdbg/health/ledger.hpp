@@ -36,6 +36,7 @@ struct Subject {
 struct Track {
   int64_t since = 0;
   int64_t persist = 0;
+  std::optional<int64_t> counted;  ///< the last step `persist` counted
   std::optional<std::size_t> incident;
 };
 
@@ -59,10 +60,10 @@ class HealthLedger {
                       nlohmann::json metadata) const;
 
   /// One more judgement of a state: in the same state (`same`), a finding persists (counted
-  /// once per step: `new_step`) and its incident follows it; returns false. Otherwise the track
-  /// starts again at `step` and the caller emits the transition; returns true.
-  bool advance(Track& t, bool same, const std::optional<Finding>& found, int64_t step,
-               bool new_step = true);
+  /// once per step, however many calls judge it) and its incident follows it; returns false.
+  /// Otherwise the track starts again at `step` and the caller emits the transition; returns
+  /// true.
+  bool advance(Track& t, bool same, const std::optional<Finding>& found, int64_t step);
 
   /// The new incident's index; none when the capacity is reached.
   std::optional<std::size_t> add_incident(FailureKind kind, const Subject& who, int64_t step,
@@ -144,16 +145,18 @@ TORCHDBG_INLINE SemanticEvent HealthLedger::event(EventType type, const Subject&
 }
 
 TORCHDBG_INLINE bool HealthLedger::advance(Track& t, bool same, const std::optional<Finding>& found,
-                                           int64_t step, bool new_step) {
+                                           int64_t step) {
   if (same) {
     if (found) {
-      if (new_step) ++t.persist;
+      if (t.counted != step) ++t.persist;
+      t.counted = step;
       if (t.incident) update_incident(*t.incident, step, found->margin, t.persist, found->value);
     }
     return false;
   }
   t.since = step;
   t.persist = 1;
+  t.counted = step;
   t.incident.reset();
   return true;
 }
