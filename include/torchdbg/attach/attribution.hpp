@@ -32,7 +32,7 @@ class Attribution : protected ObserverState {
     const at::ArrayRef<const c10::IValue> inputs = safe_inputs(fn);
     // Most operators of a step (the loss's, the optimizer's, zero_grad's, the model's inner
     // arithmetic) read no tensor any session knows: nothing below would decide anything.
-    if (!reads_known(inputs, t, cores)) return nullptr;
+    if (!reads_known(inputs, t, cores)) return index_derived(inputs, t);
     const bool grad_mode = at::GradMode::is_enabled();
     // An in-place operator whose `self` is a module's own tensor updates state (optimizer
     // steps, running statistics); it is never a forward output.
@@ -373,6 +373,17 @@ class Attribution : protected ObserverState {
     return false;
   }
 
+  /// At an Indexed operator's end: its floating output joins Tls::indexed.
+  static void finish_indexed(const at::RecordFunction& fn, Tls& t) {
+    const at::Tensor out = first_output(fn);
+    if (!out.defined() || !out.is_floating_point()) return;
+    try {
+      remember(t, t.indexed, Derived{kIndexCore, 0, 0, nullptr, weak_of(out), 0, nullptr, 0, 0}, kOutputs);
+    } catch (...) {
+      // out of memory: the tensor counts as raw data, as before it was made
+    }
+  }
+
   /// At the operator's end: what each session decided is done with its output.
   static void finish(const at::RecordFunction& fn, OpCtx& ctx, Tls& t) {
     at::Tensor out;
@@ -469,21 +480,42 @@ class Attribution : protected ObserverState {
     return false;
   }
   /// Whether every floating data input of the operator is a delivery of `core` (pending, a
-  /// module's or an activation's output, a view of one) or made from deliveries only: then
-  /// so is its output, and a call reading it does not take the model's input. One raw
-  /// floating input (`emb(ids) + x`) makes it the model's input still.
+  /// module's or an activation's output, a view of one), made from deliveries only, or made
+  /// from integers (Tls::indexed: a padding mask, a length), with one delivery at least: then
+  /// its output is made from deliveries, and a call reading it does not take the model's
+  /// input. One raw floating input (`emb(ids) + x`) makes it the model's input still.
   static bool made_from_deliveries(const Tls& t, const AttachCore& core) {
     bool any = false;
     for (const c10::TensorImpl* impl : t.data) {
       if (impl == nullptr || !c10::isFloatingType(c10::typeMetaToScalarType(impl->dtype()))) continue;
-      any = true;
       bool known = slot_of(t.outputs, core.id, impl) < t.outputs.size() ||
                    slot_of(t.fed, core.id, impl) < t.fed.size() || slot_of(t.mixed, core.id, impl) < t.mixed.size();
       for (const auto& p : t.pending)
         known = known || (p.core.get() == &core && p.out.defined() && p.out.unsafeGetTensorImpl() == impl);
-      if (!known) return false;
+      any = any || known;
+      if (!known && slot_of(t.indexed, kIndexCore, impl) == t.indexed.size()) return false;
     }
     return any;
+  }
+
+  /// An operator that reads no session's tensor, only integer or boolean tensors (token ids,
+  /// a mask, `(ids != 0).sum(1)`) or floats made from those alone (Tls::indexed): its
+  /// floating output is remembered there at its end. Null for any other.
+  static std::unique_ptr<OpCtx> index_derived(at::ArrayRef<const c10::IValue> inputs, const Tls& t) {
+    bool any = false, only = true;
+    for (const c10::IValue& v : inputs) {
+      for_each_tensor(v, [&](const at::Tensor& x) {
+        if (!only || !x.defined()) return;
+        if (x.is_floating_point() || x.is_complex())
+          only = !t.indexed.empty() && slot_of(t.indexed, kIndexCore, x.unsafeGetTensorImpl()) < t.indexed.size();
+        any = true;
+      });
+      if (!only) return nullptr;
+    }
+    if (!any) return nullptr;  // a fresh tensor (`randn`: noise is data)
+    auto ctx = std::make_unique<OpCtx>();
+    ctx->kind = OpCtx::Indexed;
+    return ctx;
   }
 
   /// Where a new call of module `m` of `core` takes its data input `x` from: another

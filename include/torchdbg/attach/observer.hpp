@@ -243,6 +243,7 @@ class ForwardObserver : private Attribution {
       t.inner_ops.end(fn.name());
     }
     if (ctx->kind == OpCtx::Decided) finish(fn, *ctx, t);
+    if (ctx->kind == OpCtx::Indexed) finish_indexed(fn, t);
   }
 
   static at::CallbackHandle add_callback() {

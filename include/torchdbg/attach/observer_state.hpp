@@ -148,6 +148,11 @@ class ObserverState {
     /// Outputs of other operators reading a module's delivered output (`tok(ids) + pos(t)`),
     /// up to kOutputs a session: a module call reading one does not take the model's input.
     std::vector<Derived> mixed;
+    /// Floating tensors made from integer or boolean ones alone (`(ids != 0).to(kFloat)`, a
+    /// length, and what operators make of those alone), the kOutputs latest, under
+    /// kIndexCore: they hold no data of their own, so a delivery masked or divided by one
+    /// (a masked mean over token embeddings) is still made from deliveries.
+    std::vector<Derived> indexed;
     /// The input of a call whose first operators are internal (MultiheadAttention's q/k/v
     /// projection), until the operator that makes its output.
     std::vector<CallInput> call_inputs;
@@ -201,7 +206,9 @@ class ObserverState {
   /// The operators an Update or Decided one runs inside (`mul_` calling `mul` with a wrapped
   /// scalar, cross_entropy's log_softmax) are its own and not looked at.
   struct OpCtx : at::ObserverContext {
-    enum Kind { Backward, Update, Decided, Script } kind = Backward;
+    /// Indexed: an operator reading integer or boolean tensors (or Tls::indexed ones) only;
+    /// a floating output joins Tls::indexed.
+    enum Kind { Backward, Update, Decided, Script, Indexed } kind = Backward;
     bool quiet_inside = false;  // RecordFunction is off on this thread until it ends
     std::atomic<int>* script_depth = nullptr;  // Script: the count of the thread it began on
     Decision first;              // the first session's
@@ -223,6 +230,8 @@ class ObserverState {
 
   static constexpr std::size_t kOutputs = 8;
   static constexpr std::size_t kDerived = 16;
+  /// Tls::indexed's entries' session id (no session's: ids count from 1).
+  static constexpr uint64_t kIndexCore = ~uint64_t{0};
 
   static Tls& tls() {
     thread_local Tls t;
