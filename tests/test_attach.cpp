@@ -2501,15 +2501,16 @@ TEST_CASE("property: a call reading data made from deliveries (token + position 
           "[attach]") {
   // Embeddings read token ids; what the first floating call reads is their sum (or product,
   // or concatenation, or the sum through dropout and a scale, or masked or divided by a length
-  // made from the ids), not the model's input. A dense input a Linear reads after the
-  // embeddings ran is the model's input (a recommender's dense features), and so is an
-  // embedding plus, or times, raw floating data.
+  // made from the ids, or a mean of an activation of theirs), not the model's input. A dense
+  // input a Linear reads after the embeddings ran is the model's input (a recommender's dense
+  // features), and so is an embedding plus, or times, raw floating data or counts converted
+  // in the step.
   struct Mixed : torch::nn::Module {
     torch::nn::Embedding tok{nullptr}, pos{nullptr};
     torch::nn::Linear dense{nullptr}, first{nullptr}, head{nullptr};
     int combine = 0;
     bool dense_first = false;
-    torch::Tensor raw;  // combine 4: raw floating data added to the embedding; 7: per-token weights
+    torch::Tensor raw;  // combine 4: raw floating data added to the embedding; 7: per-token weights; 9: counts
     Mixed(int64_t vocab, int64_t d, int combine_, bool dense_first_) : combine(combine_), dense_first(dense_first_) {
       tok = register_module("tok", torch::nn::Embedding(vocab, d));
       pos = register_module("pos", torch::nn::Embedding(16, d));
@@ -2528,17 +2529,20 @@ TEST_CASE("property: a call reading data made from deliveries (token + position 
                      : combine == 4 ? t + raw
                      : combine == 5 ? t * (ids != 0).to(torch::kFloat).unsqueeze(-1)
                      : combine == 6 ? (t + p) / (ids != 0).sum(1, true).to(torch::kFloat).clamp_min(1).unsqueeze(-1)
-                                    : t * raw.unsqueeze(-1);
+                     : combine == 7 ? t * raw.unsqueeze(-1)
+                     : combine == 8 ? t * torch::ones({ids.size(0), ids.size(1), 1}).masked_fill((ids == 0).unsqueeze(-1), 0.0)
+                     : combine == 9 ? t * raw.to(torch::kFloat).unsqueeze(-1)
+                                    : torch::tanh(t).mean(1, true) + p;
       const auto h = first->forward(e).mean(1);
       if (!dense_first) dn = dense->forward(x);
       return head->forward(torch::cat({h, dn}, -1));
     }
   };
   std::mt19937 rng(20261207);
-  for (int trial = 0; trial < 32; ++trial) {
+  for (int trial = 0; trial < 44; ++trial) {
     torch::manual_seed(static_cast<uint64_t>(trial));
     auto net = std::make_shared<Mixed>(10 + static_cast<int64_t>(rng() % 30), 4 + static_cast<int64_t>(rng() % 8),
-                                       static_cast<int>(trial % 8), rng() % 2 == 0);
+                                       static_cast<int>(trial % 11), rng() % 2 == 0);
     HookManager hooks;
     std::map<std::string, std::map<std::string, std::string>> md;
     hooks.register_callback("md", [&](const torchdbg::HookContext& c) {
@@ -2555,10 +2559,13 @@ TEST_CASE("property: a call reading data made from deliveries (token + position 
       hooks.set_step(step);
       const int64_t batch = 2 + static_cast<int64_t>(rng() % 4), len = 2 + static_cast<int64_t>(rng() % 14);
       auto x = torch::randn({batch, 5});
-      net->raw = net->combine == 7 ? torch::rand({batch, len}) : torch::randn({batch, len, net->tok->options.embedding_dim()});
+      net->raw = net->combine == 7   ? torch::rand({batch, len})
+                 : net->combine == 9 ? torch::randint(0, 20, {batch, len})
+                                     : torch::randn({batch, len, net->tok->options.embedding_dim()});
       net->forward(torch::randint(0, 10, {batch, len}), x).sum().backward();
       // The call that takes the model's input: the first on raw floating data.
-      const std::string model_input = (net->combine == 4 || net->combine == 7) && !net->dense_first ? "first" : "dense";
+      const bool raw = net->combine == 4 || net->combine == 7 || net->combine == 9;
+      const std::string model_input = raw && !net->dense_first ? "first" : "dense";
       INFO("trial " << trial << " combine " << net->combine << " dense first " << net->dense_first << " step " << step);
       REQUIRE(md.count("first") == 1);
       REQUIRE(md.count("dense") == 1);

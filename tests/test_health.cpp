@@ -3117,19 +3117,23 @@ TEST_CASE("property: an embedding whose weights blow up is named, not the model'
 TEST_CASE("property: a text classifier pooling its embeddings over a padding mask names the embedding, not its input",
           "[health][attach]") {
   // Embeddings pooled as classifiers pool them: a mean over the positions a mask made from the
-  // ids keeps, a sum divided by the lengths, a plain mean. The pooled vector is made from the
-  // embedding's output: weights blown up, or a NaN row, are the embedding's, not bad data.
+  // ids keeps (a comparison's, or `ones` with the padding filled), a sum divided by the
+  // lengths, a plain mean; with dense features beside them (raw floats, or counts converted in
+  // the step). The pooled vector is made from the embedding's output: its weights blown up, or
+  // a NaN row, are the embedding's, not bad data. The dense features are the model's input:
+  // their NaN, or a batch of them 1000x, is bad data.
   namespace nn = torch::nn;
   struct Bag : nn::Module {
     nn::Embedding tok{nullptr};
     nn::Linear fc1{nullptr}, fc2{nullptr};
     int pooling;
-    Bag(int64_t vocab, int64_t d, int64_t hidden, int pooling_) : pooling(pooling_) {
+    int64_t dense;
+    Bag(int64_t vocab, int64_t d, int64_t hidden, int pooling_, int64_t dense_) : pooling(pooling_), dense(dense_) {
       tok = register_module("tok", nn::Embedding(nn::EmbeddingOptions(vocab, d).padding_idx(0)));
-      fc1 = register_module("fc1", nn::Linear(d, hidden));
+      fc1 = register_module("fc1", nn::Linear(d + dense, hidden));
       fc2 = register_module("fc2", nn::Linear(hidden, 4));
     }
-    torch::Tensor forward(const torch::Tensor& ids) {
+    torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& features) {
       const auto e = tok->forward(ids);
       torch::Tensor x;
       if (pooling == 0) {
@@ -3139,25 +3143,37 @@ TEST_CASE("property: a text classifier pooling its embeddings over a padding mas
         x = e.sum(1) / (ids != 0).sum(1, true).to(torch::kFloat).clamp_min(1);
       } else if (pooling == 2) {
         x = e.masked_fill((ids == 0).unsqueeze(-1), 0.0).sum(1) / (ids != 0).sum(1, true).type_as(e).clamp_min(1);
+      } else if (pooling == 3) {
+        const auto mask = torch::ones({ids.size(0), ids.size(1)}).masked_fill(ids == 0, 0.0);
+        x = (e * mask.unsqueeze(-1)).sum(1) / mask.sum(1, true).clamp_min(1);
       } else {
         x = e.mean(1);
+      }
+      if (dense > 0) {
+        // Counts (int64) are data too, converted here.
+        const auto f = features.is_floating_point() ? features : features.to(torch::kFloat) / 10.0;
+        x = torch::cat({x, f}, 1);
       }
       return fc2->forward(torch::relu(fc1->forward(x)));
     }
   };
   std::mt19937 rng(2026120702);
-  for (int trial = 0; trial < 12; ++trial) {
+  for (int trial = 0; trial < 25; ++trial) {
     torch::manual_seed(static_cast<uint64_t>(trial) + 41);
     const int64_t vocab = 30 + static_cast<int64_t>(rng() % 100), d = 8 + static_cast<int64_t>(rng() % 24);
-    const int pooling = trial % 4, failure = trial / 4;  // 0 none, 1 weights x1000, 2 a NaN row
+    // failure 0 none, 1 the embedding's weights x1000, 2 a NaN row, 3 NaN in the dense
+    // features, 4 a batch of dense features 1000x
+    const int pooling = trial % 5, failure = trial / 5;
+    const bool counts = failure == 4 && rng() % 2 == 0;
+    const int64_t dense = failure >= 3 || rng() % 2 == 0 ? 2 + static_cast<int64_t>(rng() % 4) : 0;
     const int64_t bad_step = 12 + static_cast<int64_t>(rng() % 10);
-    auto model = std::make_shared<Bag>(vocab, d, 16 + static_cast<int64_t>(rng() % 32), pooling);
+    auto model = std::make_shared<Bag>(vocab, d, 16 + static_cast<int64_t>(rng() % 32), pooling, dense);
     torch::optim::Adam opt(model->parameters(), 1e-3);
     Watched watched(*model);
     auto& hooks = watched.hooks;
     for (int64_t step = 0; step < 40 && !hooks.is_paused(); ++step) {
       hooks.set_step(step);
-      if (step == bad_step && failure != 0) {
+      if (step == bad_step && (failure == 1 || failure == 2)) {
         torch::NoGradGuard g;
         if (failure == 1) model->tok->weight.mul_(1000.0);
         else model->tok->weight[1].fill_(std::nan(""));
@@ -3167,26 +3183,35 @@ TEST_CASE("property: a text classifier pooling its embeddings over a padding mas
       auto ids = torch::randint(1, vocab, {batch, len});
       ids.masked_fill_(torch::rand({batch, len}) < 0.3, 0);
       if (failure == 2 && step >= bad_step) ids.index_put_({0, 0}, 1);
-      auto loss = torch::nn::functional::cross_entropy(model->forward(ids), ids.select(1, 0) % 4);
+      auto features = counts ? torch::randint(0, 20, {batch, std::max<int64_t>(dense, 1)})
+                             : torch::randn({batch, std::max<int64_t>(dense, 1)});
+      if (failure == 3 && step == bad_step) features[0][0] = std::nan("");
+      if (failure == 4 && step == bad_step) features.mul_(1000);
+      auto loss = torch::nn::functional::cross_entropy(model->forward(ids, features), ids.select(1, 0) % 4);
       hooks.set_loss(loss.item<double>());
       loss.backward();
       if (hooks.is_paused()) break;
       opt.step();
     }
-    INFO("trial " << trial << " vocab " << vocab << " d " << d << " pooling " << pooling << " failure " << failure
-                  << " at " << bad_step);
+    INFO("trial " << trial << " vocab " << vocab << " d " << d << " pooling " << pooling << " dense " << dense
+                  << (counts ? " (counts)" : "") << " failure " << failure << " at " << bad_step);
     for (const auto& inc : watched.m.incidents()) UNSCOPED_INFO(inc);
     if (failure == 0) {
       CHECK(watched.m.incidents().empty());
       continue;
     }
     CHECK(hooks.is_paused());
-    for (const auto& inc : watched.m.incidents()) CHECK(inc.kind != FailureKind::BadInput);
     const auto diag = torchdbg::diagnose(watched.m);
     REQUIRE(diag.top() != nullptr);
+    CHECK(diag.top()->step == bad_step);
+    if (failure >= 3) {
+      CHECK(diag.top()->kind == FailureKind::BadInput);
+      CHECK(diag.top()->layer == "input");
+      continue;
+    }
+    for (const auto& inc : watched.m.incidents()) CHECK(inc.kind != FailureKind::BadInput);
     CHECK(diag.top()->kind == (failure == 1 ? FailureKind::ExplodingActivation : FailureKind::NonFiniteOutput));
     CHECK(diag.top()->layer == "tok");
-    CHECK(diag.top()->step == bad_step);
   }
 }
 

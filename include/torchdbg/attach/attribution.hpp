@@ -32,7 +32,7 @@ class Attribution : protected ObserverState {
     const at::ArrayRef<const c10::IValue> inputs = safe_inputs(fn);
     // Most operators of a step (the loss's, the optimizer's, zero_grad's, the model's inner
     // arithmetic) read no tensor any session knows: nothing below would decide anything.
-    if (!reads_known(inputs, t, cores)) return index_derived(inputs, t);
+    if (!reads_known(inputs, t, cores)) return index_derived(fn.name(), inputs, t);
     const bool grad_mode = at::GradMode::is_enabled();
     // An in-place operator whose `self` is a module's own tensor updates state (optimizer
     // steps, running statistics); it is never a forward output.
@@ -247,8 +247,11 @@ class Attribution : protected ObserverState {
         slot = output_slot(t, core->id, t.data[i]);
       if (!grad_mode && !core->options.no_grad_forward()) continue;  // metrics, evaluation
       if (slot == t.outputs.size()) {
-        // Data made from deliveries only, passed on (`drop(tok + pos)`, `(tok + pos) * s`).
-        if (!fresh_op && reads_made(t, core->id) && made_from_deliveries(t, *core)) {
+        // Data made from deliveries only, passed on (`drop(tok + pos)`, `(tok + pos) * s`), or
+        // reduced from an activation's output (`tanh(enc(x)).mean(1)`; a view of one is
+        // still that delivery, below).
+        const bool reads_fed_data = !is_alias_op(op_name, t) && reads_fed(t, core->id);
+        if (!fresh_op && (reads_made(t, core->id) || reads_fed_data) && made_from_deliveries(t, *core)) {
           Decision d;
           d.core = core;
           d.kind = Decision::Reader;
@@ -373,10 +376,10 @@ class Attribution : protected ObserverState {
     return false;
   }
 
-  /// At an Indexed operator's end: its floating output joins Tls::indexed.
+  /// At an Indexed operator's end: its output (unless boolean) joins Tls::indexed.
   static void finish_indexed(const at::RecordFunction& fn, Tls& t) {
     const at::Tensor out = first_output(fn);
-    if (!out.defined() || !out.is_floating_point()) return;
+    if (!out.defined() || out.scalar_type() == at::kBool) return;
     try {
       remember(t, t.indexed, Derived{kIndexCore, 0, 0, nullptr, weak_of(out), 0, nullptr, 0, 0}, kOutputs);
     } catch (...) {
@@ -479,6 +482,13 @@ class Attribution : protected ObserverState {
       if (slot_of(t.mixed, core, impl) < t.mixed.size()) return true;
     return false;
   }
+  /// Whether the operator's data inputs include an activation's delivered output of `core`
+  /// (Tls::fed).
+  static bool reads_fed(const Tls& t, uint64_t core) {
+    for (const c10::TensorImpl* impl : t.data)
+      if (fed_slot(t, core, impl) < t.fed.size()) return true;
+    return false;
+  }
   /// Whether every floating data input of the operator is a delivery of `core` (pending, a
   /// module's or an activation's output, a view of one), made from deliveries only, or made
   /// from integers (Tls::indexed: a padding mask, a length), with one delivery at least: then
@@ -498,21 +508,40 @@ class Attribution : protected ObserverState {
     return any;
   }
 
-  /// An operator that reads no session's tensor, only integer or boolean tensors (token ids,
-  /// a mask, `(ids != 0).sum(1)`) or floats made from those alone (Tls::indexed): its
-  /// floating output is remembered there at its end. Null for any other.
-  static std::unique_ptr<OpCtx> index_derived(at::ArrayRef<const c10::IValue> inputs, const Tls& t) {
+  /// An operator that reads no session's tensor and makes a mask or a length: it reads only
+  /// boolean tensors (`ids != 0`) and tensors made so (Tls::indexed: `(ids != 0).sum(1)`,
+  /// its `to(kFloat)`), or makes constants (`ones`, `full`, `arange`, `zeros_like(ids)`).
+  /// Its output (unless boolean) is remembered there at its end. Null for any other: integer
+  /// data converted in the step (counts, pixels, `ids.to(kFloat)`) is data, and so is noise.
+  static std::unique_ptr<OpCtx> index_derived(std::string_view op, at::ArrayRef<const c10::IValue> inputs,
+                                              const Tls& t) {
+    static constexpr std::string_view kAten = "aten::";
+    if (op.substr(0, kAten.size()) != kAten) return nullptr;
+    const std::string_view name = op.substr(kAten.size());
+    const auto constant = [&] {
+      if (name.find("rand") != std::string_view::npos || name.find("normal") != std::string_view::npos ||
+          name.find("bernoulli") != std::string_view::npos || name.find("empty") != std::string_view::npos)
+        return false;  // noise is data; `empty` is filled by what follows (torch::tensor's copy)
+      for (const std::string_view f : {"ones", "zeros", "full", "arange", "range", "linspace", "logspace", "eye",
+                                       "scalar_tensor", "ones_like", "zeros_like", "full_like", "new_ones",
+                                       "new_zeros", "new_full"})
+        if (name == f) return true;
+      return false;
+    };
     bool any = false, only = true;
     for (const c10::IValue& v : inputs) {
       for_each_tensor(v, [&](const at::Tensor& x) {
         if (!only || !x.defined()) return;
-        if (x.is_floating_point() || x.is_complex())
-          only = !t.indexed.empty() && slot_of(t.indexed, kIndexCore, x.unsafeGetTensorImpl()) < t.indexed.size();
         any = true;
+        if (x.scalar_type() == at::kBool) return;
+        only = !t.indexed.empty() && slot_of(t.indexed, kIndexCore, x.unsafeGetTensorImpl()) < t.indexed.size();
       });
-      if (!only) return nullptr;
+      if (!only) break;
     }
-    if (!any) return nullptr;  // a fresh tensor (`randn`: noise is data)
+    // Most operators read floating data: one look at their name's ending then.
+    const bool templated = name.size() > 5 && (name.substr(name.size() - 5) == "_like" || name.substr(0, 4) == "new_");
+    if (any && !only && !templated) return nullptr;
+    if (!(any && only) && !constant()) return nullptr;
     auto ctx = std::make_unique<OpCtx>();
     ctx->kind = OpCtx::Indexed;
     return ctx;

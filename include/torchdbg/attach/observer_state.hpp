@@ -148,10 +148,11 @@ class ObserverState {
     /// Outputs of other operators reading a module's delivered output (`tok(ids) + pos(t)`),
     /// up to kOutputs a session: a module call reading one does not take the model's input.
     std::vector<Derived> mixed;
-    /// Floating tensors made from integer or boolean ones alone (`(ids != 0).to(kFloat)`, a
-    /// length, and what operators make of those alone), the kOutputs latest, under
-    /// kIndexCore: they hold no data of their own, so a delivery masked or divided by one
-    /// (a masked mean over token embeddings) is still made from deliveries.
+    /// Masks and lengths: tensors made from boolean ones or constants alone
+    /// (`(ids != 0).to(kFloat)`, `(ids != 0).sum(1)`, `ones({b, t}).masked_fill(ids == 0, 0)`,
+    /// and what operators make of those alone), the kOutputs latest, under kIndexCore: they
+    /// hold no data of their own, so a delivery masked or divided by one (a masked mean over
+    /// token embeddings) is still made from deliveries.
     std::vector<Derived> indexed;
     /// The input of a call whose first operators are internal (MultiheadAttention's q/k/v
     /// projection), until the operator that makes its output.
@@ -206,8 +207,8 @@ class ObserverState {
   /// The operators an Update or Decided one runs inside (`mul_` calling `mul` with a wrapped
   /// scalar, cross_entropy's log_softmax) are its own and not looked at.
   struct OpCtx : at::ObserverContext {
-    /// Indexed: an operator reading integer or boolean tensors (or Tls::indexed ones) only;
-    /// a floating output joins Tls::indexed.
+    /// Indexed: an operator making a mask, a length or a constant (Attribution::
+    /// index_derived); its output joins Tls::indexed.
     enum Kind { Backward, Update, Decided, Script, Indexed } kind = Backward;
     bool quiet_inside = false;  // RecordFunction is off on this thread until it ends
     std::atomic<int>* script_depth = nullptr;  // Script: the count of the thread it began on

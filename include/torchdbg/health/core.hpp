@@ -250,8 +250,12 @@ TORCHDBG_INLINE void HealthCore::judge_activation(Layer& L, const at::Tensor& y,
                                                   const TensorStats& s, int64_t step,
                                                   const ActivationInfo& info, Pauses& pauses) {
   // The model's input as attach saw it with this output: NaN/Inf there is the data's failure,
-  // and no output after it in the step is an origin.
-  if (info.input_observed && input_.observe(L.name, step, info, ledger_, pauses))
+  // and no output after it in the step is an origin. Where it mixes outputs of layers that
+  // ran before it (`cat({pool(emb(ids)), dense})`), their NaN or explosion in this step is
+  // theirs: its NaN is not judged after a non-finite output, nor its scale after either.
+  if (info.input_observed &&
+      input_.observe(L.name, step, info, ledger_, pauses, signals_.forward_non_finite(),
+                     signals_.forward_non_finite() || signals_.forward_exploding()))
     signals_.mark_forward_non_finite();
   bool new_step = false;
   const ActivationSignals sig = signals_.measure_activation(L, y, s, step, info, new_step);
@@ -282,6 +286,7 @@ TORCHDBG_INLINE void HealthCore::judge_activation(Layer& L, const at::Tensor& y,
     }
   }
   if (state == ActivationHealth::Normal) signals_.learn_activation(L);
+  if (found && found->kind == FailureKind::ExplodingActivation) signals_.mark_forward_exploding();
 
   const ActivationHealth before = L.act;
   const bool first = !L.seen_fwd;

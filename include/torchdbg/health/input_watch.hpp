@@ -29,8 +29,11 @@ class InputWatch {
 
   /// NaN/Inf in the input is the data's failure, and no layer is its origin: returns true
   /// then (what follows in the forward is its consequence). A finite input's scale is judged.
+  /// `after_non_finite`: a layer's output before it in the step was non-finite (its NaN is
+  /// that layer's, not judged); `after_failure`: or exploding (its scale is not judged).
   bool observe(std::string_view first, int64_t step, const ActivationInfo& info,
-               HealthLedger& ledger, Pauses& pauses);
+               HealthLedger& ledger, Pauses& pauses, bool after_non_finite = false,
+               bool after_failure = false);
   void clear();
 
  private:
@@ -63,14 +66,16 @@ class InputWatch {
 
 TORCHDBG_INLINE bool InputWatch::observe(std::string_view first, int64_t step,
                                          const ActivationInfo& info, HealthLedger& ledger,
-                                         Pauses& pauses) {
+                                         Pauses& pauses, bool after_non_finite,
+                                         bool after_failure) {
   const int64_t bad = info.input_nan + info.input_inf;
   if (bad == 0) {
     input_bad_ = false;
     input_incident_.reset();
-    scale(first, step, info, ledger, pauses);
+    if (!after_failure) scale(first, step, info, ledger, pauses);
     return false;
   }
+  if (after_non_finite) return true;
   if (input_bad_) {  // still bad: the same incident goes on
     ++input_persist_;
     if (input_incident_)

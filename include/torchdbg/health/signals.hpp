@@ -55,6 +55,13 @@ class HealthSignals {
   void begin_step();
   /// Something non-finite came before the next outputs in this step's forward (the input).
   void mark_forward_non_finite() { fwd_nonfinite_ = true; }
+  /// An output of this step's forward was found exploding.
+  void mark_forward_exploding() { fwd_exploding_ = true; }
+  /// Whether an output before now in this step's forward was non-finite, or exploding: the
+  /// model's input seen after it (`cat({pool(emb(ids)), dense})`) carries that layer's
+  /// failure, not the data's.
+  [[nodiscard]] bool forward_non_finite() const noexcept { return fwd_nonfinite_; }
+  [[nodiscard]] bool forward_exploding() const noexcept { return fwd_exploding_; }
   /// Whether forward outputs may go unjudged on some evaluated steps (HealthCore::sparse_forward).
   void set_sparse_forward(bool sparse) noexcept { sparse_forward_ = sparse; }
   /// Whether a module zero-initialized on purpose (ActivationSignals::zero_initialized) has
@@ -116,6 +123,7 @@ class HealthSignals {
   std::optional<double> prev_rms_;
   std::optional<bool> prev_alike_;
   bool fwd_nonfinite_ = false;
+  bool fwd_exploding_ = false;
   bool zero_init_in_step_ = false;
   // The step before which this step's zero-initialized modules are in their warm-up, and the
   // same of the last step with measured outputs (activation_interval above 1).
@@ -201,6 +209,7 @@ TORCHDBG_INLINE void HealthSignals::begin_step() {
   prev_rms_.reset();
   prev_alike_.reset();
   fwd_nonfinite_ = false;
+  fwd_exploding_ = false;
   zero_init_in_step_ = false;
   step_loss_.reset();
 }
@@ -499,6 +508,7 @@ TORCHDBG_INLINE void HealthSignals::clear() {
   prev_rms_.reset();
   prev_alike_.reset();
   fwd_nonfinite_ = false;
+  fwd_exploding_ = false;
   zero_init_in_step_ = false;
   zero_init_until_ = zero_init_until_carried_ = std::numeric_limits<int64_t>::min();
   measured_any_ = false;
