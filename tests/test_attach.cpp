@@ -945,7 +945,14 @@ class HostCopyCounter {
     const std::string_view name = fn.name();
     const bool copy = name == "aten::copy_", scalar = name == "aten::_local_scalar_dense";
     if (!copy && !scalar) return nullptr;
-    const auto in = fn.inputs();
+    // An operator recorded without its inputs (LibTorch asserts that in its debug checks):
+    // not a copy this counter can judge.
+    at::ArrayRef<const c10::IValue> in;
+    try {
+      in = fn.inputs();
+    } catch (const c10::Error&) {
+      return nullptr;
+    }
     auto on_device = [&](std::size_t i) {
       return in.size() > i && in[i].isTensor() && !in[i].toTensor().device().is_cpu();
     };
