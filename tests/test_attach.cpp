@@ -2511,13 +2511,14 @@ TEST_CASE("property: a call reading data made from deliveries (token + position 
   // made from the ids, or a mean of an activation of theirs), not the model's input. A dense
   // input a Linear reads after the embeddings ran is the model's input (a recommender's dense
   // features), and so is an embedding plus, or times, raw floating data or counts converted
-  // in the step.
+  // in the step, also where the raw data is written in place (into their sum, or into zeros).
   struct Mixed : torch::nn::Module {
     torch::nn::Embedding tok{nullptr}, pos{nullptr};
     torch::nn::Linear dense{nullptr}, first{nullptr}, head{nullptr};
     int combine = 0;
     bool dense_first = false;
-    torch::Tensor raw;  // combine 4: raw floating data added to the embedding; 7: per-token weights; 9: counts
+    torch::Tensor raw;  // combine 4, 11, 12: raw floating data added to the embedding (12: copied into
+                        // zeros first, 11: in place); 7: per-token weights; 9: counts
     Mixed(int64_t vocab, int64_t d, int combine_, bool dense_first_) : combine(combine_), dense_first(dense_first_) {
       tok = register_module("tok", torch::nn::Embedding(vocab, d));
       pos = register_module("pos", torch::nn::Embedding(16, d));
@@ -2539,17 +2540,19 @@ TEST_CASE("property: a call reading data made from deliveries (token + position 
                      : combine == 7 ? t * raw.unsqueeze(-1)
                      : combine == 8 ? t * torch::ones({ids.size(0), ids.size(1), 1}).masked_fill((ids == 0).unsqueeze(-1), 0.0)
                      : combine == 9 ? t * raw.to(torch::kFloat).unsqueeze(-1)
-                                    : torch::tanh(t).mean(1, true) + p;
+                     : combine == 10 ? torch::tanh(t).mean(1, true) + p
+                     : combine == 11 ? (t + p).clone().add_(raw)
+                                     : t + torch::zeros({ids.size(0), ids.size(1), t.size(2)}).copy_(raw);
       const auto h = first->forward(e).mean(1);
       if (!dense_first) dn = dense->forward(x);
       return head->forward(torch::cat({h, dn}, -1));
     }
   };
   std::mt19937 rng(20261207);
-  for (int trial = 0; trial < 44; ++trial) {
+  for (int trial = 0; trial < 52; ++trial) {
     torch::manual_seed(static_cast<uint64_t>(trial));
     auto net = std::make_shared<Mixed>(10 + static_cast<int64_t>(rng() % 30), 4 + static_cast<int64_t>(rng() % 8),
-                                       static_cast<int>(trial % 11), rng() % 2 == 0);
+                                       static_cast<int>(trial % 13), rng() % 2 == 0);
     HookManager hooks;
     std::map<std::string, std::map<std::string, std::string>> md;
     hooks.register_callback("md", [&](const torchdbg::HookContext& c) {
@@ -2571,7 +2574,7 @@ TEST_CASE("property: a call reading data made from deliveries (token + position 
                                      : torch::randn({batch, len, net->tok->options.embedding_dim()});
       net->forward(torch::randint(0, 10, {batch, len}), x).sum().backward();
       // The call that takes the model's input: the first on raw floating data.
-      const bool raw = net->combine == 4 || net->combine == 7 || net->combine == 9;
+      const bool raw = net->combine == 4 || net->combine == 7 || net->combine == 9 || net->combine >= 11;
       const std::string model_input = raw && !net->dense_first ? "first" : "dense";
       INFO("trial " << trial << " combine " << net->combine << " dense first " << net->dense_first << " step " << step);
       REQUIRE(md.count("first") == 1);

@@ -259,6 +259,12 @@ class Attribution : protected ObserverState {
           add(std::move(d));
           continue;
         }
+        // Other data written in place into data made from deliveries, or into a mask
+        // (`q = pool(emb(ids)); q.add_(x)`): it holds that data now.
+        if (in_place && data_in.defined() && !made_from_deliveries(t, *core)) {
+          forget_written(t.mixed, core->id, data_in);
+          forget_written(t.indexed, kIndexCore, data_in);
+        }
         // A view of an activation's delivered output (`relu(conv(x)).flatten(1)`) is still
         // that delivery, for the module call that reads it.
         if (fresh_op || !is_alias_op(op_name, t)) continue;
@@ -482,6 +488,17 @@ class Attribution : protected ObserverState {
       if (slot_of(t.mixed, core, impl) < t.mixed.size()) return true;
     return false;
   }
+  /// Forgets the entries of `list` (Tls::mixed, Tls::indexed) of session `core` that share
+  /// `self`'s storage: an operator wrote other data into it in place.
+  static void forget_written(std::vector<Derived>& list, uint64_t core, const at::Tensor& self) {
+    if (!self.defined() || !self.has_storage()) return;
+    const void* storage = self.storage().unsafeGetStorageImpl();
+    for (Derived& d : list) {
+      if (d.core != core || !d.impl || d.impl->expired()) continue;
+      const c10::TensorImpl* impl = d.impl->_unsafe_get_target();
+      if (impl->has_storage() && impl->storage().unsafeGetStorageImpl() == storage) d = {};
+    }
+  }
   /// Whether the operator's data inputs include an activation's delivered output of `core`
   /// (Tls::fed).
   static bool reads_fed(const Tls& t, uint64_t core) {
@@ -514,7 +531,7 @@ class Attribution : protected ObserverState {
   /// Its output (unless boolean) is remembered there at its end. Null for any other: integer
   /// data converted in the step (counts, pixels, `ids.to(kFloat)`) is data, and so is noise.
   static std::unique_ptr<OpCtx> index_derived(std::string_view op, at::ArrayRef<const c10::IValue> inputs,
-                                              const Tls& t) {
+                                              Tls& t) {
     static constexpr std::string_view kAten = "aten::";
     if (op.substr(0, kAten.size()) != kAten) return nullptr;
     const std::string_view name = op.substr(kAten.size());
@@ -522,9 +539,9 @@ class Attribution : protected ObserverState {
       if (name.find("rand") != std::string_view::npos || name.find("normal") != std::string_view::npos ||
           name.find("bernoulli") != std::string_view::npos || name.find("empty") != std::string_view::npos)
         return false;  // noise is data; `empty` is filled by what follows (torch::tensor's copy)
+      // (not `scalar_tensor`: `torch::tensor(x)` of a host value makes one)
       for (const std::string_view f : {"ones", "zeros", "full", "arange", "range", "linspace", "logspace", "eye",
-                                       "scalar_tensor", "ones_like", "zeros_like", "full_like", "new_ones",
-                                       "new_zeros", "new_full"})
+                                       "ones_like", "zeros_like", "full_like", "new_ones", "new_zeros", "new_full"})
         if (name == f) return true;
       return false;
     };
@@ -540,7 +557,13 @@ class Attribution : protected ObserverState {
     }
     // Most operators read floating data: one look at their name's ending then.
     const bool templated = name.size() > 5 && (name.substr(name.size() - 5) == "_like" || name.substr(0, 4) == "new_");
-    if (any && !only && !templated) return nullptr;
+    if (any && !only && !templated) {
+      // Data written in place into a mask's storage (`buf = zeros(...); buf.copy_(x)`) makes
+      // it data.
+      if (!t.indexed.empty() && !name.empty() && name.back() == '_' && !inputs.empty() && inputs[0].isTensor())
+        forget_written(t.indexed, kIndexCore, inputs[0].toTensor());
+      return nullptr;
+    }
     if (!(any && only) && !constant()) return nullptr;
     auto ctx = std::make_unique<OpCtx>();
     ctx->kind = OpCtx::Indexed;
