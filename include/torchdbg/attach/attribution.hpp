@@ -507,8 +507,8 @@ class Attribution : protected ObserverState {
     return false;
   }
   /// Whether every floating data input of the operator is a delivery of `core` (pending, a
-  /// module's or an activation's output, a view of one), made from deliveries only, or made
-  /// from integers (Tls::indexed: a padding mask, a length), with one delivery at least: then
+  /// module's or an activation's output, a view of one), made from deliveries only, or a
+  /// mask or a length (Tls::indexed), with one delivery at least: then
   /// its output is made from deliveries, and a call reading it does not take the model's
   /// input. One raw floating input (`emb(ids) + x`) makes it the model's input still.
   static bool made_from_deliveries(const Tls& t, const AttachCore& core) {
