@@ -2511,7 +2511,9 @@ TEST_CASE("property: a call reading data made from deliveries (token + position 
   // made from the ids, or a mean of an activation of theirs), not the model's input. A dense
   // input a Linear reads after the embeddings ran is the model's input (a recommender's dense
   // features), and so is an embedding plus, or times, raw floating data or counts converted
-  // in the step, also where the raw data is written in place (into their sum, or into zeros).
+  // in the step, also where the raw data is written in place (into their sum, or into zeros):
+  // then the input's NaN count and RMS (`input_data_rms`) are the raw data's alone, against
+  // an independent reference, whatever the embeddings add (a NaN row of theirs included).
   struct Mixed : torch::nn::Module {
     torch::nn::Embedding tok{nullptr}, pos{nullptr};
     torch::nn::Linear dense{nullptr}, first{nullptr}, head{nullptr};
@@ -2558,7 +2560,7 @@ TEST_CASE("property: a call reading data made from deliveries (token + position 
     hooks.register_callback("md", [&](const torchdbg::HookContext& c) {
       if (!c.is_forward()) return;
       auto& m = md[std::string(c.layer_name())];
-      for (const char* k : {"input_nan", "input_rms"})
+      for (const char* k : {"input_nan", "input_rms", "input_data_rms", "input_count"})
         if (auto v = c.metadata_value(k)) m[k] = std::string(*v);
     });
     hooks.register_hook(HookConfig().name("md").trigger(HookTrigger::every_n_steps(1)).actions(
@@ -2572,15 +2574,42 @@ TEST_CASE("property: a call reading data made from deliveries (token + position 
       net->raw = net->combine == 7   ? torch::rand({batch, len})
                  : net->combine == 9 ? torch::randint(0, 20, {batch, len})
                                      : torch::randn({batch, len, net->tok->options.embedding_dim()});
-      net->forward(torch::randint(0, 10, {batch, len}), x).sum().backward();
+      // Step 1: one raw value NaN, or one embedding row (ids 1 appear in every batch).
+      const int poison = step == 1 ? static_cast<int>(trial % 3) : 0;  // 1 raw, 2 embedding
+      if (poison == 1 && net->combine != 9) net->raw.view(-1)[0] = std::nan("");
+      auto ids = torch::randint(0, 10, {batch, len});
+      ids[0][0] = 1;
+      if (poison == 2) {
+        torch::NoGradGuard g;
+        net->tok->weight[1].fill_(std::nan(""));
+      }
+      const double raw_rms = net->raw.to(torch::kDouble).nan_to_num(0.0).square().sum().item<double>();
+      const int64_t raw_count = net->raw.numel() - (poison == 1 && net->combine != 9 ? 1 : 0);
+      net->forward(ids, x).sum().backward();
+      if (poison == 2) {
+        torch::NoGradGuard g;
+        net->tok->weight[1].normal_();
+      }
       // The call that takes the model's input: the first on raw floating data.
       const bool raw = net->combine == 4 || net->combine == 7 || net->combine == 9 || net->combine >= 11;
       const std::string model_input = raw && !net->dense_first ? "first" : "dense";
-      INFO("trial " << trial << " combine " << net->combine << " dense first " << net->dense_first << " step " << step);
+      INFO("trial " << trial << " combine " << net->combine << " dense first " << net->dense_first << " step " << step
+                    << " poison " << poison);
       REQUIRE(md.count("first") == 1);
       REQUIRE(md.count("dense") == 1);
       CHECK(md["first"].count("input_nan") == (model_input == "first" ? 1u : 0u));
-      CHECK(md["first"].count("input_rms") == 1);  // its scale measured all the same
+      if (model_input == "first") {
+        // What the mix read of the raw data: its values, its NaN.
+        CHECK(md["first"]["input_nan"] == (poison == 1 && net->combine != 9 ? "1" : "0"));
+        CHECK(md["first"]["input_count"] == std::to_string(raw_count));
+        REQUIRE(md["first"].count("input_data_rms") == 1);
+        CHECK(std::stod(md["first"]["input_data_rms"]) ==
+              Approx(std::sqrt(raw_rms / static_cast<double>(raw_count))).epsilon(1e-5));
+      }
+      for (const char* layer : {"first", "dense", "head", "tok"})
+        if (model_input != "first" || std::string(layer) != "first") CHECK(md[layer].count("input_data_rms") == 0);
+      // Its scale measured all the same (unless a NaN embedding row left no finite value).
+      if (poison != 2) CHECK(md["first"].count("input_rms") == 1);
       CHECK(md["dense"].count("input_nan") == (model_input == "dense" ? 1u : 0u));
       CHECK(md["head"].count("input_nan") == 0);
       CHECK(md["tok"].count("input_nan") == 0);

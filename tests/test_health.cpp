@@ -3119,9 +3119,12 @@ TEST_CASE("property: a text classifier pooling its embeddings over a padding mas
   // Embeddings pooled as classifiers pool them: a mean over the positions a mask made from the
   // ids keeps (a comparison's, or `ones` with the padding filled), a sum divided by the
   // lengths, a plain mean; with dense features beside them (raw floats, or counts converted in
-  // the step). The pooled vector is made from the embedding's output: its weights blown up, or
-  // a NaN row, are the embedding's, not bad data. The dense features are the model's input:
-  // their NaN, or a batch of them 1000x, is bad data.
+  // the step); or a plain sum over sequences whose length changes from batch to batch (1 to
+  // 300 tokens, as a loader bucketing by length gives them), beside the dense features or with them
+  // added to it. The pooled vector is made from the embedding's output: its weights blown up,
+  // or a NaN row, are the embedding's, not bad data; its scale following the length is no
+  // change of the data's. The dense features are the model's input: their NaN, or a batch of
+  // them 1000x, is bad data.
   namespace nn = torch::nn;
   struct Bag : nn::Module {
     nn::Embedding tok{nullptr};
@@ -3146,8 +3149,11 @@ TEST_CASE("property: a text classifier pooling its embeddings over a padding mas
       } else if (pooling == 3) {
         const auto mask = torch::ones({ids.size(0), ids.size(1)}).masked_fill(ids == 0, 0.0);
         x = (e * mask.unsqueeze(-1)).sum(1) / mask.sum(1, true).clamp_min(1);
-      } else {
+      } else if (pooling == 4) {
         x = e.mean(1);
+      } else {
+        x = e.sum(1);
+        if (pooling == 6) return fc2->forward(torch::relu(fc1->forward(x + features)));
       }
       if (dense > 0) {
         // Counts (int64) are data too, converted here.
@@ -3158,14 +3164,17 @@ TEST_CASE("property: a text classifier pooling its embeddings over a padding mas
     }
   };
   std::mt19937 rng(2026120702);
-  for (int trial = 0; trial < 25; ++trial) {
+  for (int trial = 0; trial < 35; ++trial) {
     torch::manual_seed(static_cast<uint64_t>(trial) + 41);
     const int64_t vocab = 30 + static_cast<int64_t>(rng() % 100), d = 8 + static_cast<int64_t>(rng() % 24);
     // failure 0 none, 1 the embedding's weights x1000, 2 a NaN row, 3 NaN in the dense
     // features, 4 a batch of dense features 1000x
-    const int pooling = trial % 5, failure = trial / 5;
-    const bool counts = failure == 4 && rng() % 2 == 0;
-    const int64_t dense = failure >= 3 || rng() % 2 == 0 ? 2 + static_cast<int64_t>(rng() % 4) : 0;
+    const int pooling = trial % 7, failure = trial / 7;
+    const bool summed = pooling >= 5, added = pooling == 6;
+    const bool counts = failure == 4 && !added && rng() % 2 == 0;
+    const int64_t dense = added ? 0
+                          : failure >= 3 || summed || rng() % 2 == 0 ? 2 + static_cast<int64_t>(rng() % 4)
+                                                                    : 0;
     const int64_t bad_step = 12 + static_cast<int64_t>(rng() % 10);
     auto model = std::make_shared<Bag>(vocab, d, 16 + static_cast<int64_t>(rng() % 32), pooling, dense);
     torch::optim::Adam opt(model->parameters(), 1e-3);
@@ -3179,12 +3188,15 @@ TEST_CASE("property: a text classifier pooling its embeddings over a padding mas
         else model->tok->weight[1].fill_(std::nan(""));
       }
       opt.zero_grad();
-      const int64_t len = 3 + (step * 7) % 17, batch = 8 + static_cast<int64_t>(rng() % 9);
+      // Summed: batches bucketed by length, the buckets taken in a shuffled order (1 to 300
+      // tokens).
+      const int64_t len = summed ? 1 + (step * 37 + trial * 13) % 300 : 3 + (step * 7) % 17,
+                    batch = 8 + static_cast<int64_t>(rng() % 9);
       auto ids = torch::randint(1, vocab, {batch, len});
-      ids.masked_fill_(torch::rand({batch, len}) < 0.3, 0);
+      if (!summed) ids.masked_fill_(torch::rand({batch, len}) < 0.3, 0);
       if (failure == 2 && step >= bad_step) ids.index_put_({0, 0}, 1);
-      auto features = counts ? torch::randint(0, 20, {batch, std::max<int64_t>(dense, 1)})
-                             : torch::randn({batch, std::max<int64_t>(dense, 1)});
+      const int64_t width = added ? d : std::max<int64_t>(dense, 1);
+      auto features = counts ? torch::randint(0, 20, {batch, width}) : torch::randn({batch, width});
       if (failure == 3 && step == bad_step) features[0][0] = std::nan("");
       if (failure == 4 && step == bad_step) features.mul_(1000);
       auto loss = torch::nn::functional::cross_entropy(model->forward(ids, features), ids.select(1, 0) % 4);
@@ -3194,6 +3206,7 @@ TEST_CASE("property: a text classifier pooling its embeddings over a padding mas
       opt.step();
     }
     INFO("trial " << trial << " vocab " << vocab << " d " << d << " pooling " << pooling << " dense " << dense
+                  << (added ? " (added)" : "")
                   << (counts ? " (counts)" : "") << " failure " << failure << " at " << bad_step);
     for (const auto& inc : watched.m.incidents()) UNSCOPED_INFO(inc);
     if (failure == 0) {

@@ -356,8 +356,10 @@ TORCHDBG_INLINE std::string describe_root(const Incident& i, std::size_t related
                         " its usual " + num3(i.details.value("baseline_rms", 0.0));
         if (i.last_step > i.step) s += " (until step " + std::to_string(i.last_step) + ")";
         if (i.details.contains("first_layer"))
-          s +=
-              ", as '" + i.details["first_layer"].get<std::string>() + "', the first layer, saw it";
+          s += i.details.value("mixed", false)
+                   ? ", in the raw data that '" + i.details["first_layer"].get<std::string>() +
+                         "', the first layer, read mixed with values the model made"
+                   : ", as '" + i.details["first_layer"].get<std::string>() + "', the first layer, saw it";
         return s + ": the data (unnormalized or rescaled), not a layer, is the origin.";
       }
       const int64_t nan = count("nan"), inf = count("inf");

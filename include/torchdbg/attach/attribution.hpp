@@ -259,11 +259,24 @@ class Attribution : protected ObserverState {
           add(std::move(d));
           continue;
         }
+        // Data made from deliveries mixed with raw data (`cat({pool(emb(ids)), x})`,
+        // `q.add_(x)`) before the model's input is taken: the raw data's moments go with it.
+        std::shared_ptr<const Moments> raw;
+        if (!fresh_op && (reads_made(t, core->id) || reads_fed_data || reads_partial(t, core->id)))
+          raw = raw_part(t, *core, inputs);
         // Other data written in place into data made from deliveries, or into a mask
         // (`q = pool(emb(ids)); q.add_(x)`): it holds that data now.
         if (in_place && data_in.defined() && !made_from_deliveries(t, *core)) {
           forget_written(t.mixed, core->id, data_in);
           forget_written(t.indexed, kIndexCore, data_in);
+        }
+        if (raw) {
+          Decision d;
+          d.core = core;
+          d.kind = Decision::Reader;
+          d.raw = std::move(raw);
+          add(std::move(d));
+          continue;
         }
         // A view of an activation's delivered output (`relu(conv(x)).flatten(1)`) is still
         // that delivery, for the module call that reads it.
@@ -308,6 +321,7 @@ class Attribution : protected ObserverState {
       } else {
         d.kind = Decision::Reader;
         d.made = made_from_deliveries(t, *core);
+        if (!d.made && !fresh_op) d.raw = raw_part(t, *core, inputs);  // `emb(ids) + x`
       }
       add(std::move(d));
     }
@@ -362,7 +376,7 @@ class Attribution : protected ObserverState {
     const std::size_t slot = flush_pending(t, *p);
     if (slot == t.outputs.size()) return;
     const Derived seen = t.outputs[slot];
-    remember_output(t, Derived{d.core->id, seen.module, seen.call, nullptr, weak_of(out), 0, seen.info, seen.delivery, 0});
+    remember_output(t, Derived{d.core->id, seen.module, seen.call, nullptr, weak_of(out), 0, seen.info, seen.delivery, 0, nullptr});
   }
 
   /// Whether operator `fn` reads a session's pending module output on this thread.
@@ -387,7 +401,7 @@ class Attribution : protected ObserverState {
     const at::Tensor out = first_output(fn);
     if (!out.defined() || out.scalar_type() == at::kBool) return;
     try {
-      remember(t, t.indexed, Derived{kIndexCore, 0, 0, nullptr, weak_of(out), 0, nullptr, 0, 0}, kOutputs);
+      remember(t, t.indexed, Derived{kIndexCore, 0, 0, nullptr, weak_of(out), 0, nullptr, 0, 0, nullptr}, kOutputs);
     } catch (...) {
       // out of memory: the tensor counts as raw data, as before it was made
     }
@@ -408,10 +422,12 @@ class Attribution : protected ObserverState {
         switch (d.kind) {
           case Decision::Reader:
             if (d.made && out.is_floating_point())
-              remember(t, t.mixed, Derived{d.core->id, 0, 0, nullptr, weak_of(out), 0, nullptr, 0, 0}, kOutputs);
+              remember(t, t.mixed, Derived{d.core->id, 0, 0, nullptr, weak_of(out), 0, nullptr, 0, 0, nullptr}, kOutputs);
+            else if (d.raw && out.is_floating_point())
+              remember(t, t.partial, Derived{d.core->id, 0, 0, nullptr, weak_of(out), 0, nullptr, 0, 0, d.raw}, kOutputs);
             break;
           case Decision::Weights:
-            remember(t, t.derived, Derived{d.core->id, d.module, 0, d.source, weak_of(out), 0, nullptr, 0, 0}, kDerived);
+            remember(t, t.derived, Derived{d.core->id, d.module, 0, d.source, weak_of(out), 0, nullptr, 0, 0, nullptr}, kDerived);
             break;
           case Decision::Forward:
             forward_output(t, d, out);
@@ -421,13 +437,13 @@ class Attribution : protected ObserverState {
             break;
           case Decision::Alias: {
             const std::size_t slot =
-                remember_output(t, Derived{d.core->id, d.module, d.call, nullptr, weak_of(out), 0, d.from, d.delivery, 0});
+                remember_output(t, Derived{d.core->id, d.module, d.call, nullptr, weak_of(out), 0, d.from, d.delivery, 0, nullptr});
             if (d.changed) t.outputs[slot].version = kNoVersion;  // a view of changed values
             break;
           }
           case Decision::FedAlias: {
             const std::size_t slot =
-                remember(t, t.fed, Derived{d.core->id, 0, 0, nullptr, weak_of(out), 0, d.from, d.delivery, 0}, kOutputs);
+                remember(t, t.fed, Derived{d.core->id, 0, 0, nullptr, weak_of(out), 0, d.from, d.delivery, 0, nullptr}, kOutputs);
             if (d.changed) t.fed[slot].version = kNoVersion;
             break;
           }
@@ -440,7 +456,7 @@ class Attribution : protected ObserverState {
             } else {
               d.core->send(d.module, f->name, out, true, f->md);
             }
-            remember(t, t.fed, Derived{d.core->id, d.module, d.call, nullptr, weak_of(out), 0, std::move(f), 0, 0}, kOutputs);
+            remember(t, t.fed, Derived{d.core->id, d.module, d.call, nullptr, weak_of(out), 0, std::move(f), 0, 0, nullptr}, kOutputs);
             break;
           }
           default:
@@ -477,7 +493,7 @@ class Attribution : protected ObserverState {
   static bool held(const Tls& t, const c10::TensorImpl* impl) {
     for (const auto& p : t.pending)
       if (p.core && p.out.defined() && p.out.unsafeGetTensorImpl() == impl) return true;
-    for (const std::vector<Derived>* list : {&t.outputs, &t.derived, &t.fed, &t.mixed})
+    for (const std::vector<Derived>* list : {&t.outputs, &t.derived, &t.fed, &t.mixed, &t.partial})
       for (const Derived& d : *list)
         if (d.core != 0 && d.impl && d.impl->_unsafe_get_target() == impl) return true;
     return false;
@@ -487,6 +503,70 @@ class Attribution : protected ObserverState {
     for (const c10::TensorImpl* impl : t.data)
       if (slot_of(t.mixed, core, impl) < t.mixed.size()) return true;
     return false;
+  }
+  /// Whether the operator's data inputs include a tensor of `core` mixed from deliveries and
+  /// raw data (Tls::partial).
+  static bool reads_partial(const Tls& t, uint64_t core) {
+    if (t.partial.empty()) return false;
+    for (const c10::TensorImpl* impl : t.data)
+      if (slot_of(t.partial, core, impl) < t.partial.size()) return true;
+    return false;
+  }
+  /// Where the operator mixes data of session `core` made from deliveries (Tls::mixed, a
+  /// delivery, or the raw data's part of one mixed so before: Tls::partial) with raw floating
+  /// data, before the step's model input is taken: the raw data's moments, those of every raw
+  /// floating input and of the partial inputs' raw parts together (host tensors only: nothing
+  /// on a device is read here). Null for anything else.
+  static std::shared_ptr<const Moments> raw_part(const Tls& t, const AttachCore& core,
+                                                 at::ArrayRef<const c10::IValue> inputs) {
+    if (!core.input_due.load(std::memory_order_relaxed)) return nullptr;
+    bool delivered = false, raw = false, ok = true;
+    Moments sum;
+    bool any_moments = false;
+    std::vector<at::Tensor> raws;
+    std::vector<const c10::TensorImpl*> seen;  // an operand passed twice (`x * x`) counts once
+    for (const c10::IValue& v : inputs) {
+      for_each_tensor(v, [&](const at::Tensor& x) {
+        if (!ok || !x.defined() || !x.is_floating_point()) return;
+        const c10::TensorImpl* impl = x.unsafeGetTensorImpl();
+        if (std::find(t.data.begin(), t.data.end(), impl) == t.data.end()) return;  // a module tensor
+        if (std::find(seen.begin(), seen.end(), impl) != seen.end()) return;
+        seen.push_back(impl);
+        const std::size_t p = slot_of(t.partial, core.id, impl);
+        if (p < t.partial.size()) {
+          delivered = true;
+          if (t.partial[p].raw) {
+            sum.merge(*t.partial[p].raw);
+            any_moments = true;
+          }
+          return;
+        }
+        bool known = slot_of(t.outputs, core.id, impl) < t.outputs.size() ||
+                     slot_of(t.fed, core.id, impl) < t.fed.size() || slot_of(t.mixed, core.id, impl) < t.mixed.size();
+        for (const auto& q : t.pending)
+          known = known || (q.core.get() == &core && q.out.defined() && q.out.unsafeGetTensorImpl() == impl);
+        if (known) {
+          delivered = true;
+        } else if (slot_of(t.indexed, kIndexCore, impl) == t.indexed.size()) {
+          if (!x.is_cpu() || core.defers(x)) ok = false;
+          raw = true;
+          raws.push_back(x);
+        }
+      });
+    }
+    if (!ok || !delivered || !(raw || any_moments)) return nullptr;
+    DeliveringScope scope;
+    at::NoGradGuard no_grad;
+    try {
+      for (const at::Tensor& x : raws) {
+        sum.merge(compute_moments(x.detach(), /*signs=*/false));
+        any_moments = true;
+      }
+    } catch (...) {
+      return nullptr;
+    }
+    if (!any_moments) return nullptr;
+    return std::make_shared<const Moments>(sum);
   }
   /// Forgets the entries of `list` (Tls::mixed, Tls::indexed) of session `core` that share
   /// `self`'s storage: an operator wrote other data into it in place.
@@ -582,6 +662,9 @@ class Attribution : protected ObserverState {
       const bool made = slot_of(t.mixed, core.id, x.unsafeGetTensorImpl()) < t.mixed.size();
       const bool model_input = !made && core.input_due.exchange(false);
       in.input = input_moments(core, x, model_input);
+      // Mixed from deliveries and raw data: the raw data is the model's input.
+      const std::size_t p = slot_of(t.partial, core.id, x.unsafeGetTensorImpl());
+      if (model_input && in.input && p < t.partial.size()) in.input->raw = t.partial[p].raw;
     }
     // Whether the rows of the input as the call reads it (a view of a delivery may put
     // another axis first) are alike: within 1e-4 of their largest magnitude, two rows at up to

@@ -48,6 +48,9 @@ struct InputMoments {
   std::optional<bool> alike;
   at::Tensor packed;
   bool model_input = false;
+  /// The model's input mixed from deliveries and raw data (ObserverState::Tls::partial): the
+  /// raw data's moments, whose NaN/Inf counts and RMS are the input's ("input_data_rms").
+  std::shared_ptr<const Moments> raw;
   std::optional<NormError> norm;
 };
 
@@ -154,7 +157,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     std::optional<Metadata> own;  // base_md plus "input_rms", once a step
     const auto md_with_input = [&](const Moments& m, bool model_input) {
       if (!own) own = base_md;
-      add_input_rms(*own, m, model_input);
+      add_input_rms(*own, m, model_input, input.raw.get());
     };
     try {
       if (input.host) md_with_input(*input.host, input.model_input);
@@ -267,12 +270,15 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
 
  private:
   /// The data input's "input_rms" and, for the model's input, its "input_nan" and "input_inf"
-  /// counts.
-  static void add_input_rms(Metadata& md, const Moments& m, bool model_input) {
+  /// counts: those of `raw`, the raw data mixed into it, when given (with its RMS as
+  /// "input_data_rms").
+  static void add_input_rms(Metadata& md, const Moments& m, bool model_input, const Moments* raw = nullptr) {
     if (model_input) {
-      md.emplace("input_nan", std::to_string(m.nan));
-      md.emplace("input_inf", std::to_string(m.pos_inf + m.neg_inf));
-      md.emplace("input_count", std::to_string(m.finite));
+      const Moments& data = raw != nullptr ? *raw : m;
+      md.emplace("input_nan", std::to_string(data.nan));
+      md.emplace("input_inf", std::to_string(data.pos_inf + data.neg_inf));
+      md.emplace("input_count", std::to_string(data.finite));
+      if (raw != nullptr && raw->finite > 0) md.emplace("input_data_rms", number_text(raw->rms()));
     }
     if (m.finite <= 0) return;
     md.emplace("input_rms", number_text(m.rms()));

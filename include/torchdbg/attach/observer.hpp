@@ -145,6 +145,8 @@ class ForwardObserver : private Attribution {
       if (d.core == core->id) d = {};
     for (auto& d : t.mixed)
       if (d.core == core->id) d = {};
+    for (auto& d : t.partial)
+      if (d.core == core->id) d = {};
     t.call_inputs.erase(std::remove_if(t.call_inputs.begin(), t.call_inputs.end(),
                                        [&](const CallInput& c) { return c.core == core->id; }),
                         t.call_inputs.end());

@@ -69,6 +69,8 @@ class ObserverState {
     std::shared_ptr<const DeliveryInfo> info;  // outputs, fed: the delivery it is (a view of)
     uint64_t delivery = 0;  // outputs, fed: which delivery (a view keeps its source's)
     uint32_t version = 0;   // the tensor's version when remembered (in-place changes since)
+    /// Tls::partial: the moments of the raw data mixed in (host values).
+    std::shared_ptr<const Moments> raw;
   };
   /// A module an operator's tensors point to: through tensors it registered itself (direct)
   /// or through tensors derived from them (`weight.t()`).
@@ -148,6 +150,12 @@ class ObserverState {
     /// Outputs of other operators reading a module's delivered output (`tok(ids) + pos(t)`),
     /// up to kOutputs a session: a module call reading one does not take the model's input.
     std::vector<Derived> mixed;
+    /// Outputs of operators mixing such data with raw data (`cat({pool(emb(ids)), x})`,
+    /// `emb(ids) + x`) before the step's model input was taken, up to kOutputs a session, with
+    /// the raw data's moments (Derived::raw): a call reading one takes the model's input, and
+    /// the input's NaN/Inf counts and scale are the raw data's, not those of what the
+    /// deliveries add (a sum over a sequence whose length changes from batch to batch).
+    std::vector<Derived> partial;
     /// Masks and lengths: tensors made from boolean ones or constants alone
     /// (`(ids != 0).to(kFloat)`, `(ids != 0).sum(1)`, `ones({b, t}).masked_fill(ids == 0, 0)`,
     /// and what operators make of those alone), the kOutputs latest, under kIndexCore: they
@@ -201,6 +209,7 @@ class ObserverState {
                             // Activation: its input did
     std::optional<NormCapture> norm;  // Forward: a BatchNorm's running statistics before its update
     bool made = false;  // Reader: its floating data inputs are all deliveries (or made from them)
+    std::shared_ptr<const Moments> raw;  // Reader: it mixes deliveries with raw data (Tls::partial)
   };
   /// Backward: an autograd node. Update: an in-place update of a module's own tensor or an
   /// optimizer's arithmetic. Decided: what each session that sees the operator makes of it.
@@ -273,7 +282,7 @@ class ObserverState {
     which = {};
     if (!p.core || !p.out.defined() || !p.info) return t.outputs.size();
     const std::size_t slot =
-        remember_output(t, Derived{p.core->id, p.module, p.call, nullptr, weak_of(p.out), 0, p.info, 0, 0});
+        remember_output(t, Derived{p.core->id, p.module, p.call, nullptr, weak_of(p.out), 0, p.info, 0, 0, nullptr});
     p.core->send(p.module, p.info->name, p.out, true, p.info->md, nullptr, std::move(p.input));
     return slot;
   }

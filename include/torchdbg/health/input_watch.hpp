@@ -111,8 +111,9 @@ TORCHDBG_INLINE void InputWatch::scale(std::string_view first, int64_t step,
                                        const ActivationInfo& info, HealthLedger& ledger,
                                        Pauses& pauses) {
   const double jump = options_.input_scale_jump();
-  if (!(jump > 1.0) || !info.input_rms || !(*info.input_rms > 0.0) ||
-      !std::isfinite(*info.input_rms) ||
+  // The raw data's scale where attach saw it mixed with what deliveries made.
+  const std::optional<double>& rms = info.input_data_rms ? info.input_data_rms : info.input_rms;
+  if (!(jump > 1.0) || !rms || !(*rms > 0.0) || !std::isfinite(*rms) ||
       (info.input_count >= 0 && info.input_count < kInputScaleMinCount))
     return;
   auto it = input_scales_.find(first);
@@ -123,7 +124,7 @@ TORCHDBG_INLINE void InputWatch::scale(std::string_view first, int64_t step,
   InputScale& S = it->second;
   if (S.last_step == step) return;  // the step's first call only
   S.last_step = step;
-  const double log_rms = std::log(*info.input_rms);
+  const double log_rms = std::log(*rms);
   const auto warmup = static_cast<std::size_t>(std::max<int64_t>(1, options_.baseline_warmup()));
   // The baseline starts at the first steps' median: one odd batch among them is no baseline.
   if (!std::isfinite(S.log_base)) {
@@ -170,20 +171,22 @@ TORCHDBG_INLINE void InputWatch::scale(std::string_view first, int64_t step,
   e.from = "usual_scale";
   e.to = ratio >= jump ? "scaled_up" : "scaled_down";
   e.confidence = detail::evidence_confidence(margin, 1, options_.persistence_steps());
-  e.metadata = {{"rms", *info.input_rms},
+  e.metadata = {{"rms", *rms},
                 {"baseline_rms", base_rms},
                 {"ratio", ratio},
-                {"first_layer", std::string(first)}};
+                {"first_layer", std::string(first)},
+                {"mixed", info.input_data_rms.has_value()}};
   const uint64_t id = ledger.emit(std::move(e));
   const Subject pseudo{"input", "input", -1, {}};  // before every layer
   S.incident = ledger.add_incident(FailureKind::BadInput, pseudo, step, Phase::Forward, margin,
                                    ratio, jump, id);
   if (S.incident) {  // not dropped at capacity
     Incident& inc = ledger.incident(*S.incident);
-    inc.details["rms"] = *info.input_rms;
+    inc.details["rms"] = *rms;
     inc.details["baseline_rms"] = base_rms;
     inc.details["ratio"] = ratio;
     inc.details["first_layer"] = std::string(first);
+    if (info.input_data_rms) inc.details["mixed"] = true;  // the raw part of what it read
     ledger.pause_for(*S.incident, step, pauses);
   }
 }

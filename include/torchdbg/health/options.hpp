@@ -102,6 +102,9 @@ struct ActivationInfo {
   /// RMS of this call's data input when attach measured it ("input_rms": an input no
   /// delivery produced, such as the model's input or noise).
   std::optional<double> input_rms;
+  /// The RMS of the raw data in the model's input, where attach saw it mixed with data made
+  /// from deliveries (`cat({pool(emb(ids)), x})`: x's; "input_data_rms"): the input's scale.
+  std::optional<double> input_data_rms;
   /// The delivery whose output is this call's data input, and its call in the step (attach's
   /// "input_from", "input_call"): the input's scale is that output's RMS, when the monitor
   /// observed it in this step.
@@ -478,6 +481,8 @@ TORCHDBG_INLINE ActivationInfo activation_info(const Metadata& metadata) {
       info.norm_samples = integer(value).value_or(0);
     } else if (k == "input_rms") {
       if (auto x = real(value)) info.input_rms = x;
+    } else if (k == "input_data_rms") {
+      if (auto x = real(value)) info.input_data_rms = x;
     } else if (k == "input_alike") {
       if (value == "1" || value == "0") info.input_alike = value == "1";
     } else if (k == "std_less_bias") {
