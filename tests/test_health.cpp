@@ -3338,3 +3338,76 @@ TEST_CASE("property: a tied embedding's lookup and output-head calls keep one st
   CHECK(diag.top()->layer == "tok");
   CHECK_THAT(diag.top()->description, Catch::Contains("from its first step, 0") && Catch::Contains("too large from the start"));
 }
+
+TEST_CASE("property: a finding that comes back within a few steps continues its incident", "[health][attach]") {
+  // A flaky layer (its weights 1000x on some steps only, as a value hovering at a limit
+  // crosses it now and then): each return within persistence_steps (3) steps of the
+  // incident's last step is that incident again, with its returns counted and training paused
+  // again (the loop resumes it); a return after a longer healthy stretch is a new incident.
+  namespace nn = torch::nn;
+  std::mt19937 rng(2026120703);
+  for (int trial = 0; trial < 8; ++trial) {
+    torch::manual_seed(static_cast<uint64_t>(trial) + 7);
+    const int64_t width = 16 + static_cast<int64_t>(rng() % 32), depth = 3 + static_cast<int64_t>(rng() % 3);
+    nn::Sequential model;
+    for (int64_t k = 0; k < depth; ++k) {
+      model->push_back(nn::Linear(k == 0 ? 8 : width, k + 1 == depth ? 3 : width));
+      if (k + 1 < depth) model->push_back(nn::Functional(torch::relu));
+    }
+    const int64_t flaky = 2 * static_cast<int64_t>(rng() % static_cast<uint64_t>(depth - 1));  // a Linear, not the head
+    auto* lin = model[static_cast<std::size_t>(flaky)]->as<nn::Linear>();
+    REQUIRE(lin != nullptr);
+    // The steps it explodes at: bursts 1 or 2 steps apart, then (odd trials) a return after 6.
+    std::vector<int64_t> bad{20};
+    const int returns = 1 + static_cast<int>(rng() % 3);
+    for (int r = 0; r < returns; ++r) bad.push_back(bad.back() + 2 + static_cast<int64_t>(rng() % 2));
+    const bool later = trial % 2 == 1;
+    if (later) bad.push_back(bad.back() + 6);
+    Watched watched(*model);
+    auto& hooks = watched.hooks;
+    int pauses = 0;
+    for (int64_t step = 0; step < bad.back() + 4; ++step) {
+      hooks.set_step(step);
+      const bool flake = std::find(bad.begin(), bad.end(), step) != bad.end();
+      if (flake) {
+        torch::NoGradGuard g;
+        lin->weight.mul_(1000.0);
+      }
+      const auto x = torch::randn({16, 8});
+      auto loss = torch::nn::functional::cross_entropy(model->forward(x), torch::randint(0, 3, {16}));
+      hooks.set_loss(loss.item<double>());
+      loss.backward();
+      model->zero_grad();
+      if (flake) {
+        torch::NoGradGuard g;
+        lin->weight.div_(1000.0);
+      }
+      if (hooks.is_paused()) {
+        ++pauses;
+        hooks.resume_training();
+      }
+    }
+    const std::string name = std::to_string(flaky);
+    INFO("trial " << trial << " width " << width << " depth " << depth << " flaky " << name << " at " << bad.front()
+                  << " returns " << returns << (later ? " and 6 steps later" : ""));
+    for (const auto& inc : watched.m.incidents()) UNSCOPED_INFO(inc);
+    std::vector<torchdbg::Incident> at;
+    for (const auto& inc : watched.m.incidents())
+      if (inc.kind == FailureKind::ExplodingActivation && inc.layer == name) at.push_back(inc);
+    REQUIRE(at.size() == (later ? 2u : 1u));
+    CHECK(at[0].step == bad.front());
+    CHECK(at[0].last_step == bad[static_cast<std::size_t>(returns)]);
+    CHECK(at[0].details.value("returns", 0) == returns);
+    CHECK(at[0].persisted == returns + 1);
+    if (later) {
+      CHECK(at[1].step == bad.back());
+      CHECK_FALSE(at[1].details.contains("returns"));
+    }
+    CHECK(pauses >= static_cast<int>(bad.size()));  // each return paused the loop again
+    const auto diag = torchdbg::diagnose(watched.m);
+    REQUIRE(diag.top() != nullptr);
+    CHECK(diag.top()->kind == FailureKind::ExplodingActivation);
+    CHECK(diag.top()->layer == name);
+    CHECK(diag.top()->step == bad.front());
+  }
+}
