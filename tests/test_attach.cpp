@@ -1579,6 +1579,54 @@ TEST_CASE("two threads training their own models keep their call counts and deli
   }
 }
 
+TEST_CASE("a session attached or due while another thread's backward pass runs sees its forward from its first step",
+          "[attach]") {
+  // Thread A's backward pass takes the observer's callback off while A's is the only session;
+  // thread B attaches its own model meanwhile (inside A's pass: a gradient hook there waits
+  // for B), and later becomes due again inside another of A's passes. B's forward outputs are
+  // delivered on every step, those first ones included.
+  auto a = std::make_shared<torch::nn::LinearImpl>(4, 4);
+  auto b = torch::nn::Sequential(torch::nn::Linear(4, 6), torch::nn::Tanh(), torch::nn::Linear(6, 2));
+  HookManager ha, hb;
+  auto sa = torchdbg::attach(*a, ha);
+  ha.create_tensor_inspection_hook({});
+  std::vector<std::vector<std::string>> seen(6);
+  int64_t b_step = 0;
+  hb.register_callback("r", [&](const torchdbg::HookContext& c) {
+    if (c.is_forward()) seen[static_cast<std::size_t>(b_step)].push_back(std::string(c.layer_name()));
+  });
+  // Due on even steps only: on odd ones B's session leaves the observer, on even ones it is due again.
+  hb.register_hook(HookConfig().trigger(HookTrigger::every_n_steps(2)).direction(torchdbg::CallDirection::Forward).actions(
+      {HookAction::custom_callback("r")}));
+  std::optional<torchdbg::AttachSession> sb;
+  const auto b_steps = [&](int64_t from, int64_t to) {
+    std::thread tb([&] {
+      if (!sb) sb.emplace(torchdbg::attach(*b, hb));
+      for (b_step = from; b_step < to; ++b_step) {
+        hb.set_step(b_step);
+        b->forward(torch::randn({3, 4})).sum().backward();
+      }
+    });
+    tb.join();
+  };
+  for (int64_t step = 0; step < 3; ++step) {
+    ha.set_step(step);
+    auto h = a->forward(torch::randn({2, 4}));
+    if (step == 0 || step == 2)
+      h.register_hook([&, step](const torch::Tensor& g) {  // inside A's pass
+        if (step == 0) b_steps(0, 3);  // attached, due, not due, due
+        if (step == 2) b_steps(3, 6);  // not due, due (again), not due
+        return g;
+      });
+    h.sum().backward();
+  }
+  const std::vector<std::string> expected = {"0", "0/tanh", "2"};
+  for (std::size_t i = 0; i < seen.size(); ++i) {
+    INFO("B's step " << i);
+    CHECK(seen[i] == (i % 2 == 0 ? expected : std::vector<std::string>{}));
+  }
+}
+
 TEST_CASE("an activation after another module's call or another reader is still the module's", "[attach]") {
   struct Between : torch::nn::Module {
     Between() : fc(register_module("fc", torch::nn::Linear(5, 5))), other(register_module("other", torch::nn::Linear(5, 5))) {}
@@ -2511,21 +2559,24 @@ TEST_CASE("property: a call reading data made from deliveries (token + position 
   // made from the ids, or a mean of an activation of theirs), not the model's input. A dense
   // input a Linear reads after the embeddings ran is the model's input (a recommender's dense
   // features), and so is an embedding plus, or times, raw floating data or counts converted
-  // in the step, also where the raw data is written in place (into their sum, or into zeros):
-  // then the input's NaN count and RMS (`input_data_rms`) are the raw data's alone, against
-  // an independent reference, whatever the embeddings add (a NaN row of theirs included).
+  // in the step, also where the raw data is written in place (into their sum, or into zeros).
+  // Concatenated with them (`cat`, `stack`, through a view or a dropout), the input's NaN count
+  // and RMS (`input_data_rms`) are the raw data's alone, against an independent reference,
+  // whatever the embeddings add (a NaN row of theirs included); arithmetic on the mix is
+  // judged whole.
   struct Mixed : torch::nn::Module {
     torch::nn::Embedding tok{nullptr}, pos{nullptr};
     torch::nn::Linear dense{nullptr}, first{nullptr}, head{nullptr};
     int combine = 0;
     bool dense_first = false;
     torch::Tensor raw;  // combine 4, 11, 12: raw floating data added to the embedding (12: copied into
-                        // zeros first, 11: in place); 7: per-token weights; 9: counts
+                        // zeros first, 11: in place); 7: per-token weights; 9: counts; 13-15:
+                        // concatenated to it
     Mixed(int64_t vocab, int64_t d, int combine_, bool dense_first_) : combine(combine_), dense_first(dense_first_) {
       tok = register_module("tok", torch::nn::Embedding(vocab, d));
       pos = register_module("pos", torch::nn::Embedding(16, d));
       dense = register_module("dense", torch::nn::Linear(5, d));
-      first = register_module("first", torch::nn::Linear(combine == 2 ? 2 * d : d, d));
+      first = register_module("first", torch::nn::Linear(combine == 2 || combine >= 13 ? 2 * d : d, d));
       head = register_module("head", torch::nn::Linear(2 * d, 3));
     }
     torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& x) {
@@ -2544,17 +2595,20 @@ TEST_CASE("property: a call reading data made from deliveries (token + position 
                      : combine == 9 ? t * raw.to(torch::kFloat).unsqueeze(-1)
                      : combine == 10 ? torch::tanh(t).mean(1, true) + p
                      : combine == 11 ? (t + p).clone().add_(raw)
-                                     : t + torch::zeros({ids.size(0), ids.size(1), t.size(2)}).copy_(raw);
+                     : combine == 12 ? t + torch::zeros({ids.size(0), ids.size(1), t.size(2)}).copy_(raw)
+                     : combine == 13 ? torch::cat({t + p, raw}, -1)
+                     : combine == 14 ? torch::dropout(torch::cat({raw, t}, -1), 0.1, true)
+                                     : torch::stack({t, raw}, 2).flatten(2);
       const auto h = first->forward(e).mean(1);
       if (!dense_first) dn = dense->forward(x);
       return head->forward(torch::cat({h, dn}, -1));
     }
   };
   std::mt19937 rng(20261207);
-  for (int trial = 0; trial < 52; ++trial) {
+  for (int trial = 0; trial < 64; ++trial) {
     torch::manual_seed(static_cast<uint64_t>(trial));
     auto net = std::make_shared<Mixed>(10 + static_cast<int64_t>(rng() % 30), 4 + static_cast<int64_t>(rng() % 8),
-                                       static_cast<int>(trial % 13), rng() % 2 == 0);
+                                       static_cast<int>(trial % 16), rng() % 2 == 0);
     HookManager hooks;
     std::map<std::string, std::map<std::string, std::string>> md;
     hooks.register_callback("md", [&](const torchdbg::HookContext& c) {
@@ -2592,14 +2646,15 @@ TEST_CASE("property: a call reading data made from deliveries (token + position 
       }
       // The call that takes the model's input: the first on raw floating data.
       const bool raw = net->combine == 4 || net->combine == 7 || net->combine == 9 || net->combine >= 11;
+      const bool joined = net->combine >= 13;  // concatenated: the raw part is judged
       const std::string model_input = raw && !net->dense_first ? "first" : "dense";
       INFO("trial " << trial << " combine " << net->combine << " dense first " << net->dense_first << " step " << step
                     << " poison " << poison);
       REQUIRE(md.count("first") == 1);
       REQUIRE(md.count("dense") == 1);
       CHECK(md["first"].count("input_nan") == (model_input == "first" ? 1u : 0u));
-      if (model_input == "first") {
-        // What the mix read of the raw data: its values, its NaN.
+      if (model_input == "first" && joined) {
+        // What the concatenation read of the raw data: its values, its NaN.
         CHECK(md["first"]["input_nan"] == (poison == 1 && net->combine != 9 ? "1" : "0"));
         CHECK(md["first"]["input_count"] == std::to_string(raw_count));
         REQUIRE(md["first"].count("input_data_rms") == 1);
@@ -2607,7 +2662,8 @@ TEST_CASE("property: a call reading data made from deliveries (token + position 
               Approx(std::sqrt(raw_rms / static_cast<double>(raw_count))).epsilon(1e-5));
       }
       for (const char* layer : {"first", "dense", "head", "tok"})
-        if (model_input != "first" || std::string(layer) != "first") CHECK(md[layer].count("input_data_rms") == 0);
+        if (model_input != "first" || !joined || std::string(layer) != "first")
+          CHECK(md[layer].count("input_data_rms") == 0);
       // Its scale measured all the same (unless a NaN embedding row left no finite value).
       if (poison != 2) CHECK(md["first"].count("input_rms") == 1);
       CHECK(md["dense"].count("input_nan") == (model_input == "dense" ? 1u : 0u));

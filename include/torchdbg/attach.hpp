@@ -51,7 +51,7 @@
 //   "fc1/relu"), else {"input_rms": "<RMS of it>"} (the model's input, noise, a sum); the
 //   first module output after a step change also carries the input's {"input_nan":
 //   "<count>", "input_inf": "<count>"} (of the raw data only, with its {"input_data_rms"},
-//   where an operator mixed it with data made from deliveries: `cat({emb(ids).sum(1), x})`). Operators inside
+//   where `cat`/`stack` joined it with data made from deliveries: `cat({emb(ids).sum(1), x})`). Operators inside
 //   backward are ignored. Several sessions on one model (a training session and a
 //   validation one with `no_grad_forward`, or two managers) each attribute every operator
 //   and each receives its own deliveries. A backward pass restarts the call counts of the sessions whose

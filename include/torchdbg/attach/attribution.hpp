@@ -259,11 +259,11 @@ class Attribution : protected ObserverState {
           add(std::move(d));
           continue;
         }
-        // Data made from deliveries mixed with raw data (`cat({pool(emb(ids)), x})`,
-        // `q.add_(x)`) before the model's input is taken: the raw data's moments go with it.
+        // Data made from deliveries concatenated with raw data (`cat({pool(emb(ids)), x})`)
+        // before the model's input is taken: the raw data's moments go with it.
         std::shared_ptr<const Moments> raw;
         if (!fresh_op && (reads_made(t, core->id) || reads_fed_data || reads_partial(t, core->id)))
-          raw = raw_part(t, *core, inputs);
+          raw = raw_part(t, *core, op_name, inputs);
         // Other data written in place into data made from deliveries, or into a mask
         // (`q = pool(emb(ids)); q.add_(x)`): it holds that data now.
         if (in_place && data_in.defined() && !made_from_deliveries(t, *core)) {
@@ -321,7 +321,7 @@ class Attribution : protected ObserverState {
       } else {
         d.kind = Decision::Reader;
         d.made = made_from_deliveries(t, *core);
-        if (!d.made && !fresh_op) d.raw = raw_part(t, *core, inputs);  // `emb(ids) + x`
+        if (!d.made && !fresh_op) d.raw = raw_part(t, *core, op_name, inputs);  // `cat({emb(ids), x})`
       }
       add(std::move(d));
     }
@@ -512,14 +512,22 @@ class Attribution : protected ObserverState {
       if (slot_of(t.partial, core, impl) < t.partial.size()) return true;
     return false;
   }
-  /// Where the operator mixes data of session `core` made from deliveries (Tls::mixed, a
-  /// delivery, or the raw data's part of one mixed so before: Tls::partial) with raw floating
-  /// data, before the step's model input is taken: the raw data's moments, those of every raw
-  /// floating input and of the partial inputs' raw parts together (host tensors only: nothing
-  /// on a device is read here). Null for anything else.
-  static std::shared_ptr<const Moments> raw_part(const Tls& t, const AttachCore& core,
+  /// Where operator `op` concatenates data of session `core` made from deliveries
+  /// (Tls::mixed, a delivery, or a concatenation so made before: Tls::partial) with raw
+  /// floating data, before the step's model input is taken: the raw data's moments, those of
+  /// every raw floating input and of the partial inputs' raw parts together (host tensors
+  /// only: nothing on a device is read here). A view or a dropout of such a concatenation
+  /// keeps them. Null for anything else: arithmetic on the mix (`emb(ids) + x`, a division
+  /// by lengths, a scale, `nan_to_num`) makes data judged whole, as the call reads it.
+  static std::shared_ptr<const Moments> raw_part(const Tls& t, const AttachCore& core, std::string_view op,
                                                  at::ArrayRef<const c10::IValue> inputs) {
     if (!core.input_due.load(std::memory_order_relaxed)) return nullptr;
+    const bool joins = op == "aten::cat" || op == "aten::_cat" || op == "aten::concat" ||
+                       op == "aten::concatenate" || op == "aten::stack" || op == "aten::hstack" ||
+                       op == "aten::vstack" || op == "aten::column_stack" || op == "aten::dstack";
+    const bool keeps = is_alias_op(op, t) || op == "aten::dropout" || op == "aten::feature_dropout" ||
+                       op == "aten::alpha_dropout" || op == "aten::feature_alpha_dropout";
+    if (!joins && !keeps) return nullptr;
     bool delivered = false, raw = false, ok = true;
     Moments sum;
     bool any_moments = false;
@@ -554,7 +562,7 @@ class Attribution : protected ObserverState {
         }
       });
     }
-    if (!ok || !delivered || !(raw || any_moments)) return nullptr;
+    if (!ok || !delivered || !(raw || any_moments) || (keeps && raw)) return nullptr;
     DeliveringScope scope;
     at::NoGradGuard no_grad;
     try {

@@ -36,6 +36,7 @@ class ForwardObserver : private Attribution {
   /// Adds (`on`) or removes `core` from the sessions the observer serves. A detached core is
   /// never added: a manager listener racing with detach() on another thread cannot bring it
   /// back (detach clears `active` before it removes the core, both under this lock's order).
+  /// A core added while a backward pass has the callback off puts it back at once.
   void set(const std::shared_ptr<AttachCore>& core, bool on) {
     std::lock_guard<std::mutex> lock(mutex_);
     on = on && core->active.load();
@@ -55,6 +56,11 @@ class ForwardObserver : private Attribution {
     generation_.fetch_add(1, std::memory_order_release);  // after the store: a reader sees it
     if (!next->empty() && handle_ == 0 && !paused_) {
       handle_ = add_callback();
+    } else if (on && paused_) {
+      // A session begins (or is due again) while a backward pass on some thread has the
+      // callback off: its forward may run on another thread meanwhile, and must be seen.
+      paused_ = false;
+      if (handle_ == 0) handle_ = add_callback();
     } else if (next->empty()) {
       if (handle_ != 0) at::removeCallback(handle_);
       handle_ = 0;

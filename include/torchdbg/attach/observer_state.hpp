@@ -150,11 +150,11 @@ class ObserverState {
     /// Outputs of other operators reading a module's delivered output (`tok(ids) + pos(t)`),
     /// up to kOutputs a session: a module call reading one does not take the model's input.
     std::vector<Derived> mixed;
-    /// Outputs of operators mixing such data with raw data (`cat({pool(emb(ids)), x})`,
-    /// `emb(ids) + x`) before the step's model input was taken, up to kOutputs a session, with
-    /// the raw data's moments (Derived::raw): a call reading one takes the model's input, and
-    /// the input's NaN/Inf counts and scale are the raw data's, not those of what the
-    /// deliveries add (a sum over a sequence whose length changes from batch to batch).
+    /// Concatenations of such data with raw data (`cat({pool(emb(ids)), x})`, and views or
+    /// dropouts of one) made before the step's model input was taken, up to kOutputs a
+    /// session, with the raw data's moments (Derived::raw): a call reading one takes the
+    /// model's input, and the input's NaN/Inf counts and scale are the raw data's, not those of
+    /// what the deliveries add (a sum over a sequence whose length changes from batch to batch).
     std::vector<Derived> partial;
     /// Masks and lengths: tensors made from boolean ones or constants alone
     /// (`(ids != 0).to(kFloat)`, `(ids != 0).sum(1)`, `ones({b, t}).masked_fill(ids == 0, 0)`,
@@ -209,7 +209,7 @@ class ObserverState {
                             // Activation: its input did
     std::optional<NormCapture> norm;  // Forward: a BatchNorm's running statistics before its update
     bool made = false;  // Reader: its floating data inputs are all deliveries (or made from them)
-    std::shared_ptr<const Moments> raw;  // Reader: it mixes deliveries with raw data (Tls::partial)
+    std::shared_ptr<const Moments> raw;  // Reader: it joins deliveries with raw data (Tls::partial)
   };
   /// Backward: an autograd node. Update: an in-place update of a module's own tensor or an
   /// optimizer's arithmetic. Decided: what each session that sees the operator makes of it.
