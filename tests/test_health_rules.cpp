@@ -594,21 +594,11 @@ TEST_CASE("a user rule's findings become states, events, incidents, pauses and h
   CHECK(d.top()->description.find("mean_drift at 'fc1' from step 4") != std::string::npos);
   CHECK(d.top()->description.find("far from zero") != std::string::npos);
   CHECK(d.top()->tier() == 1);
-  // Back to normal: a recovery event; a drift again one step later continues the incident
-  // (persistence_steps: 3), one after four healthy steps is a new incident.
+  // Back to normal: a recovery event, and a later drift is a new incident.
   m.observe_activation("fc1", torch::randn({32, 8}), 7, module_output);
   CHECK(m.layer("fc1")->activation == ActivationHealth::Normal);
   m.observe_activation("fc1", torch::randn({32, 8}) - 30.0, 8, module_output);
-  REQUIRE(m.incidents().size() == 1);
-  CHECK(m.incidents()[0].last_step == 8);
-  CHECK(m.incidents()[0].details.value("returns", 0) == 1);
-  CHECK(m.incidents()[0].persisted == 4);
-  CHECK(paused.size() == 2);  // paused again, as a new incident would
-  for (int64_t step = 9; step < 13; ++step) m.observe_activation("fc1", torch::randn({32, 8}), step, module_output);
-  m.observe_activation("fc1", torch::randn({32, 8}) - 30.0, 13, module_output);
-  REQUIRE(m.incidents().size() == 2);
-  CHECK(m.incidents()[1].step == 13);
-  CHECK_FALSE(m.incidents()[1].details.contains("returns"));
+  CHECK(m.incidents().size() == 2);
 }
 
 TEST_CASE("built-in rules come first: a user rule judges only what none of them flags", "[rules]") {

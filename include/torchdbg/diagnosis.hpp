@@ -556,10 +556,7 @@ TORCHDBG_INLINE Diagnosis diagnose(const HealthReport& report) {
   const std::vector<Incident> placed = detail::place_unobserved_onsets(report.incidents);
   const std::vector<Incident>& inc = placed.empty() ? report.incidents : placed;
   auto link_of = [](const Incident& i) {
-    // An incident the finding came back to within a few steps counts each return.
-    const auto returns = i.details.is_object() ? i.details.value("returns", int64_t{0}) : int64_t{0};
-    return CausalLink{i.kind, i.layer, i.step, i.phase, i.rank, std::max(i.step, i.last_step),
-                      1 + std::max<int64_t>(0, returns)};
+    return CausalLink{i.kind, i.layer, i.step, i.phase, i.rank, std::max(i.step, i.last_step), 1};
   };
   const std::size_t n = inc.size();
   std::vector<std::size_t> order(n);

@@ -333,7 +333,7 @@ TORCHDBG_INLINE void HealthCore::judge_activation(Layer& L, const at::Tensor& y,
   const uint64_t id = ledger_.emit(std::move(e));
   if (found && found->incident)
     ledger_.record_finding(*found, *by, L.subject(), step, Phase::Forward, id, pauses,
-                           L.act_track);
+                           L.act_track.incident);
 }
 
 TORCHDBG_INLINE void HealthCore::gradients(Pauses& pauses) {
@@ -393,7 +393,7 @@ TORCHDBG_INLINE void HealthCore::gradients(Pauses& pauses) {
       if (std::isfinite(g.usual_amplification))
         extra["amplification_vs_usual"] = g.usual_amplification;
       ledger_.record_finding(*found, *by, L.subject(), step, Phase::Backward, id, pauses,
-                             L.grad_track, &extra);
+                             L.grad_track.incident, &extra);
     }
   }
 }
@@ -440,7 +440,7 @@ TORCHDBG_INLINE void HealthCore::loss(int64_t step, double loss, Pauses& pauses)
   const uint64_t id = ledger_.emit(ledger_.event(type, who, step, to_string(before),
                                                  to_string(state), found, std::move(metadata)));
   if (found && found->incident)
-    ledger_.record_finding(*found, *by, who, step, Phase::Loss, id, pauses, loss_track_);
+    ledger_.record_finding(*found, *by, who, step, Phase::Loss, id, pauses, loss_track_.incident);
 }
 
 TORCHDBG_INLINE HealthReport HealthCore::report() const {

@@ -73,11 +73,8 @@ class HealthLedger {
 
   /// A rule's finding becomes an incident (its onset backdated to `Finding::since`), with
   /// the rule's name, its details and `extra`; it pauses when its kind is in `pause_on`.
-  /// The same kind of finding at the same layer again within `persistence_steps` steps of its
-  /// incident's last step (a value hovering at a limit) continues that incident instead:
-  /// `track` (its state's course, just restarted) counts the steps it held before.
   void record_finding(const Finding& f, const HealthRule& rule, const Subject& who, int64_t step,
-                      Phase phase, uint64_t event, Pauses& pauses, Track& track,
+                      Phase phase, uint64_t event, Pauses& pauses, std::optional<std::size_t>& slot,
                       const nlohmann::json* extra = nullptr);
 
   void update_incident(std::size_t i, int64_t step, double margin, int64_t persisted, double value);
@@ -222,24 +219,11 @@ TORCHDBG_INLINE bool HealthLedger::is_expected(FailureKind kind, std::string_vie
 
 TORCHDBG_INLINE void HealthLedger::record_finding(const Finding& f, const HealthRule& rule,
                                                   const Subject& who, int64_t step, Phase phase,
-                                                  uint64_t event, Pauses& pauses, Track& track,
+                                                  uint64_t event, Pauses& pauses,
+                                                  std::optional<std::size_t>& slot,
                                                   const nlohmann::json* extra) {
   if (is_expected(f.kind, who.name)) return;  // by design: no incident, no pause
   const int64_t onset = f.since ? std::min(*f.since, step) : step;
-  std::optional<std::size_t>& slot = track.incident;
-  // Back within a few steps: the incident it was goes on (its latest of this kind and layer).
-  for (std::size_t i = incidents_.size(); i-- > 0;) {
-    Incident& inc = incidents_[i];
-    if (inc.kind != f.kind || inc.layer != who.name) continue;
-    if (onset <= inc.last_step || onset - inc.last_step > options_.persistence_steps()) break;
-    slot = i;
-    track.persist += inc.persisted;
-    inc.details["returns"] = inc.details.value("returns", int64_t{0}) + 1;
-    if (inc.events.size() < 16) inc.events.push_back(event);
-    update_incident(i, step, f.margin, track.persist, f.value);
-    pause_for(i, step, pauses);  // as a new one would (training resumed since it paused)
-    return;
-  }
   slot = add_incident(f.kind, who, onset, phase, f.margin, f.value, f.threshold, event);
   if (!slot) return;
   Incident& inc = incidents_[*slot];

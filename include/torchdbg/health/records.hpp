@@ -137,9 +137,7 @@ struct Incident {
   int64_t last_step = 0;  ///< last evaluation still in that state
   Phase phase = Phase::Forward;
   int64_t order = 0;      ///< forward execution order of `module` (smaller: upstream)
-  /// Steps in that state (counted once per step; where the finding came back within
-  /// `persistence_steps` steps, `details["returns"]` times, the steps of each stretch).
-  int64_t persisted = 1;
+  int64_t persisted = 1;  ///< consecutive evaluations in that state
   double confidence = 0.0;
   double margin = 0.0;  ///< how far past the threshold, 0..1 (the largest seen)
   /// The measured quantity (fraction, norm, gain, loss) at the onset; `details["last_value"]`
