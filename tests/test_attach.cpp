@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <future>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -1624,6 +1625,55 @@ TEST_CASE("a session attached or due while another thread's backward pass runs s
   for (std::size_t i = 0; i < seen.size(); ++i) {
     INFO("B's step " << i);
     CHECK(seen[i] == (i % 2 == 0 ? expected : std::vector<std::string>{}));
+  }
+}
+
+TEST_CASE("a model run once on the main thread, then trained on its own, is observed while the main thread's passes run",
+          "[attach]") {
+  // Model B is checked on the main thread first (its step 0: a forward and a backward), then
+  // trained on its own thread while the main thread trains model A. A's backward pass takes
+  // the observer's callback off (every session's last step and forward were on its thread);
+  // B's next steps begin on B's thread inside that pass (a gradient hook of A's waits for
+  // them) and put it back: their forward outputs are delivered.
+  auto a = std::make_shared<torch::nn::LinearImpl>(4, 4);
+  auto b = torch::nn::Sequential(torch::nn::Linear(4, 6), torch::nn::Tanh(), torch::nn::Linear(6, 2));
+  HookManager ha, hb;
+  ha.create_tensor_inspection_hook({});
+  std::vector<std::vector<std::string>> seen(4);
+  std::atomic<int64_t> b_step{0};
+  hb.register_callback("r", [&](const torchdbg::HookContext& c) {
+    if (c.is_forward()) seen[static_cast<std::size_t>(b_step.load())].push_back(std::string(c.layer_name()));
+  });
+  hb.register_hook(HookConfig().trigger(HookTrigger::every_n_steps(1)).direction(torchdbg::CallDirection::Forward).actions(
+      {HookAction::custom_callback("r")}));
+  auto sa = torchdbg::attach(*a, ha);
+  auto sb = torchdbg::attach(*b, hb);
+  hb.set_step(0);
+  b->forward(torch::randn({3, 4})).sum().backward();  // the check, on this thread
+  ha.set_step(0);
+  std::promise<void> go, done;
+  std::thread tb([&, go_f = go.get_future()] {
+    go_f.wait();  // inside A's pass
+    for (int64_t s = 1; s < 4; ++s) {
+      hb.set_step(s);
+      b_step = s;
+      b->forward(torch::randn({3, 4})).sum().backward();
+    }
+    done.set_value();
+  });
+  auto h = a->forward(torch::randn({2, 4}));
+  auto done_f = done.get_future();
+  h.register_hook([&](const torch::Tensor& g) {
+    go.set_value();
+    done_f.wait();
+    return g;
+  });
+  h.sum().backward();
+  tb.join();
+  const std::vector<std::string> expected = {"0", "0/tanh", "2"};
+  for (std::size_t i = 0; i < seen.size(); ++i) {
+    INFO("B's step " << i);
+    CHECK(seen[i] == expected);
   }
 }
 

@@ -97,6 +97,8 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   std::atomic<bool> active{true};
   /// The thread whose forward made this session's last new call (ForwardObserver's token).
   std::atomic<std::uintptr_t> forward_thread{0};
+  /// The thread that last began a step of this session's manager (its set_step), 0 before.
+  std::atomic<std::uintptr_t> step_thread{0};
   std::atomic<bool> forward_due{false};
   std::atomic<bool> backward_due{false};
   /// Whether a hook due for gradients reads sign counts (BasicHookManager::reads_sign_counts):

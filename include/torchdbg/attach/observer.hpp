@@ -36,10 +36,17 @@ class ForwardObserver : private Attribution {
   /// Adds (`on`) or removes `core` from the sessions the observer serves. A detached core is
   /// never added: a manager listener racing with detach() on another thread cannot bring it
   /// back (detach clears `active` before it removes the core, both under this lock's order).
-  /// A core added while a backward pass has the callback off puts it back at once.
+  /// A core added while a backward pass has the callback off, or a step begun (`on`) on
+  /// another thread than that pass's, puts it back at once.
   void set(const std::shared_ptr<AttachCore>& core, bool on) {
     std::lock_guard<std::mutex> lock(mutex_);
     on = on && core->active.load();
+    if (on && paused_ && thread_token() != paused_by_) {
+      // A step begins on another thread than the backward pass that took the callback off
+      // (set() runs at each step change): that thread's forward must be seen.
+      paused_ = false;
+      if (handle_ == 0) handle_ = add_callback();
+    }
     auto next = std::make_shared<std::vector<std::shared_ptr<AttachCore>>>();
     bool present = false;
     const auto current = cores();
@@ -72,30 +79,44 @@ class ForwardObserver : private Attribution {
   /// ends (an autograd final callback puts it back). While registered, RecordFunction boxes
   /// every operator's inputs and outputs, backward and optimizer included: about 2% of an
   /// MLP step here, for operators the observer ignores. Not done when a session asked for
-  /// `concurrent_forward`, or when some session's forward last ran on another thread than
-  /// this pass (a forward there would go unobserved meanwhile).
+  /// `concurrent_forward`, or when some session's forward last ran, or its manager's last
+  /// step began, on another thread than this pass (a forward there would go unobserved
+  /// meanwhile).
   void pause_for_backward() {
-    {
-      // Not while another thread's forward may need it: a session asked for concurrent
-      // forwards, or a session's last forward ran on another thread (two threads training
-      // their own models).
-      const std::uintptr_t me = thread_token();
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (handle_ == 0 || paused_) return;
+    // Not while another thread's forward may need it: a session asked for concurrent
+    // forwards, or a session's last forward ran on another thread, or its steps begin on
+    // another thread (two threads training their own models, one of them also run once on
+    // this thread: a check before training). Under the lock.
+    const std::uintptr_t me = thread_token();
+    const auto may_pause = [&] {
+      if (handle_ == 0 || paused_) return false;
       const auto current = cores();
-      for (const auto& c : *current)
-        if (c->options.concurrent_forward() || c->forward_thread.load(std::memory_order_relaxed) != me) return;
+      for (const auto& c : *current) {
+        const std::uintptr_t stepped = c->step_thread.load(std::memory_order_relaxed);
+        if (c->options.concurrent_forward() || c->forward_thread.load(std::memory_order_relaxed) != me ||
+            (stepped != 0 && stepped != me))
+          return false;
+      }
+      return true;
+    };
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!may_pause()) return;
     }
     // Back at the pass's end, also when the pass throws and LibTorch drops its callbacks.
     if (!queue_pass_end([] { instance().resume(); }, [] { instance().resume(); })) {
       return;  // not inside a running backward pass
     }
     std::lock_guard<std::mutex> lock(mutex_);
-    if (handle_ == 0 || paused_) return;
+    if (!may_pause()) return;  // a session came meanwhile (set())
     at::removeCallback(handle_);  // safe in a callback: running operators keep their snapshot
     handle_ = 0;
     paused_ = true;
+    paused_by_ = me;
   }
+
+  /// Notes that `core`'s manager began a step on this thread (AttachCore::step_thread).
+  static void stepped_here(AttachCore& core) { core.step_thread.store(thread_token(), std::memory_order_relaxed); }
 
   /// The sessions served now (a snapshot: hold it for as long as it is used).
   std::shared_ptr<const std::vector<std::shared_ptr<AttachCore>>> cores() const {
@@ -265,6 +286,7 @@ class ForwardObserver : private Attribution {
 
   mutable std::mutex mutex_;
   bool paused_ = false;  // removed for a running backward pass; resume() restores it
+  std::uintptr_t paused_by_ = 0;  // the thread of that pass
   std::shared_ptr<const std::vector<std::shared_ptr<AttachCore>>> cores_ =
       std::make_shared<const std::vector<std::shared_ptr<AttachCore>>>();
   at::CallbackHandle handle_ = 0;

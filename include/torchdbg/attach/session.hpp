@@ -395,6 +395,7 @@ void BasicAttachSession<Mutex>::update(const std::shared_ptr<detail::AttachCore>
   c->gradient_signs.store(bwd && mgr.reads_sign_counts(false, step));
   c->input_due.store(true);
   if (c->calls_step.exchange(step) != step) c->reset_calls();
+  detail::ForwardObserver::stepped_here(*c);
   detail::ForwardObserver::instance().set(c, fwd);
 }
 
