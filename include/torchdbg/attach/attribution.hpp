@@ -259,24 +259,23 @@ class Attribution : protected ObserverState {
           add(std::move(d));
           continue;
         }
-        // Data made from deliveries concatenated with raw data (`cat({pool(emb(ids)), x})`)
-        // before the model's input is taken: the raw data's moments go with it.
-        std::shared_ptr<const Moments> raw;
-        if (!fresh_op && (reads_made(t, core->id) || reads_fed_data || reads_partial(t, core->id)))
-          raw = raw_part(t, *core, op_name, inputs);
         // Other data written in place into data made from deliveries, or into a mask
         // (`q = pool(emb(ids)); q.add_(x)`): it holds that data now.
         if (in_place && data_in.defined() && !made_from_deliveries(t, *core)) {
           forget_written(t.mixed, core->id, data_in);
           forget_written(t.indexed, kIndexCore, data_in);
         }
-        if (raw) {
-          Decision d;
-          d.core = core;
-          d.kind = Decision::Reader;
-          d.raw = std::move(raw);
-          add(std::move(d));
-          continue;
+        // Data made from deliveries concatenated with raw data (`cat({pool(emb(ids)), x})`)
+        // before the model's input is taken: the raw data's moments go with it.
+        if (!fresh_op && (reads_made(t, core->id) || reads_fed_data || reads_partial(t, core->id))) {
+          if (auto raw = raw_part(t, *core, op_name, inputs)) {
+            Decision d;
+            d.core = core;
+            d.kind = Decision::Reader;
+            d.raw = std::move(raw);
+            add(std::move(d));
+            continue;
+          }
         }
         // A view of an activation's delivered output (`relu(conv(x)).flatten(1)`) is still
         // that delivery, for the module call that reads it.
@@ -549,11 +548,7 @@ class Attribution : protected ObserverState {
           }
           return;
         }
-        bool known = slot_of(t.outputs, core.id, impl) < t.outputs.size() ||
-                     slot_of(t.fed, core.id, impl) < t.fed.size() || slot_of(t.mixed, core.id, impl) < t.mixed.size();
-        for (const auto& q : t.pending)
-          known = known || (q.core.get() == &core && q.out.defined() && q.out.unsafeGetTensorImpl() == impl);
-        if (known) {
+        if (delivered_data(t, core, impl)) {
           delivered = true;
         } else if (slot_of(t.indexed, kIndexCore, impl) == t.indexed.size()) {
           if (!x.is_cpu() || core.defers(x)) ok = false;
@@ -603,14 +598,22 @@ class Attribution : protected ObserverState {
     bool any = false;
     for (const c10::TensorImpl* impl : t.data) {
       if (impl == nullptr || !c10::isFloatingType(c10::typeMetaToScalarType(impl->dtype()))) continue;
-      bool known = slot_of(t.outputs, core.id, impl) < t.outputs.size() ||
-                   slot_of(t.fed, core.id, impl) < t.fed.size() || slot_of(t.mixed, core.id, impl) < t.mixed.size();
-      for (const auto& p : t.pending)
-        known = known || (p.core.get() == &core && p.out.defined() && p.out.unsafeGetTensorImpl() == impl);
+      const bool known = delivered_data(t, core, impl);
       any = any || known;
       if (!known && slot_of(t.indexed, kIndexCore, impl) == t.indexed.size()) return false;
     }
     return any;
+  }
+
+  /// Whether `impl` is session `core`'s delivery (pending, a module's or an activation's
+  /// output, a view of one) or data made from deliveries only (Tls::mixed).
+  static bool delivered_data(const Tls& t, const AttachCore& core, const c10::TensorImpl* impl) {
+    if (slot_of(t.outputs, core.id, impl) < t.outputs.size() || slot_of(t.fed, core.id, impl) < t.fed.size() ||
+        slot_of(t.mixed, core.id, impl) < t.mixed.size())
+      return true;
+    for (const auto& p : t.pending)
+      if (p.core.get() == &core && p.out.defined() && p.out.unsafeGetTensorImpl() == impl) return true;
+    return false;
   }
 
   /// An operator that reads no session's tensor and makes a mask or a length: it reads only

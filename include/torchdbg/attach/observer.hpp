@@ -41,12 +41,6 @@ class ForwardObserver : private Attribution {
   void set(const std::shared_ptr<AttachCore>& core, bool on) {
     std::lock_guard<std::mutex> lock(mutex_);
     on = on && core->active.load();
-    if (on && paused_ && thread_token() != paused_by_) {
-      // A step begins on another thread than the backward pass that took the callback off
-      // (set() runs at each step change): that thread's forward must be seen.
-      paused_ = false;
-      if (handle_ == 0) handle_ = add_callback();
-    }
     auto next = std::make_shared<std::vector<std::shared_ptr<AttachCore>>>();
     bool present = false;
     const auto current = cores();
@@ -58,16 +52,17 @@ class ForwardObserver : private Attribution {
       next->push_back(c);
     }
     if (on && !present) next->push_back(core);
+    if (on && paused_ && (!present || thread_token() != paused_by_)) {
+      // A session begins, or a step begins (set() runs at each step change) on another thread
+      // than the backward pass that took the callback off: its forward must be seen.
+      paused_ = false;
+      if (handle_ == 0) handle_ = add_callback();
+    }
     if (on == present) return;
     std::atomic_store(&cores_, std::shared_ptr<const std::vector<std::shared_ptr<AttachCore>>>(next));
     generation_.fetch_add(1, std::memory_order_release);  // after the store: a reader sees it
     if (!next->empty() && handle_ == 0 && !paused_) {
       handle_ = add_callback();
-    } else if (on && paused_) {
-      // A session begins (or is due again) while a backward pass on some thread has the
-      // callback off: its forward may run on another thread meanwhile, and must be seen.
-      paused_ = false;
-      if (handle_ == 0) handle_ = add_callback();
     } else if (next->empty()) {
       if (handle_ != 0) at::removeCallback(handle_);
       handle_ = 0;
