@@ -3,6 +3,7 @@
 // Health rules: each built-in rule at its thresholds, on signals measured from real tensors;
 // user rules feeding the monitor's states, events, incidents, pauses and diagnosis.
 #include <cmath>
+#include <functional>
 #include <random>
 #include <torchdbg/diagnosis.hpp>
 #include <torchdbg/health.hpp>
@@ -599,6 +600,161 @@ TEST_CASE("a user rule's findings become states, events, incidents, pauses and h
   CHECK(m.layer("fc1")->activation == ActivationHealth::Normal);
   m.observe_activation("fc1", torch::randn({32, 8}) - 30.0, 8, module_output);
   CHECK(m.incidents().size() == 2);
+}
+
+TEST_CASE("property: a layer called several times a step has the step's finding; one incident per run of steps",
+          "[rules]") {
+  // A recurrent cell or a discriminator: 1-5 calls a step (now and then 6-15 under one step
+  // number, as auto_step gives without a backward pass), the user rule's finding on some of
+  // them, step numbers that restart now and then (epochs), and some steps with gradients off
+  // (evaluation). Reference, by the layer's steps: from its second step on, with gradients on,
+  // a call without the finding ends it only when no call of the step had it and it is the
+  // last of as many calls as the previous step made, or a later one; a step that ended
+  // without it ends it at the next step's first call. Otherwise a clean call ends it.
+  std::mt19937 rng(20261207);
+  for (int trial = 0; trial < 40; ++trial) {
+    INFO("trial " << trial);
+    auto drift = std::make_shared<MeanDrift>(3.0);
+    HealthMonitor m(HealthOptions().rules({drift}));
+    struct Run {
+      int64_t first, last, steps;
+    };
+    std::vector<Run> expected;
+    bool active = false, seen = false, hit_in_step = false;
+    int64_t recoveries = 0, calls = 0, calls_prev = 0, step = 0, last_hit = -1;
+    const int blocks = 12 + static_cast<int>(rng() % 20);
+    for (int block = 0; block < blocks; ++block) {
+      const int64_t number = block == 0 ? 0 : rng() % 12 == 0 ? 0 : step + 1;  // 0: an epoch restarts
+      const bool stuck = rng() % 10 == 0;
+      const int n = stuck ? 6 + static_cast<int>(rng() % 10) : 1 + static_cast<int>(rng() % 5);
+      const bool failing = block >= 3 && rng() % 3 != 0;
+      const bool grad_on = rng() % 7 != 0;
+      torch::AutoGradMode mode(grad_on);
+      for (int call = 0; call < n; ++call) {
+        const bool hit = failing && rng() % 2 == 0;
+        const bool new_step = !seen || number != step;
+        bool lapsed = false;
+        if (new_step) {
+          lapsed = seen && active && last_hit != step;
+          calls_prev = calls;
+          calls = 0;
+          hit_in_step = false;
+        }
+        step = number;
+        ++calls;
+        ActivationInfo info;
+        info.input_rms = 1.0;
+        info.call = calls - 1;
+        m.observe_activation("cell", torch::randn({32, 8}) + (hit ? 20.0 : 0.0), step, info);
+        if (hit) {
+          if (!active || lapsed) {
+            expected.push_back({step, step, 1});
+          } else if (!hit_in_step) {
+            ++expected.back().steps;
+          }
+          expected.back().last = step;
+          active = true;
+          hit_in_step = true;
+          last_hit = step;
+        } else if (active && seen) {
+          const bool held = !lapsed && calls_prev > 0 && grad_on && (hit_in_step || calls < calls_prev);
+          if (!held) {
+            active = false;
+            ++recoveries;
+          }
+        }
+        seen = true;
+      }
+    }
+    const auto incidents = m.incidents();
+    REQUIRE(incidents.size() == expected.size());
+    for (std::size_t i = 0; i < incidents.size(); ++i) {
+      INFO("incident " << i);
+      CHECK(incidents[i].kind == FailureKind::Custom);
+      CHECK(incidents[i].layer == "cell");
+      CHECK(incidents[i].step == expected[i].first);
+      CHECK(incidents[i].last_step == expected[i].last);
+      CHECK(incidents[i].persisted == expected[i].steps);
+    }
+    std::size_t anomalies = 0, recovered = 0;
+    for (const auto& e : m.events()) {
+      anomalies += e.type == EventType::ActivationAnomaly;
+      recovered += e.type == EventType::ActivationRecovered;
+    }
+    CHECK(anomalies == expected.size());
+    CHECK(static_cast<int64_t>(recovered) == recoveries);
+    CHECK((m.layer("cell")->activation == ActivationHealth::Anomalous) == active);
+  }
+}
+
+TEST_CASE("a cell, a discriminator and bucketed lengths: one incident per failure; evaluation batches each judged",
+          "[rules]") {
+  struct Counts {
+    std::vector<torchdbg::Incident> incidents;
+    std::size_t failures = 0, recoveries = 0;
+  };
+  // `hit(step, call)`: the output is 20 off zero (the user rule's finding), or NaN (`nan`).
+  const auto run = [](const std::vector<int>& lengths, const std::function<bool(int64_t, int)>& hit, bool nan,
+                      bool grad_on = true, bool advance = true) {
+    torch::manual_seed(3);
+    HealthMonitor m(HealthOptions().rules({std::make_shared<MeanDrift>(3.0)}));
+    torch::AutoGradMode mode(grad_on);
+    for (std::size_t i = 0; i < lengths.size(); ++i) {
+      const int64_t step = advance ? static_cast<int64_t>(i) : 0;
+      for (int call = 0; call < lengths[i]; ++call) {
+        ActivationInfo info;
+        info.input_rms = 1.0;
+        info.call = call;
+        auto y = torch::randn({32, 8});
+        if (hit(static_cast<int64_t>(i), call)) {
+          if (nan) {
+            y[0][0] = std::nan("");
+          } else {
+            y += 20.0;
+          }
+        }
+        m.observe_activation("cell", y, step, info);
+      }
+    }
+    Counts c;
+    c.incidents = m.incidents();
+    for (const auto& e : m.events()) {
+      c.failures += e.type == EventType::ActivationAnomaly || e.type == EventType::NonFiniteActivation;
+      c.recoveries += e.type == EventType::ActivationRecovered;
+    }
+    return c;
+  };
+  const std::vector<int> four(14, 4);
+  // A cell flagged on every other time step from step 5 to 11, then healthy.
+  auto c = run(four, [](int64_t s, int k) { return s >= 5 && s <= 11 && k % 2 == 0; }, false);
+  REQUIRE(c.incidents.size() == 1);
+  CHECK(c.incidents[0].step == 5);
+  CHECK(c.incidents[0].last_step == 11);
+  CHECK(c.incidents[0].persisted == 7);
+  CHECK(c.failures == 1);
+  CHECK(c.recoveries == 1);
+  // A discriminator: the real batch clean, the two generated ones flagged.
+  c = run(std::vector<int>(14, 3), [](int64_t s, int k) { return s >= 5 && s <= 11 && k > 0; }, false);
+  REQUIRE(c.incidents.size() == 1);
+  CHECK(c.incidents[0].last_step == 11);
+  CHECK(c.recoveries == 1);
+  // A cell NaN from its 4th time step on (the built-in non-finite rule).
+  c = run(four, [](int64_t s, int k) { return s >= 5 && s <= 11 && k >= 3; }, true);
+  REQUIRE(c.incidents.size() == 1);
+  CHECK(c.incidents[0].kind == FailureKind::NonFiniteOutput);
+  CHECK(c.incidents[0].persisted == 7);
+  CHECK(c.failures == 1);
+  // Bucketed lengths, growing past every earlier step's: flagged on calls 3 and 20 of each.
+  c = run({5, 5, 40, 5, 40, 64, 32}, [](int64_t s, int k) { return s >= 2 && (k == 3 || k == 20); }, false);
+  REQUIRE(c.incidents.size() == 1);
+  CHECK(c.incidents[0].step == 2);
+  CHECK(c.incidents[0].last_step == 6);
+  CHECK(c.recoveries == 0);
+  // Evaluation under NoGradGuard, one step number for every batch: NaN on batches 3 and 8,
+  // each batch judged on its own.
+  c = run(std::vector<int>(12, 1), [](int64_t b, int) { return b == 3 || b == 8; }, true, false, false);
+  CHECK(c.failures == 2);
+  CHECK(c.recoveries == 2);
 }
 
 TEST_CASE("built-in rules come first: a user rule judges only what none of them flags", "[rules]") {

@@ -258,7 +258,13 @@ TORCHDBG_INLINE void HealthCore::judge_activation(Layer& L, const at::Tensor& y,
                      signals_.forward_non_finite() || signals_.forward_exploding()))
     signals_.mark_forward_non_finite();
   bool new_step = false;
+  const int64_t prev_step = L.act_step;  // the layer's step before this output's
   const ActivationSignals sig = signals_.measure_activation(L, y, s, step, info, new_step);
+  if (new_step) {
+    L.act_calls_prev = L.act_calls;
+    L.act_calls = 0;
+  }
+  ++L.act_calls;
   const HealthRule* by = nullptr;
   std::optional<Finding> found = judge(
       sig, [](HealthRule& r, const auto& x) { return r.check_activation(x); }, by);
@@ -295,8 +301,20 @@ TORCHDBG_INLINE void HealthCore::judge_activation(Layer& L, const at::Tensor& y,
   // calls: eval, an operator on its weight outside the forward; a tied embedding's lookup
   // while its output head's call is exploding, and the other way round) neither confirms
   // nor ends it.
+  // A layer called several times a step (a recurrent cell's time steps, a discriminator on
+  // real and generated batches) has the finding for the step when any of its calls has it.
+  // From its second step on, a call without it neither confirms nor ends it after a call of
+  // the step that had it, nor, before one, while calls that may have it are still to come (as
+  // many as its previous step made): the step's last such call ends it, and a step that ended
+  // with fewer calls, none with it, ends it at the next step's first call. Outputs made with
+  // gradients off (evaluation, inference, whose batches a step number need not tell apart)
+  // are judged each on its own.
+  const bool counted_now = L.act_found && L.act_track.counted == step;
+  const bool lapsed = L.act_found && new_step && !first && L.act_track.counted != prev_step;
+  const bool held = !lapsed && L.act_found && L.act_calls_prev > 0 && at::GradMode::is_enabled() &&
+                    (counted_now || L.act_calls < L.act_calls_prev);
   if (!found && !first &&
-      ((L.act_found == FailureKind::NormStatistics && !info.norm_stats_error) ||
+      (held || (L.act_found == FailureKind::NormStatistics && !info.norm_stats_error) ||
        (L.act_found == FailureKind::NormWeightCollapse && !info.norm_weight_rms) ||
        (L.act_found == FailureKind::ExplodingActivation && L.act_found_unscaled != L.unscaled)))
     return;
@@ -309,7 +327,7 @@ TORCHDBG_INLINE void HealthCore::judge_activation(Layer& L, const at::Tensor& y,
     };
     return a == b || (collapse(a) && collapse(b));
   };
-  const bool same = !first && state == before &&
+  const bool same = !first && !lapsed && state == before &&
                     (!found || !L.act_found || one_failure(*L.act_found, found->kind));
   if (!ledger_.advance(L.act_track, same, found, step)) return;
   raise_alert(found);

@@ -33,6 +33,8 @@ struct HealthLayer {
   ActivationHealth act = ActivationHealth::Normal;
   Track act_track;
   int64_t act_step = 0;  // the step of the last judged output
+  int64_t act_calls = 0;       // outputs judged in act_step
+  int64_t act_calls_prev = 0;  // and in the layer's step before it
   int64_t first_act_step = 0;  // the step of its first output
   double rms = kNaN, gain = kNaN, sat_frac = kNaN, dead_frac = kNaN;
   int64_t rms_call = -1;  // the call (ActivationInfo::call) `rms` was measured on
