@@ -606,13 +606,15 @@ TEST_CASE("property: a layer called several times a step has the step's finding;
           "[rules]") {
   // A recurrent cell or a discriminator: 1-5 calls a step (now and then 6-15 under one step
   // number, as auto_step gives without a backward pass), the user rule's finding on some of
-  // them, step numbers that restart now and then (epochs), and some steps with gradients off
-  // (evaluation). Reference, by the layer's steps: from its second step on, with gradients on,
-  // a call without the finding ends it only when no call of the step had it and it is the
-  // last of as many calls as the previous step made, or a later one; a step that ended
-  // without it ends it at the next step's first call. Otherwise a clean call ends it.
+  // them, step numbers that restart (epochs) or stay for another block (evaluation beside
+  // training), blocks with gradients off. Reference, by the layer's steps: a call without the
+  // finding keeps it when the finding was made with gradients on and this call has them on,
+  // and either a call of this step had it (from the layer's second step on) or the layer made
+  // several calls with gradients on in some step; a step in which such a call kept it and none
+  // had it ends it when the step ends. Otherwise a call without it ends it. A finding with
+  // gradients off does not continue one with gradients on, nor the other way round.
   std::mt19937 rng(20261207);
-  for (int trial = 0; trial < 40; ++trial) {
+  for (int trial = 0; trial < 60; ++trial) {
     INFO("trial " << trial);
     auto drift = std::make_shared<MeanDrift>(3.0);
     HealthMonitor m(HealthOptions().rules({drift}));
@@ -620,34 +622,40 @@ TEST_CASE("property: a layer called several times a step has the step's finding;
       int64_t first, last, steps;
     };
     std::vector<Run> expected;
-    bool active = false, seen = false, hit_in_step = false;
-    int64_t recoveries = 0, calls = 0, calls_prev = 0, step = 0, last_hit = -1;
+    bool active = false, seen = false, hit_in_step = false, found_grad = false, deferred = false;
+    int64_t recoveries = 0, calls = 0, calls_prev = 0, calls_most = 0, step = 0;
+    const auto settle = [&] {  // the step ends
+      if (deferred && active && !hit_in_step) {
+        active = false;
+        ++recoveries;
+      }
+      deferred = false;
+    };
     const int blocks = 12 + static_cast<int>(rng() % 20);
     for (int block = 0; block < blocks; ++block) {
-      const int64_t number = block == 0 ? 0 : rng() % 12 == 0 ? 0 : step + 1;  // 0: an epoch restarts
+      const uint32_t r = rng() % 12;
+      const int64_t number = block == 0 ? 0 : r == 0 ? 0 : r <= 2 ? step : step + 1;  // 0: an epoch restarts
       const bool stuck = rng() % 10 == 0;
       const int n = stuck ? 6 + static_cast<int>(rng() % 10) : 1 + static_cast<int>(rng() % 5);
       const bool failing = block >= 3 && rng() % 3 != 0;
-      const bool grad_on = rng() % 7 != 0;
+      const bool grad_on = rng() % 5 != 0;
       torch::AutoGradMode mode(grad_on);
       for (int call = 0; call < n; ++call) {
         const bool hit = failing && rng() % 2 == 0;
-        const bool new_step = !seen || number != step;
-        bool lapsed = false;
-        if (new_step) {
-          lapsed = seen && active && last_hit != step;
+        if (!seen || number != step) {
+          if (seen) settle();
           calls_prev = calls;
           calls = 0;
           hit_in_step = false;
         }
         step = number;
-        ++calls;
+        if (grad_on) calls_most = std::max(calls_most, ++calls);
         ActivationInfo info;
         info.input_rms = 1.0;
-        info.call = calls - 1;
+        info.call = call;
         m.observe_activation("cell", torch::randn({32, 8}) + (hit ? 20.0 : 0.0), step, info);
         if (hit) {
-          if (!active || lapsed) {
+          if (!active || found_grad != grad_on) {
             expected.push_back({step, step, 1});
           } else if (!hit_in_step) {
             ++expected.back().steps;
@@ -655,17 +663,22 @@ TEST_CASE("property: a layer called several times a step has the step's finding;
           expected.back().last = step;
           active = true;
           hit_in_step = true;
-          last_hit = step;
+          found_grad = grad_on;
+          deferred = false;
         } else if (active && seen) {
-          const bool held = !lapsed && calls_prev > 0 && grad_on && (hit_in_step || calls < calls_prev);
+          const bool held = found_grad && grad_on && (hit_in_step ? calls_prev > 0 : calls_most > 1);
+          if (held && !hit_in_step) deferred = true;
           if (!held) {
             active = false;
+            deferred = false;
             ++recoveries;
           }
         }
         seen = true;
       }
     }
+    m.flush();
+    settle();
     const auto incidents = m.incidents();
     REQUIRE(incidents.size() == expected.size());
     for (std::size_t i = 0; i < incidents.size(); ++i) {
@@ -716,6 +729,7 @@ TEST_CASE("a cell, a discriminator and bucketed lengths: one incident per failur
         m.observe_activation("cell", y, step, info);
       }
     }
+    m.flush();  // the end of training: the last step is over
     Counts c;
     c.incidents = m.incidents();
     for (const auto& e : m.events()) {
@@ -744,17 +758,73 @@ TEST_CASE("a cell, a discriminator and bucketed lengths: one incident per failur
   CHECK(c.incidents[0].kind == FailureKind::NonFiniteOutput);
   CHECK(c.incidents[0].persisted == 7);
   CHECK(c.failures == 1);
-  // Bucketed lengths, growing past every earlier step's: flagged on calls 3 and 20 of each.
+  // Bucketed lengths, growing past every earlier step's: flagged on calls 3 and 20 of each;
+  // then on the last time step of each, whatever its length; then a clean step ends it.
   c = run({5, 5, 40, 5, 40, 64, 32}, [](int64_t s, int k) { return s >= 2 && (k == 3 || k == 20); }, false);
   REQUIRE(c.incidents.size() == 1);
   CHECK(c.incidents[0].step == 2);
   CHECK(c.incidents[0].last_step == 6);
   CHECK(c.recoveries == 0);
+  const std::vector<int> buckets = {3, 4, 5, 6, 8, 3, 10, 16, 7, 12};
+  c = run(buckets, [&](int64_t s, int k) { return s >= 1 && s <= 8 && k == buckets[static_cast<std::size_t>(s)] - 1; },
+          false);
+  REQUIRE(c.incidents.size() == 1);
+  CHECK(c.incidents[0].step == 1);
+  CHECK(c.incidents[0].last_step == 8);
+  CHECK(c.incidents[0].persisted == 8);
+  CHECK(c.recoveries == 1);  // at step 9's end (flush), when its last call is in
   // Evaluation under NoGradGuard, one step number for every batch: NaN on batches 3 and 8,
   // each batch judged on its own.
   c = run(std::vector<int>(12, 1), [](int64_t b, int) { return b == 3 || b == 8; }, true, false, false);
   CHECK(c.failures == 2);
   CHECK(c.recoveries == 2);
+  // A validation batch (gradients off) flagged, then the step's training call clean: the
+  // validation finding is its own; the next step's flagged training call is a new incident.
+  {
+    HealthMonitor m(HealthOptions().rules({std::make_shared<MeanDrift>(3.0)}));
+    ActivationInfo info;
+    info.input_rms = 1.0;
+    for (int64_t step = 0; step < 6; ++step) {
+      if (step == 3) {
+        torch::NoGradGuard no_grad;
+        for (int batch = 0; batch < 4; ++batch)
+          m.observe_activation("fc", torch::randn({32, 8}) + (batch == 3 ? 20.0 : 0.0), step, info);
+      }
+      m.observe_activation("fc", torch::randn({32, 8}) + (step == 4 ? 20.0 : 0.0), step, info);
+    }
+    const auto incidents = m.incidents();
+    REQUIRE(incidents.size() == 2);
+    CHECK(incidents[0].step == 3);
+    CHECK(incidents[0].last_step == 3);
+    CHECK(incidents[1].step == 4);
+    CHECK(m.layer("fc")->activation == ActivationHealth::Normal);
+  }
+  // A step whose training calls are clean and whose evaluation call is flagged: the training
+  // finding does not go on through it, in either order.
+  for (const bool eval_first : {false, true}) {
+    INFO("evaluation first: " << eval_first);
+    HealthMonitor m(HealthOptions().rules({std::make_shared<MeanDrift>(3.0)}));
+    ActivationInfo info;
+    info.input_rms = 1.0;
+    const auto call = [&](int64_t step, bool flagged, bool grad) {
+      torch::AutoGradMode mode(grad);
+      m.observe_activation("cell", torch::randn({32, 8}) + (flagged ? 20.0 : 0.0), step, info);
+    };
+    for (int k = 0; k < 2; ++k) call(0, false, true);
+    for (int k = 0; k < 2; ++k) call(1, true, true);
+    if (eval_first) call(2, true, false);
+    call(2, false, true);
+    if (!eval_first) call(2, true, false);
+    for (int k = 0; k < 2; ++k) call(3, false, true);
+    m.flush();
+    const auto incidents = m.incidents();
+    REQUIRE(incidents.size() == 2);
+    CHECK(incidents[0].step == 1);
+    CHECK(incidents[0].last_step == 1);
+    CHECK(incidents[1].step == 2);
+    CHECK(incidents[1].last_step == 2);
+    CHECK(m.layer("cell")->activation == ActivationHealth::Normal);
+  }
 }
 
 TEST_CASE("built-in rules come first: a user rule judges only what none of them flags", "[rules]") {

@@ -54,6 +54,9 @@ class HealthCore {
   void begin_step(int64_t step);
   /// The current step is over (flush): the next observation begins one again.
   void end_step() noexcept { have_step_ = false; }
+  /// The current step's forward outputs are all in: a layer called several times in it whose
+  /// finding from an earlier step none of its calls had recovers at this step.
+  void settle_activations(Pauses& pauses);
 
   // ---- observations (the caller holds the monitor's lock)
   /// A forward output of `L` (and, with attach's metadata, the model's input it came from).
@@ -104,6 +107,10 @@ class HealthCore {
  private:
   void judge_activation(Layer& L, const at::Tensor& y, const TensorStats& s, int64_t step,
                         const ActivationInfo& info, Pauses& pauses);
+  /// `L`'s forward state becomes `state` at `step` (`found`: the finding behind it, by rule
+  /// `by`; the ledger's track already advanced): its event, and the incident a finding opens.
+  void enter_activation_state(Layer& L, ActivationHealth state, const std::optional<Finding>& found,
+                              const HealthRule* by, int64_t step, bool first, Pauses& pauses);
 
   /// The first finding of the rules for `sig` (`check` calls the rule's method for it). A rule
   /// that throws judges nothing and is counted in rule_errors().
@@ -258,13 +265,13 @@ TORCHDBG_INLINE void HealthCore::judge_activation(Layer& L, const at::Tensor& y,
                      signals_.forward_non_finite() || signals_.forward_exploding()))
     signals_.mark_forward_non_finite();
   bool new_step = false;
-  const int64_t prev_step = L.act_step;  // the layer's step before this output's
   const ActivationSignals sig = signals_.measure_activation(L, y, s, step, info, new_step);
+  const bool grad_on = at::GradMode::is_enabled();
   if (new_step) {
     L.act_calls_prev = L.act_calls;
     L.act_calls = 0;
   }
-  ++L.act_calls;
+  if (grad_on) L.act_calls_most = std::max(L.act_calls_most, ++L.act_calls);
   const HealthRule* by = nullptr;
   std::optional<Finding> found = judge(
       sig, [](HealthRule& r, const auto& x) { return r.check_activation(x); }, by);
@@ -301,18 +308,17 @@ TORCHDBG_INLINE void HealthCore::judge_activation(Layer& L, const at::Tensor& y,
   // calls: eval, an operator on its weight outside the forward; a tied embedding's lookup
   // while its output head's call is exploding, and the other way round) neither confirms
   // nor ends it.
-  // A layer called several times a step (a recurrent cell's time steps, a discriminator on
-  // real and generated batches) has the finding for the step when any of its calls has it.
-  // From its second step on, a call without it neither confirms nor ends it after a call of
-  // the step that had it, nor, before one, while calls that may have it are still to come (as
-  // many as its previous step made): the step's last such call ends it, and a step that ended
-  // with fewer calls, none with it, ends it at the next step's first call. Outputs made with
-  // gradients off (evaluation, inference, whose batches a step number need not tell apart)
-  // are judged each on its own.
-  const bool counted_now = L.act_found && L.act_track.counted == step;
-  const bool lapsed = L.act_found && new_step && !first && L.act_track.counted != prev_step;
-  const bool held = !lapsed && L.act_found && L.act_calls_prev > 0 && at::GradMode::is_enabled() &&
-                    (counted_now || L.act_calls < L.act_calls_prev);
+  // A layer called several times a step in training (a recurrent cell's time steps, a
+  // discriminator on real and generated batches) has the finding for the step when any of
+  // those calls has it: from its second step on, a call without it neither confirms nor ends
+  // it after a call of the step that had it, nor, once the layer has made several calls in a
+  // step, before one (settle_activations ends it with the step when none had it). Outputs
+  // made with gradients off (evaluation, inference, whose batches a step number need not tell
+  // apart), and what they find, are judged each on its own.
+  const bool training_finding = L.act_found && L.act_found_grad && grad_on;
+  const bool counted_now = L.act_track.counted == step;
+  const bool held = training_finding && (counted_now ? L.act_calls_prev > 0 : L.act_calls_most > 1);
+  if (held && !found && !counted_now) L.act_deferred = step;
   if (!found && !first &&
       (held || (L.act_found == FailureKind::NormStatistics && !info.norm_stats_error) ||
        (L.act_found == FailureKind::NormWeightCollapse && !info.norm_weight_rms) ||
@@ -327,13 +333,26 @@ TORCHDBG_INLINE void HealthCore::judge_activation(Layer& L, const at::Tensor& y,
     };
     return a == b || (collapse(a) && collapse(b));
   };
-  const bool same = !first && !lapsed && state == before &&
-                    (!found || !L.act_found || one_failure(*L.act_found, found->kind));
+  // ... and an output made with gradients off does not continue a training forward's finding,
+  // nor the other way round.
+  const bool same = !first && state == before &&
+                    (!found || !L.act_found ||
+                     (one_failure(*L.act_found, found->kind) && L.act_found_grad == grad_on));
   if (!ledger_.advance(L.act_track, same, found, step)) return;
+  enter_activation_state(L, state, found, by, step, first, pauses);
+}
+
+TORCHDBG_INLINE void HealthCore::enter_activation_state(Layer& L, ActivationHealth state,
+                                                        const std::optional<Finding>& found,
+                                                        const HealthRule* by, int64_t step, bool first,
+                                                        Pauses& pauses) {
+  const ActivationHealth before = L.act;
   raise_alert(found);
   L.act = state;
   L.act_found = found ? std::optional<FailureKind>(found->kind) : std::nullopt;
   L.act_found_unscaled = found && L.unscaled;
+  L.act_found_grad = found && at::GradMode::is_enabled();
+  L.act_deferred.reset();
   if (state == ActivationHealth::Normal && first) return;  // a healthy start is no event
   const EventType type =
       state == ActivationHealth::Normal                         ? EventType::ActivationRecovered
@@ -349,9 +368,20 @@ TORCHDBG_INLINE void HealthCore::judge_activation(Layer& L, const at::Tensor& y,
                                   to_string(state), found, std::move(metadata));
   if (!L.act_kind.empty()) e.metadata["activation"] = L.act_kind;
   const uint64_t id = ledger_.emit(std::move(e));
-  if (found && found->incident)
+  if (found && found->incident && by != nullptr)
     ledger_.record_finding(*found, *by, L.subject(), step, Phase::Forward, id, pauses,
                            L.act_track.incident);
+}
+
+TORCHDBG_INLINE void HealthCore::settle_activations(Pauses& pauses) {
+  if (!have_step_) return;
+  for (Layer& L : signals_.records()) {
+    if (!L.act_deferred || *L.act_deferred != cur_step_) continue;
+    L.act_deferred.reset();
+    if (!L.act_found || L.act_track.counted == cur_step_) continue;  // a call of the step had it
+    ledger_.advance(L.act_track, false, std::nullopt, cur_step_);
+    enter_activation_state(L, ActivationHealth::Normal, std::nullopt, nullptr, cur_step_, false, pauses);
+  }
 }
 
 TORCHDBG_INLINE void HealthCore::gradients(Pauses& pauses) {

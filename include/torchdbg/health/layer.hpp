@@ -33,8 +33,9 @@ struct HealthLayer {
   ActivationHealth act = ActivationHealth::Normal;
   Track act_track;
   int64_t act_step = 0;  // the step of the last judged output
-  int64_t act_calls = 0;       // outputs judged in act_step
+  int64_t act_calls = 0;       // outputs judged in act_step with gradients on
   int64_t act_calls_prev = 0;  // and in the layer's step before it
+  int64_t act_calls_most = 0;  // and the most in any step
   int64_t first_act_step = 0;  // the step of its first output
   double rms = kNaN, gain = kNaN, sat_frac = kNaN, dead_frac = kNaN;
   int64_t rms_call = -1;  // the call (ActivationInfo::call) `rms` was measured on
@@ -57,6 +58,8 @@ struct HealthLayer {
   int64_t zero_grad_since = -1;  // the first step of the current run of exactly-zero gradients
   std::optional<FailureKind> act_found;  // the finding behind the current state
   bool act_found_unscaled = false;       // ...found on an embedding's lookup (`unscaled`) call
+  bool act_found_grad = false;           // ...last found or confirmed with gradients on
+  std::optional<int64_t> act_deferred;   // a step whose call without it left it to the step's end
   UnitWindow units;
   int64_t dead_since = 0;  // the step of the first output of the dead units' inactive run
   // gradient

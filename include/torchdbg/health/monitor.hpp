@@ -447,6 +447,7 @@ template <typename Mutex>
 void BasicHealthMonitor<Mutex>::flush() {
   judged([this](Pauses& pauses, std::vector<HealthStep>& done) {
     if (!core_.has_step()) return core_.step();
+    core_.settle_activations(pauses);
     core_.gradients(pauses);
     finish_step(done);
     core_.end_step();
@@ -583,6 +584,7 @@ void BasicHealthMonitor<Mutex>::advance_to(int64_t step, Pauses& pauses,
                                            std::vector<HealthStep>& done) {
   if (core_.has_step() && step == core_.step()) return;
   if (core_.has_step()) {
+    core_.settle_activations(pauses);
     core_.gradients(pauses);
     finish_step(done);
   }
