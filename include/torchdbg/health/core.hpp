@@ -314,9 +314,10 @@ TORCHDBG_INLINE void HealthCore::judge_activation(Layer& L, const at::Tensor& y,
   // it after a call of the step that had it, nor, once the layer has made several calls in a
   // step, before one (settle_activations ends it with the step when none had it). Outputs
   // made with gradients off (evaluation, inference, whose batches a step number need not tell
-  // apart), and what they find, are judged each on its own.
+  // apart) are judged each on its own: what they find is not held, and what they confirm of a
+  // training finding does not keep it past a step whose training calls had it not.
   const bool training_finding = L.act_found && L.act_found_grad && grad_on;
-  const bool counted_now = L.act_track.counted == step;
+  const bool counted_now = L.act_trained == step;  // a training call of this step had it
   const bool held = training_finding && (counted_now ? L.act_calls_prev > 0 : L.act_calls_most > 1);
   if (held && !found && !counted_now) L.act_deferred = step;
   if (!found && !first &&
@@ -333,11 +334,12 @@ TORCHDBG_INLINE void HealthCore::judge_activation(Layer& L, const at::Tensor& y,
     };
     return a == b || (collapse(a) && collapse(b));
   };
-  // ... and an output made with gradients off does not continue a training forward's finding,
-  // nor the other way round.
   const bool same = !first && state == before &&
-                    (!found || !L.act_found ||
-                     (one_failure(*L.act_found, found->kind) && L.act_found_grad == grad_on));
+                    (!found || !L.act_found || one_failure(*L.act_found, found->kind));
+  if (found && grad_on) {
+    L.act_trained = step;
+    if (same) L.act_found_grad = true;  // a training call confirms it
+  }
   if (!ledger_.advance(L.act_track, same, found, step)) return;
   enter_activation_state(L, state, found, by, step, first, pauses);
 }
@@ -378,7 +380,7 @@ TORCHDBG_INLINE void HealthCore::settle_activations(Pauses& pauses) {
   for (Layer& L : signals_.records()) {
     if (!L.act_deferred || *L.act_deferred != cur_step_) continue;
     L.act_deferred.reset();
-    if (!L.act_found || L.act_track.counted == cur_step_) continue;  // a call of the step had it
+    if (!L.act_found || L.act_trained == cur_step_) continue;  // a training call of the step had it
     ledger_.advance(L.act_track, false, std::nullopt, cur_step_);
     enter_activation_state(L, ActivationHealth::Normal, std::nullopt, nullptr, cur_step_, false, pauses);
   }

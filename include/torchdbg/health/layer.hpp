@@ -58,7 +58,8 @@ struct HealthLayer {
   int64_t zero_grad_since = -1;  // the first step of the current run of exactly-zero gradients
   std::optional<FailureKind> act_found;  // the finding behind the current state
   bool act_found_unscaled = false;       // ...found on an embedding's lookup (`unscaled`) call
-  bool act_found_grad = false;           // ...last found or confirmed with gradients on
+  bool act_found_grad = false;           // ...found, or confirmed since, with gradients on
+  std::optional<int64_t> act_trained;    // the last step a call with gradients on found it
   std::optional<int64_t> act_deferred;   // a step whose call without it left it to the step's end
   UnitWindow units;
   int64_t dead_since = 0;  // the step of the first output of the dead units' inactive run
