@@ -2430,6 +2430,90 @@ TEST_CASE("property: a BatchNorm's training calls report their running statistic
   CHECK_CLOSE(std::stod(md["2"]["norm_weight_rms"]), 0.25, 1e-9);
 }
 
+TEST_CASE("a hook reads attach's measured metadata as text while the health monitor reads it as numbers",
+          "[attach]") {
+  // A batch of one through a Linear (std_less_bias), a model input with +Inf (input_inf), a
+  // BatchNorm with momentum 0.3 (norm_momentum, norm_samples), all against references
+  // computed here; metadata() and metadata_value() agree, and the health monitor installed on
+  // the same manager judges the same deliveries.
+  struct Net : torch::nn::Module {
+    Net() {
+      fc = register_module("fc", torch::nn::Linear(6, 4));
+      bn = register_module("bn", torch::nn::BatchNorm1d(torch::nn::BatchNorm1dOptions(4).momentum(0.3)));
+    }
+    torch::Tensor forward(const torch::Tensor& x) { return bn(fc(x)); }
+    torch::nn::Linear fc{nullptr};
+    torch::nn::BatchNorm1d bn{nullptr};
+  };
+  torchdbg_test::SeededRng rng(41);
+  auto net = std::make_shared<Net>();
+  torchdbg::HookManager h;
+  torchdbg::HealthMonitor health;
+  auto fed = health.install(h);
+  std::map<std::string, torchdbg::Metadata> seen;
+  bool agree = true;
+  h.register_callback("rec", [&](const torchdbg::HookContext& c) {
+    const torchdbg::Metadata& md = c.metadata();
+    for (const auto& [k, v] : md) agree = agree && c.metadata_value(k) == std::optional<std::string_view>(v);
+    seen[std::string(c.layer_name())] = md;
+  });
+  h.register_hook(HookConfig().name("rec").trigger(HookTrigger::every_forward()).actions(
+      {HookAction::custom_callback("rec")}));
+  auto session = torchdbg::attach(*net, h);
+  // The batch-of-one call: fc's std with its bias taken out.
+  h.set_step(0);
+  {
+    net->eval();  // a batch of one through BatchNorm needs its running statistics
+    const auto x = torch::randn({1, 6});
+    (void)net->forward(x);
+    session.flush();
+    REQUIRE(seen["fc"].count("std_less_bias") == 1);
+    const std::string got = seen["fc"]["std_less_bias"];
+    // x W^T in double, read from the raw values (no operator the attachment would see).
+    const auto xs = torchdbg_test::as_doubles(x.contiguous());
+    const auto w = torchdbg_test::as_doubles(net->fc->weight.detach().contiguous());
+    std::vector<double> less(4, 0.0);
+    for (std::size_t j = 0; j < 4; ++j)
+      for (std::size_t k = 0; k < 6; ++k) less[j] += xs[k] * w[j * 6 + k];
+    double mean = 0.0, sq = 0.0;
+    for (double v : less) mean += v / 4.0;
+    for (double v : less) sq += (v - mean) * (v - mean);
+    const double ref = std::sqrt(sq / 4.0);
+    CHECK_CLOSE(std::stod(got), ref, 1e-5 * std::max(1.0, ref));
+    net->train();
+  }
+  std::map<std::string, torchdbg::Metadata> before;  // the step before the +Inf
+  for (int64_t step = 1; step < 30; ++step) {
+    h.set_step(step);
+    auto x = torch::randn({8, 6});
+    if (step == 29) x[2][3] = std::numeric_limits<float>::infinity();
+    before = seen;
+    seen.clear();
+    (void)net->forward(x);
+    session.flush();
+  }
+  REQUIRE(seen.count("fc") == 1);
+  CHECK(seen["fc"]["input_inf"] == "1");
+  CHECK(seen["fc"]["input_nan"] == "0");
+  CHECK(seen["fc"]["input_count"] == "47");
+  CHECK(before["fc"]["input_inf"] == "0");
+  REQUIRE(before.count("bn") == 1);
+  CHECK(before["bn"]["norm_momentum"] == "0.3");
+  CHECK(before["bn"]["norm_samples"] == "8");
+  CHECK(before["bn"].count("norm_stats_error") == 1);
+  CHECK(before["bn"]["norm_weight_rms"] == "1");  // BatchNorm's weight starts at ones
+  CHECK(agree);
+  // The health monitor judged the same deliveries: the +Inf in the model's input is named as
+  // bad input, not a failure of the layers.
+  health.flush();
+  std::vector<torchdbg::Incident> bad;
+  for (const auto& i : health.incidents())
+    if (i.kind == torchdbg::FailureKind::BadInput) bad.push_back(i);
+  REQUIRE(bad.size() == 1);
+  CHECK(bad[0].layer == "input");
+  CHECK(bad[0].step == 29);
+}
+
 namespace {
 /// Counts the operators a second RecordFunction observer sees, by name.
 struct OpCounter {

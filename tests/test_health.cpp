@@ -106,6 +106,68 @@ TEST_CASE("property: attach's metadata reads as stod/stoll read it, whatever the
   }
 }
 
+TEST_CASE("property: attach's measured facts read as numbers agree with the same facts read from metadata text",
+          "[health]") {
+  // The reference is the text path: the facts written into the metadata (as a hook reads it)
+  // and parsed; the typed path must give every field the same, and a key the caller's
+  // metadata already holds wins in both.
+  std::mt19937 rng(29);
+  const std::vector<double> reals{0.0,  1.0,   -0.0, 2.5e-300, 1e300, 0.1,  1.0 / 3.0, 4.9e-324,
+                                  1e-7, 123.25, -7.5, std::numeric_limits<double>::infinity()};
+  const std::vector<int64_t> ints{0, 1, 7, -3, int64_t{1} << 40, std::numeric_limits<int64_t>::max()};
+  const std::vector<std::string> texts{"3", "0.5", "x", "", "-2", "1"};
+  for (int trial = 0; trial < 500; ++trial) {
+    torchdbg::detail::DeliveryFacts f;
+    const auto real = [&](std::optional<double>& slot) {
+      if (rng() % 2) slot = reals[rng() % reals.size()];
+    };
+    const auto integer = [&](std::optional<int64_t>& slot) {
+      if (rng() % 2) slot = ints[rng() % ints.size()];
+    };
+    real(f.input_rms);
+    real(f.input_data_rms);
+    real(f.std_less_bias);
+    real(f.norm_stats_error);
+    real(f.norm_weight_rms);
+    real(f.norm_momentum);
+    integer(f.input_nan);
+    integer(f.input_inf);
+    integer(f.input_count);
+    integer(f.norm_samples);
+    if (rng() % 2) f.input_alike = rng() % 2 == 0;
+    torchdbg::Metadata base{{"call", std::to_string(rng() % 5)}, {"module_type", "torch::nn::LinearImpl"}};
+    if (rng() % 2) base["activation"] = "relu";
+    for (const char* k : {"input_rms", "input_data_rms", "std_less_bias", "norm_stats_error", "norm_weight_rms",
+                          "norm_momentum", "input_nan", "input_inf", "input_count", "norm_samples", "input_alike"})
+      if (rng() % 6 == 0) base[k] = texts[rng() % texts.size()];  // the caller's own entry
+    torchdbg::Metadata merged = base;
+    f.add_to(merged);
+    INFO("trial " << trial);
+    const ActivationInfo typed = torchdbg::detail::activation_info(base, &f);
+    const ActivationInfo text = torchdbg::detail::activation_info(merged);
+    const auto same = [](std::optional<double> a, std::optional<double> b) {
+      return a.has_value() == b.has_value() && (!a || (std::isnan(*a) ? std::isnan(*b) : *a == *b));
+    };
+    CHECK(same(typed.input_rms, text.input_rms));
+    CHECK(same(typed.input_data_rms, text.input_data_rms));
+    CHECK(same(typed.std_less_bias, text.std_less_bias));
+    CHECK(same(typed.norm_stats_error, text.norm_stats_error));
+    CHECK(same(typed.norm_weight_rms, text.norm_weight_rms));
+    CHECK(typed.norm_momentum == text.norm_momentum);
+    CHECK(typed.input_nan == text.input_nan);
+    CHECK(typed.input_inf == text.input_inf);
+    CHECK(typed.input_observed == text.input_observed);
+    CHECK(typed.input_count == text.input_count);
+    CHECK(typed.norm_samples == text.norm_samples);
+    CHECK(typed.input_alike == text.input_alike);
+    CHECK(typed.call == text.call);
+    CHECK(typed.activation == text.activation);
+    // Written out, every fact reads back exactly (shortest round-trip text).
+    if (f.input_rms && !base.count("input_rms")) CHECK(*text.input_rms == *f.input_rms);
+  }
+  CHECK(torchdbg::detail::DeliveryFacts{}.empty());
+}
+
 TEST_CASE("threshold counts match torch on every dtype, layout and with NaN", "[health]") {
   torchdbg_test::SeededRng rng(3);
   auto base = torch::randn({6, 5, 4}) * 2;
@@ -548,14 +610,19 @@ TEST_CASE("property: first_rows_alike against a full comparison of rows 0 and 1"
     const auto type = types[static_cast<std::size_t>(trial) % types.size()];
     const int64_t rows = 2 + static_cast<int64_t>(gen() % 4), a = 1 + static_cast<int64_t>(gen() % 12),
                   b = 1 + static_cast<int64_t>(gen() % 12);
-    const int layout = static_cast<int>(gen() % 3);  // contiguous, transposed inner dims, a slice
+    // contiguous, transposed inner dims, a slice of the last dim, a slice of dim 1 (dense rows
+    // of a strided tensor: `x.select(1, t)` of a sequence)
+    const int layout = static_cast<int>(gen() % 4);
     torch::Tensor t = torch::randn({rows, a, b}).to(type);
     const int what = static_cast<int>(gen() % 4);  // rows alike, one position apart, all apart, a NaN
     if (what != 2) t[1] = t[0];
     const int64_t at_a = static_cast<int64_t>(gen()) % a, at_b = static_cast<int64_t>(gen()) % b;
     if (what == 1) t[1][at_a][at_b] = t[0][at_a][at_b].item<double>() + 1.0;
     if (what == 3) t[0][at_a][at_b] = std::nan("");
-    torch::Tensor v = layout == 1 ? t.transpose(1, 2) : layout == 2 ? torch::cat({t, t}, 2).narrow(2, b, b) : t;
+    torch::Tensor v = layout == 1   ? t.transpose(1, 2)
+                      : layout == 2 ? torch::cat({t, t}, 2).narrow(2, b, b)
+                      : layout == 3 ? torch::cat({t, t}, 1).narrow(1, a, a)
+                                    : t;
     INFO("trial " << trial << " " << t.scalar_type() << " " << v.sizes() << " layout " << layout << " case " << what);
     const auto got = torchdbg::detail::first_rows_alike(v, 1e-6);
     REQUIRE(got.has_value());

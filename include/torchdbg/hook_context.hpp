@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "torchdbg/detail/delivery_facts.hpp"
 #include "torchdbg/tensor_stats.hpp"
 
 namespace torchdbg {
@@ -40,9 +41,15 @@ struct TrainingState {
   std::optional<double> memory_mb;
 };
 
+class HookContext;
+
 namespace detail {
 template <typename Mutex, typename State>
 class HookExecutor;
+/// The metadata as the caller passed it, without the entries of delivery_facts().
+inline const Metadata& base_metadata(const HookContext& ctx) noexcept;
+/// What attach measured about this forward delivery, as numbers (null for other calls).
+inline const DeliveryFacts* delivery_facts(const HookContext& ctx) noexcept;
 }  // namespace detail
 
 /// What a hook sees during one `execute_hooks` call: the layer, direction, training state,
@@ -72,15 +79,25 @@ class HookContext {
     return state_.gradient_norm;
   }
   [[nodiscard]] std::optional<double> memory_mb() const noexcept { return state_.memory_mb; }
-  [[nodiscard]] const Metadata& metadata() const noexcept { return metadata_; }
+  /// The delivery's metadata (attach's keys: docs/attach.md).
+  [[nodiscard]] const Metadata& metadata() const {
+    if (facts_ == nullptr) return metadata_;
+    if (!merged_) {  // attach's measured entries, written out for the first hook that reads them
+      Metadata md = metadata_;
+      facts_->add_to(md);
+      merged_ = std::move(md);
+    }
+    return *merged_;
+  }
   /// The observed tensor (for raw-data calls, a view of the caller's memory valid only
   /// during the call).
   [[nodiscard]] const at::Tensor& tensor() const noexcept { return tensor_; }
 
   /// The value for `key` in the metadata, if present.
   [[nodiscard]] std::optional<std::string_view> metadata_value(std::string_view key) const {
-    auto it = metadata_.find(key);
-    if (it == metadata_.end()) return std::nullopt;
+    const Metadata& md = metadata();
+    auto it = md.find(key);
+    if (it == md.end()) return std::nullopt;
     return std::string_view(it->second);
   }
 
@@ -168,12 +185,16 @@ class HookContext {
 
  private:
   template <typename, typename>
-  friend class detail::HookExecutor;  // sets sign_counts_wanted_
+  friend class detail::HookExecutor;  // sets sign_counts_wanted_ and facts_
+  friend const Metadata& detail::base_metadata(const HookContext& ctx) noexcept;
+  friend const detail::DeliveryFacts* detail::delivery_facts(const HookContext& ctx) noexcept;
 
   std::string_view layer_name_;
   bool is_forward_;
   TrainingState state_;
   const Metadata& metadata_;
+  const detail::DeliveryFacts* facts_ = nullptr;  // attach's measurements of a forward delivery
+  mutable std::optional<Metadata> merged_;         // metadata_ with facts_ written in
   const at::Tensor& tensor_;
   const Prefetched* prefetched_;
   const TensorStats* precomputed_;  // the caller's, valid during the call
@@ -183,5 +204,10 @@ class HookContext {
   bool sign_counts_wanted_ = false;  // a later hook will read stats(): moment_stats() computes them
   StatsSampling sampling_;           // the manager's
 };
+
+namespace detail {
+inline const Metadata& base_metadata(const HookContext& ctx) noexcept { return ctx.metadata_; }
+inline const DeliveryFacts* delivery_facts(const HookContext& ctx) noexcept { return ctx.facts_; }
+}  // namespace detail
 
 }  // namespace torchdbg

@@ -329,9 +329,9 @@ class BasicHookManager {
   /// execute_hooks for a tensor without results when `out` is null (attach's deliveries).
   void run_checked(std::string_view layer, const at::Tensor& tensor, bool is_forward,
                    const Metadata& metadata, const TensorStats* precomputed,
-                   const Prefetched* prefetched, Results* out) {
+                   const Prefetched* prefetched, Results* out, const detail::DeliveryFacts* facts = nullptr) {
     if (enabled_.load(std::memory_order_relaxed))
-      executor_.run_checked(layer, tensor, is_forward, metadata, precomputed, prefetched, out);
+      executor_.run_checked(layer, tensor, is_forward, metadata, precomputed, prefetched, out, facts);
   }
   static HookManagerOptions checked(HookManagerOptions o) {
     if (o.sampling().stride() < 1)

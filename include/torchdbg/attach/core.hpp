@@ -117,7 +117,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   StatsSampling sampling;
 
   std::function<void(std::string_view, const at::Tensor&, bool, const Metadata&, const TensorStats*,
-                     const Prefetched*)>
+                     const Prefetched*, const DeliveryFacts*)>
       deliver;
   /// The manager's prefetches for a delivery being queued (BasicHookManager::run_prefetches).
   std::function<std::vector<std::pair<std::string, at::Tensor>>(std::string_view, const at::Tensor&, bool,
@@ -143,7 +143,8 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   using InputMoments = detail::InputMoments;
 
   /// Sends one tensor to the manager, or queues it (see StatsBatching); never throws.
-  /// `base_md` is copied only when the input's RMS is added to it.
+  /// What is measured about a forward delivery (its input's RMS, ...) travels as numbers
+  /// (DeliveryFacts) beside `base_md`, which is copied only for a queued delivery.
   void send(std::size_t module, std::string_view name, const at::Tensor& t, bool is_forward,
             const Metadata& base_md, const TensorStats* precomputed = nullptr, InputMoments input = {},
             std::shared_ptr<PassLedger::Pass> pass = nullptr) {
@@ -156,30 +157,24 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       backward_deliveries.fetch_add(1);
     }
     DeliveringScope scope;  // the statistics' operators and the hooks' are not forward outputs
-    std::optional<Metadata> own;  // base_md plus "input_rms", once a step
-    const auto md_with_input = [&](const Moments& m, bool model_input) {
-      if (!own) own = base_md;
-      add_input_rms(*own, m, model_input, input.raw.get());
-    };
+    DeliveryFacts facts;
     try {
-      if (input.host) md_with_input(*input.host, input.model_input);
-      if (input.alike) {
-        if (!own) own = base_md;
-        own->emplace("input_alike", *input.alike ? "1" : "0");
-      }
+      if (input.host) add_input_rms(facts, *input.host, input.model_input, input.raw.get());
+      if (input.alike) facts.input_alike = *input.alike;
       if (is_forward) {
-        add_std_less_bias(module, t, base_md, own);
-        add_norm_signals(module, base_md, input.norm, own);
+        add_std_less_bias(module, t, base_md, facts);
+        add_norm_signals(module, base_md, input.norm, facts);
       }
     } catch (...) {
     }
-    const Metadata& md = own ? *own : base_md;
     if (precomputed == nullptr && defers(t)) {
       if (pass) passes_.hold(*pass);  // its norm waits for this square
       try {
-        DeferredQueue::Item d{module, std::string(name), t, is_forward, md, {}, input.packed, {}, pass,
+        Metadata md = base_md;
+        facts.add_to(md);
+        DeferredQueue::Item d{module, std::string(name), t, is_forward, std::move(md), {}, input.packed, {}, pass,
                               input.model_input};
-        if (prefetch) d.extras = prefetch(name, t, is_forward, md);
+        if (prefetch) d.extras = prefetch(name, t, is_forward, d.md);
         if (deferred_.push(std::move(d), options.max_deferred())) flush_deferred();
         return;
       } catch (...) {
@@ -189,8 +184,8 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
     }
     try {
       if (input.packed.defined())
-        md_with_input(unpack_moments(input.packed.to(at::kCPU)), input.model_input);
-      deliver(name, t, is_forward, own ? *own : base_md, precomputed, nullptr);
+        add_input_rms(facts, unpack_moments(input.packed.to(at::kCPU)), input.model_input);
+      deliver(name, t, is_forward, base_md, precomputed, nullptr, facts.empty() ? nullptr : &facts);
     } catch (...) {
       // execute_hooks turns hook failures into results; anything else (bad_alloc) is
       // dropped rather than thrown into an operator or the autograd engine.
@@ -209,9 +204,12 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       try {
         std::optional<TensorStats> s;
         if (fetched[i].stats) s = stats_from_moments(*fetched[i].stats, d.tensor);
-        if (fetched[i].input) add_input_rms(d.md, *fetched[i].input, d.model_input);
+        DeliveryFacts facts;
+        if (fetched[i].input) add_input_rms(facts, *fetched[i].input, d.model_input);
         if (d.pass && s && options.gradient_norms()) passes_.add(*d.pass, d.module, s->l2_norm * s->l2_norm);
-        if (active.load()) deliver(d.name, d.tensor, d.is_forward, d.md, s ? &*s : nullptr, &fetched[i].extras);
+        if (active.load())
+          deliver(d.name, d.tensor, d.is_forward, d.md, s ? &*s : nullptr, &fetched[i].extras,
+                  facts.empty() ? nullptr : &facts);
       } catch (...) {
       }
       // The last queued gradient of a pass that ended while another thread flushed it.
@@ -274,16 +272,16 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   /// The data input's "input_rms" and, for the model's input, its "input_nan" and "input_inf"
   /// counts: those of `raw`, the raw data mixed into it, when given (with its RMS as
   /// "input_data_rms").
-  static void add_input_rms(Metadata& md, const Moments& m, bool model_input, const Moments* raw = nullptr) {
+  static void add_input_rms(DeliveryFacts& f, const Moments& m, bool model_input, const Moments* raw = nullptr) {
     if (model_input) {
       const Moments& data = raw != nullptr ? *raw : m;
-      md.emplace("input_nan", std::to_string(data.nan));
-      md.emplace("input_inf", std::to_string(data.pos_inf + data.neg_inf));
-      md.emplace("input_count", std::to_string(data.finite));
-      if (raw != nullptr && raw->finite > 0) md.emplace("input_data_rms", number_text(raw->rms()));
+      DeliveryFacts::set<int64_t>(f.input_nan, data.nan);
+      DeliveryFacts::set<int64_t>(f.input_inf, data.pos_inf + data.neg_inf);
+      DeliveryFacts::set<int64_t>(f.input_count, data.finite);
+      if (raw != nullptr && raw->finite > 0) DeliveryFacts::set(f.input_data_rms, raw->rms());
     }
     if (m.finite <= 0) return;
-    md.emplace("input_rms", number_text(m.rms()));
+    DeliveryFacts::set(f.input_rms, m.rms());
   }
 
   /// A batch of one has no spread across the batch to tell a module's bias from what its
@@ -291,7 +289,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   /// out ("std_less_bias"), for host tensors (no device sync). The bias is per channel (dim 1)
   /// of a Conv, per feature (the last dim) of any other module (a Linear, a custom dense layer).
   void add_std_less_bias(std::size_t module, const at::Tensor& t, const Metadata& base_md,
-                         std::optional<Metadata>& own) const {
+                         DeliveryFacts& facts) const {
     if (module >= modules.size() || !t.defined() || t.dim() < 2 || t.size(0) != 1 || !t.is_cpu() ||
         !t.is_floating_point() || base_md.count("activation") != 0 || base_md.count("op") != 0)
       return;
@@ -308,8 +306,7 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       at::NoGradGuard no_grad;
       const Moments m = compute_moments(t.detach() - bias.detach().view(shape), /*signs=*/false);
       if (m.finite != m.count || m.finite == 0) return;
-      if (!own) own = base_md;
-      own->emplace("std_less_bias", number_text(m.std_dev()));
+      DeliveryFacts::set(facts.std_less_bias, m.std_dev());
       return;
     }
   }
@@ -317,18 +314,14 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
   /// A normalization module's own output: its weight's RMS ("norm_weight_rms", a host weight
   /// of any shape; 1 for a normalization without parameters) and, for a BatchNorm's training call, the running statistics' error.
   void add_norm_signals(std::size_t module, const Metadata& base_md, const std::optional<NormError>& norm,
-                        std::optional<Metadata>& own) const {
+                        DeliveryFacts& facts) const {
     if (module >= modules.size() || base_md.count("activation") != 0 || base_md.count("op") != 0) return;
     const Module& mod = modules[module];
     if (mod.type_name.find("Norm") == std::string::npos) return;
-    const auto number = [&](const char* key, double v) {
-      if (!own) own = base_md;
-      own->emplace(key, number_text(v));
-    };
     if (norm) {
-      number("norm_stats_error", norm->error);
-      own->emplace("norm_samples", std::to_string(norm->samples));
-      number("norm_momentum", norm->momentum);
+      DeliveryFacts::set(facts.norm_stats_error, norm->error);
+      DeliveryFacts::set<int64_t>(facts.norm_samples, norm->samples);
+      DeliveryFacts::set(facts.norm_momentum, norm->momentum);
     }
     bool weighted = false;
     for (const Param& p : mod.params) {
@@ -338,12 +331,12 @@ class AttachCore : public ModuleTable, public std::enable_shared_from_this<Attac
       if (p.name != "weight") continue;
       if (w.numel() == 0 || !w.is_cpu() || !w.is_floating_point()) return;
       const Moments m = compute_moments(w.detach(), /*signs=*/false);
-      if (m.finite == m.count) number("norm_weight_rms", m.rms());
+      if (m.finite == m.count) DeliveryFacts::set(facts.norm_weight_rms, m.rms());
       return;
     }
     // No parameters (elementwise_affine false, InstanceNorm's default): the normalized input
     // passes as with a weight of ones.
-    if (!weighted) number("norm_weight_rms", 1.0);
+    if (!weighted) DeliveryFacts::set(facts.norm_weight_rms, 1.0);
   }
 
   void note_order(std::size_t m) {

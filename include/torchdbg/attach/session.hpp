@@ -200,8 +200,8 @@ BasicAttachSession<Mutex>::BasicAttachSession(const std::vector<detail::ModuleSp
   BasicHookManager<Mutex>* mgr = hooks_;
   core_->sampling = mgr->options().sampling();
   core_->deliver = [mgr](std::string_view layer, const at::Tensor& t, bool fwd, const Metadata& md,
-                         const TensorStats* stats, const Prefetched* extra) {
-    mgr->run_checked(layer, t, fwd, md, stats, extra, /*out=*/nullptr);
+                         const TensorStats* stats, const Prefetched* extra, const detail::DeliveryFacts* facts) {
+    mgr->run_checked(layer, t, fwd, md, stats, extra, /*out=*/nullptr, facts);
   };
   core_->prefetch = [mgr](std::string_view layer, const at::Tensor& t, bool fwd,
                           const Metadata& md) { return mgr->run_prefetches(layer, t, fwd, md); };

@@ -32,19 +32,28 @@ inline std::optional<bool> first_rows_alike(const at::Tensor& t, double tol, dou
       return std::nullopt;
     const int64_t inner = t.numel() / t.size(0);
     const int64_t n = std::min(samples, inner);
-    const bool dense = t.is_contiguous();
+    const c10::IntArrayRef sizes = t.sizes(), strides = t.strides();
+    const int64_t nd = t.dim(), row_stride = strides[0];
+    // Rows laid out densely (a contiguous tensor, or a slice of one along another dimension,
+    // `x.select(1, t)` of a [B, T, F] sequence): a position's offset in a row is its index.
+    bool dense = true;
+    for (int64_t d = nd - 1, expected = 1; d >= 1 && dense; --d) {
+      if (sizes[d] == 1) continue;
+      dense = strides[d] == expected;
+      expected *= sizes[d];
+    }
     const auto run = [&](const auto* base) -> std::optional<bool> {
       double gap = 0.0, largest = 0.0;
       for (int64_t k = 0; k < n; ++k) {
         int64_t rem = n == inner ? k : k * inner / n, off = dense ? rem : 0;
-        for (int64_t d = t.dim() - 1; !dense && d >= 1; --d) {
-          off += (rem % t.size(d)) * t.stride(d);
-          rem /= t.size(d);
+        for (int64_t d = nd - 1; !dense && d >= 1; --d) {
+          off += (rem % sizes[d]) * strides[d];
+          rem /= sizes[d];
         }
-        const double a = static_cast<double>(base[off]), b = static_cast<double>(base[t.stride(0) + off]);
+        const double a = static_cast<double>(base[off]), b = static_cast<double>(base[row_stride + off]);
         if (!(std::isfinite(a) && std::isfinite(b))) return false;
         gap = std::max(gap, std::abs(a - b));
-        largest = std::max({largest, std::abs(a), std::abs(b)});
+        largest = std::max(largest, std::max(std::abs(a), std::abs(b)));
       }
       return gap <= tol + rel * largest;
     };

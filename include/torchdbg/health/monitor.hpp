@@ -553,7 +553,7 @@ std::string BasicHealthMonitor<Mutex>::callback_name() const {
 template <typename Mutex>
 void BasicHealthMonitor<Mutex>::on_hook(const HookContext& ctx) {
   if (ctx.is_forward()) {
-    ActivationInfo info = detail::activation_info(ctx.metadata());
+    ActivationInfo info = detail::activation_info(detail::base_metadata(ctx), detail::delivery_facts(ctx));
     info.unit_counts = ctx.prefetched(units_key_);
     info.saturated_count = ctx.prefetched(saturation_key_);
     // A dead-capable output's per-unit activity read with its statistics, in one pass.

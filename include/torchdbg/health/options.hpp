@@ -364,7 +364,9 @@ namespace detail {
 TORCHDBG_INLINE void validate(const HealthOptions& o);
 
 /// What attach's metadata tells about a forward output (its prefetched counts aside).
-TORCHDBG_INLINE ActivationInfo activation_info(const Metadata& metadata);
+/// `facts`, attach's measurements of the delivery, fill what `metadata` does not hold (a key
+/// present there wins, as in HookContext::metadata).
+TORCHDBG_INLINE ActivationInfo activation_info(const Metadata& metadata, const DeliveryFacts* facts = nullptr);
 
 #if TORCHDBG_DEFINITIONS
 
@@ -432,7 +434,7 @@ TORCHDBG_INLINE void validate(const HealthOptions& o) {
     throw Error("torchdbg: HealthOptions::sigmoid_low must be below sigmoid_high");
 }
 
-TORCHDBG_INLINE ActivationInfo activation_info(const Metadata& metadata) {
+TORCHDBG_INLINE ActivationInfo activation_info(const Metadata& metadata, const DeliveryFacts* facts) {
   // One pass over the (few) entries; numbers parse with from_chars, and only what it does not
   // take whole (a leading '+' or space a user wrote) goes through stod/stoll.
   const auto integer = [](const std::string& v) -> std::optional<int64_t> {
@@ -457,8 +459,18 @@ TORCHDBG_INLINE ActivationInfo activation_info(const Metadata& metadata) {
   };
   ActivationInfo info;
   std::optional<double> norm_momentum;
+  // The measured keys the metadata holds (its entry wins over `facts`).
+  enum : unsigned { kRms = 1, kDataRms = 2, kCount = 4, kSamples = 8, kAlike = 16, kLessBias = 32, kStatsError = 64,
+                    kWeightRms = 128, kMomentum = 256, kNan = 512, kInf = 1024 };
+  unsigned held = 0;
   for (const auto& [key, value] : metadata) {
     const std::string_view k = key;
+    if (facts != nullptr) {
+      held |= k == "input_rms" ? kRms : k == "input_data_rms" ? kDataRms : k == "input_count" ? kCount
+            : k == "norm_samples" ? kSamples : k == "input_alike" ? kAlike : k == "std_less_bias" ? kLessBias
+            : k == "norm_stats_error" ? kStatsError : k == "norm_weight_rms" ? kWeightRms
+            : k == "norm_momentum" ? kMomentum : k == "input_nan" ? kNan : k == "input_inf" ? kInf : 0u;
+    }
     if (k == "activation") {
       info.activation = value;
     } else if (k == "op") {
@@ -498,6 +510,29 @@ TORCHDBG_INLINE ActivationInfo activation_info(const Metadata& metadata) {
         (k == "input_nan" ? info.input_nan : info.input_inf) = std::max<int64_t>(0, *x);
         info.input_observed = true;
       }
+    }
+  }
+  if (facts != nullptr) {
+    const DeliveryFacts& f = *facts;
+    const auto take = [&](unsigned key, auto& slot, const auto& v) {
+      if ((held & key) == 0 && v) slot = v;
+    };
+    take(kRms, info.input_rms, f.input_rms);
+    take(kDataRms, info.input_data_rms, f.input_data_rms);
+    take(kAlike, info.input_alike, f.input_alike);
+    take(kLessBias, info.std_less_bias, f.std_less_bias);
+    take(kStatsError, info.norm_stats_error, f.norm_stats_error);
+    take(kWeightRms, info.norm_weight_rms, f.norm_weight_rms);
+    take(kMomentum, norm_momentum, f.norm_momentum);
+    if ((held & kCount) == 0 && f.input_count) info.input_count = *f.input_count;
+    if ((held & kSamples) == 0 && f.norm_samples) info.norm_samples = *f.norm_samples;
+    if ((held & kNan) == 0 && f.input_nan) {
+      info.input_nan = std::max<int64_t>(0, *f.input_nan);
+      info.input_observed = true;
+    }
+    if ((held & kInf) == 0 && f.input_inf) {
+      info.input_inf = std::max<int64_t>(0, *f.input_inf);
+      info.input_observed = true;
     }
   }
   if (norm_momentum) info.norm_momentum = *norm_momentum;

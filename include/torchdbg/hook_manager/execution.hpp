@@ -56,14 +56,17 @@ class HookExecutor {
   /// Checks `tensor` (defined, a supported dtype), then runs the hooks. `out` null: the
   /// results are not wanted (attach's deliveries), so skipped hooks build no message;
   /// counters, alerts and the error handler are the same.
+  /// `facts`: attach's measurements of a forward delivery, read as numbers by the health
+  /// monitor and written into the metadata for a hook that reads it (HookContext::metadata).
   void run_checked(std::string_view layer, const at::Tensor& tensor, bool is_forward,
                    const Metadata& metadata, const TensorStats* precomputed,
-                   const Prefetched* prefetched, Results* out);
+                   const Prefetched* prefetched, Results* out, const DeliveryFacts* facts = nullptr);
 
   /// Runs the hooks; with `input_error` every matching hook gets it as its error result.
   void run_all(std::string_view layer, const at::Tensor& tensor, bool is_forward,
                const Metadata& metadata, const std::optional<std::string>& input_error,
-               const TensorStats* precomputed, const Prefetched* prefetched, Results* out);
+               const TensorStats* precomputed, const Prefetched* prefetched, Results* out,
+               const DeliveryFacts* facts = nullptr);
 
  private:
   HookResult run_one(Entry& e, const HookContext& ctx, const std::optional<std::string>& input_error,
@@ -93,7 +96,7 @@ class HookExecutor {
 template <typename Mutex, typename State>
 void HookExecutor<Mutex, State>::run_checked(std::string_view layer, const at::Tensor& tensor, bool is_forward,
                                       const Metadata& metadata, const TensorStats* precomputed,
-                                      const Prefetched* prefetched, Results* out) {
+                                      const Prefetched* prefetched, Results* out, const DeliveryFacts* facts) {
   std::optional<std::string> input_error;
   if (!tensor.defined()) {
     input_error = "torchdbg: execute_hooks got an undefined tensor";
@@ -104,19 +107,20 @@ void HookExecutor<Mutex, State>::run_checked(std::string_view layer, const at::T
       input_error = e.what();
     }
   }
-  run_all(layer, tensor, is_forward, metadata, input_error, precomputed, prefetched, out);
+  run_all(layer, tensor, is_forward, metadata, input_error, precomputed, prefetched, out, facts);
 }
 
 template <typename Mutex, typename State>
 void HookExecutor<Mutex, State>::run_all(std::string_view layer, const at::Tensor& tensor, bool is_forward,
                                   const Metadata& metadata, const std::optional<std::string>& input_error,
                                   const TensorStats* precomputed, const Prefetched* prefetched,
-                                  Results* out) {
+                                  Results* out, const DeliveryFacts* facts) {
   const auto hooks = registry_.snapshot();  // keeps the list alive for the loop
   if (hooks->empty()) return;
   HookContext ctx(layer, is_forward, state_.state(), metadata, tensor, input_error ? nullptr : precomputed,
                   prefetched);
   ctx.sampling_ = sampling_;
+  if (facts != nullptr && !facts->empty()) ctx.facts_ = facts;
   // A hook reading moment_stats() first computes the sign counts too when a later one will
   // read stats(): one pass, not two.
   if ((precomputed == nullptr || !precomputed->sign_counts) && !input_error)
