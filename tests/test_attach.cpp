@@ -2514,6 +2514,59 @@ TEST_CASE("a hook reads attach's measured metadata as text while the health moni
   CHECK(bad[0].step == 29);
 }
 
+TEST_CASE("a hook may read a delivery's metadata from several threads at once", "[attach]") {
+  // The measured entries are written into the metadata by the first reader; readers racing
+  // for it see one map, the same text.
+  torchdbg_test::SeededRng rng(43);
+  auto net = torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
+  torchdbg::HookManager h;
+  std::atomic<int> reads{0}, missing{0}, differing{0};
+  h.register_callback("par", [&](const torchdbg::HookContext& c) {
+    if (!c.is_forward()) return;
+    std::atomic<bool> go{false};
+    std::vector<std::string> got(4);
+    std::vector<std::thread> threads;
+    for (std::size_t i = 0; i < got.size(); ++i)
+      threads.emplace_back([&, i] {
+        while (!go.load()) std::this_thread::yield();
+        for (int k = 0; k < 3; ++k) {
+          const torchdbg::Metadata& md = c.metadata();
+          std::string all;  // every entry, as a hook that logs them reads them
+          for (const auto& [key, value] : md) all += key + "=" + value + ";";
+          const auto v = c.metadata_value("input_alike");
+          const auto it = md.find("input_alike");
+          if (!v || it == md.end()) {
+            // the Linears' calls have it (not the ReLU's output, delivered as "0/relu")
+            if (c.layer_name() == "0" || c.layer_name() == "2") ++missing;
+          } else if (*v != it->second) {
+            ++differing;
+          }
+          got[i] = all;
+          ++reads;
+        }
+      });
+    go = true;
+    for (auto& t : threads) t.join();
+    for (const auto& g : got)
+      if (g != got[0]) ++differing;
+  });
+  h.register_hook(HookConfig().name("par").trigger(HookTrigger::every_n_steps(1)).actions(
+      {HookAction::custom_callback("par")}));
+  auto session = torchdbg::attach(*net, h);
+#if defined(__SANITIZE_THREAD__)
+  constexpr int64_t kSteps = 60;  // ThreadSanitizer sees the race itself
+#else
+  constexpr int64_t kSteps = 3000;  // enough racing readers to crash on an unguarded write
+#endif
+  for (int64_t step = 0; step < kSteps; ++step) {
+    h.set_step(step);
+    net->forward(torch::randn({3, 4})).sum().backward();
+  }
+  CHECK(reads.load() == kSteps * 3 * 4 * 3);  // three forward deliveries a step
+  CHECK(missing.load() == 0);
+  CHECK(differing.load() == 0);
+}
+
 namespace {
 /// Counts the operators a second RecordFunction observer sees, by name.
 struct OpCounter {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -54,7 +55,8 @@ inline const DeliveryFacts* delivery_facts(const HookContext& ctx) noexcept;
 
 /// What a hook sees during one `execute_hooks` call: the layer, direction, training state,
 /// metadata and the tensor. Statistics are computed once, on first use, and shared by every
-/// hook of the call. Not thread-safe: each call has its own context.
+/// hook of the call. Not thread-safe (each call has its own context), except that
+/// `metadata()` and `metadata_value()` may be read from several threads at once.
 class HookContext {
  public:
   /// `precomputed`, when given, is the caller's statistics of `tensor` (used instead of a
@@ -79,15 +81,21 @@ class HookContext {
     return state_.gradient_norm;
   }
   [[nodiscard]] std::optional<double> memory_mb() const noexcept { return state_.memory_mb; }
-  /// The delivery's metadata (attach's keys: docs/attach.md).
-  [[nodiscard]] const Metadata& metadata() const {
+  /// The delivery's metadata (attach's keys: docs/attach.md). May be read from several
+  /// threads at once.
+  [[nodiscard]] const Metadata& metadata() const noexcept {
     if (facts_ == nullptr) return metadata_;
-    if (!merged_) {  // attach's measured entries, written out for the first hook that reads them
-      Metadata md = metadata_;
-      facts_->add_to(md);
-      merged_ = std::move(md);
-    }
-    return *merged_;
+    // Attach's measured entries, written out once, for the first reader.
+    std::call_once(merged_once_, [this] {
+      try {
+        Metadata md = metadata_;
+        facts_->add_to(md);
+        merged_ = std::move(md);
+      } catch (...) {
+        // out of memory: the caller's metadata without them
+      }
+    });
+    return merged_ ? *merged_ : metadata_;
   }
   /// The observed tensor (for raw-data calls, a view of the caller's memory valid only
   /// during the call).
@@ -194,7 +202,8 @@ class HookContext {
   TrainingState state_;
   const Metadata& metadata_;
   const detail::DeliveryFacts* facts_ = nullptr;  // attach's measurements of a forward delivery
-  mutable std::optional<Metadata> merged_;         // metadata_ with facts_ written in
+  mutable std::once_flag merged_once_;
+  mutable std::optional<Metadata> merged_;  // metadata_ with facts_ written in (metadata())
   const at::Tensor& tensor_;
   const Prefetched* prefetched_;
   const TensorStats* precomputed_;  // the caller's, valid during the call
