@@ -10,6 +10,7 @@ if [[ -n "${CMAKE_PREFIX_PATH:-}" ]]; then args+=("-DCMAKE_PREFIX_PATH=$CMAKE_PR
 if [[ -n "${TORCHDBG_HEADER_CHECK:-}" ]]; then args+=("-DTORCHDBG_HEADER_CHECK=$TORCHDBG_HEADER_CHECK"); fi
 if [[ -n "${TORCHDBG_TSAN_TESTS:-}" ]]; then args+=("-DTORCHDBG_TSAN_TESTS=$TORCHDBG_TSAN_TESTS"); fi
 if [[ -n "${TORCHDBG_SCALAR_TESTS:-}" ]]; then args+=("-DTORCHDBG_SCALAR_TESTS=$TORCHDBG_SCALAR_TESTS"); fi
+if [[ -n "${TORCHDBG_FUZZ_TESTS:-}" ]]; then args+=("-DTORCHDBG_FUZZ_TESTS=$TORCHDBG_FUZZ_TESTS"); fi
 if [[ -f "$build/CMakeCache.txt" ]]; then
   cmake -S "$root" -B "$build" >/dev/null
 else

@@ -5,10 +5,10 @@
 # checkout's own scripts/test.sh inside it, which installs what is missing there and builds in
 # build-libtorch2/ (TORCHDBG_LIBTORCH2_BUILD_DIR changes it). Arguments go to ctest. The header
 # check (every public header compiled on its own), the ThreadSanitizer run of the concurrency
-# tests (torchdbg's own locking; LibTorch is not instrumented) and the statistics tests on the
-# scalar kernel are left to the 1.13 build unless TORCHDBG_HEADER_CHECK=ON /
-# TORCHDBG_TSAN_TESTS=ON / TORCHDBG_SCALAR_TESTS=ON; the 2.6 suite still runs the concurrency
-# tests under ASan/UBSan.
+# tests (torchdbg's own locking; LibTorch is not instrumented), the statistics tests on the
+# scalar kernel and the libFuzzer run of the path grammar are left to the 1.13 build unless
+# TORCHDBG_HEADER_CHECK=ON / TORCHDBG_TSAN_TESTS=ON / TORCHDBG_SCALAR_TESTS=ON /
+# TORCHDBG_FUZZ_TESTS=ON; the 2.6 suite still runs the concurrency tests under ASan/UBSan.
 #   scripts/test-libtorch2.sh --exec CMD ARGS...   runs CMD from the checkout inside the root
 #   instead (e.g. build-libtorch2/bench/torchdbg_bench once a test run has built it).
 # Needs root (debootstrap, mount, chroot) and about 5 GB of disk for the root.
@@ -31,6 +31,7 @@ if [[ -n "${TORCHDBG_IN_NAMESPACE:-}" ]]; then
        TORCHDBG_HEADER_CHECK="${TORCHDBG_HEADER_CHECK:-OFF}"
        TORCHDBG_TSAN_TESTS="${TORCHDBG_TSAN_TESTS:-OFF}"
        TORCHDBG_SCALAR_TESTS="${TORCHDBG_SCALAR_TESTS:-OFF}"
+       TORCHDBG_FUZZ_TESTS="${TORCHDBG_FUZZ_TESTS:-OFF}"
        CMAKE_BUILD_TYPE="${CMAKE_BUILD_TYPE:-Release}")
   cd "$repo"
   if [[ "${1:-}" == "--exec" ]]; then

@@ -3,6 +3,7 @@
 #include <ATen/autocast_mode.h>
 #include <torch/version.h>
 #include <torchdbg/attach.hpp>
+#include <torchdbg/attach/observer.hpp>  // ForwardObserver, which the compiled mode leaves out of attach.hpp
 #include <torchdbg/health.hpp>
 
 #include <functional>
