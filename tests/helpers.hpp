@@ -32,6 +32,15 @@ inline std::string tmp_dir(const std::string& name) {
   return dir.string();
 }
 
+/// Puts LibTorch's intra-op thread count back when the scope ends, however it ends.
+struct RestoreThreads {
+  int before = torch::get_num_threads();
+  RestoreThreads() = default;
+  RestoreThreads(const RestoreThreads&) = delete;
+  RestoreThreads& operator=(const RestoreThreads&) = delete;
+  ~RestoreThreads() { torch::set_num_threads(before); }
+};
+
 /// Seeds LibTorch's generator for the duration of a test.
 struct SeededRng {
   explicit SeededRng(uint64_t seed = 1234) { torch::manual_seed(seed); }

@@ -2977,10 +2977,7 @@ TEST_CASE("activation_budget judges forward outputs as often as their measured c
   // backward) wait at a barrier for a second thread that other processes' load may keep off
   // the CPU for milliseconds, every step (seen with LibTorch 2.6 beside busy processes: 24 ms
   // steps, on which judging the outputs costs nothing measurable).
-  struct Threads {  // put back however the case ends
-    int before = torch::get_num_threads();
-    ~Threads() { torch::set_num_threads(before); }
-  } restore;
+  const torchdbg_test::RestoreThreads restore;
   torch::set_num_threads(1);
   // What a run measures is wall-clock time: a run that load from other processes left on the
   // other side of its budget is run again, up to three times (a wrong choice made by the code,

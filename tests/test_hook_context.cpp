@@ -125,10 +125,7 @@ TEST_CASE("property: per-unit counts above 0 are a torch reference's, and the st
   torchdbg_test::SeededRng rng(77);
   std::mt19937_64 gen(77);
   const auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(gen); };
-  struct Threads {  // the intra-op threads a trial reads with, put back however it ends
-    int before = torch::get_num_threads();
-    ~Threads() { torch::set_num_threads(before); }
-  } restore;
+  const torchdbg_test::RestoreThreads restore;  // the intra-op threads a trial reads with
   for (int trial = 0; trial < 300; ++trial) {
     // Every third trial an output large enough to be read in one pass with its counts; every
     // ninth one split between 2 to 4 threads, each counting its part (chunk boundaries fall
