@@ -74,7 +74,7 @@ struct Reference {
   int64_t numel = 0, finite = 0, nan = 0, pos_inf = 0, neg_inf = 0, zeros = 0, neg = 0, pos = 0;
   double mean = std::nan(""), std = std::nan(""), min = std::nan(""), max = std::nan("");
   double l1 = 0, l2 = 0, linf = 0;
-  std::vector<double> sorted;  // finite values, ascending
+  std::vector<double> sorted;  // finite values, ascending; empty unless asked for
   /// Mean |x| over the finite values: the scale of the data.
   [[nodiscard]] double scale() const { return finite > 0 ? l1 / static_cast<double>(finite) : 0.0; }
 };
@@ -84,19 +84,24 @@ inline std::vector<double> as_doubles(const torch::Tensor& t) {
   return std::vector<double>(d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
 }
 
-inline Reference reference(const torch::Tensor& t) {
+/// Counts, moments, norms and extrema of `t` in a double loop; with `sorted`, its finite
+/// values in ascending order too (for quantiles: a sort costs most of the time on large data).
+inline Reference reference(const torch::Tensor& t, bool sorted = true) {
   Reference r;
   const auto v = as_doubles(t);
   r.numel = static_cast<int64_t>(v.size());
-  double sum = 0;
+  double sum = 0, lo = std::numeric_limits<double>::infinity(), hi = -lo;
   for (double x : v) {
     if (std::isnan(x)) {
       ++r.nan;
     } else if (std::isinf(x)) {
       (x > 0 ? r.pos_inf : r.neg_inf) += 1;
     } else {
-      r.sorted.push_back(x);
+      ++r.finite;
+      if (sorted) r.sorted.push_back(x);
       sum += x;
+      lo = std::min(lo, x);
+      hi = std::max(hi, x);
       r.zeros += x == 0;
       r.neg += x < 0;
       r.pos += x > 0;
@@ -105,16 +110,16 @@ inline Reference reference(const torch::Tensor& t) {
       r.linf = std::max(r.linf, std::fabs(x));
     }
   }
-  r.finite = static_cast<int64_t>(r.sorted.size());
   r.l2 = std::sqrt(r.l2);
   std::sort(r.sorted.begin(), r.sorted.end());
   if (r.finite > 0) {
     r.mean = sum / static_cast<double>(r.finite);
     double ss = 0;
-    for (double x : r.sorted) ss += (x - r.mean) * (x - r.mean);
+    for (double x : v)
+      if (std::isfinite(x)) ss += (x - r.mean) * (x - r.mean);
     r.std = std::sqrt(ss / static_cast<double>(r.finite));
-    r.min = r.sorted.front();
-    r.max = r.sorted.back();
+    r.min = lo;
+    r.max = hi;
   }
   return r;
 }
